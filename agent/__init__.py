@@ -1,0 +1,1 @@
+"""Host agent: watchers, policy engine, control-socket client, metrics and the turboctl CLI."""

@@ -1,0 +1,1 @@
+"""HTB tree model and its pyroute2 apply/reconcile/remove; network-namespace sandboxes."""

@@ -1,0 +1,233 @@
+"""One TOML configuration file (DESIGN.md): every key optional, every bad key named.
+
+Precedence: defaults < file < environment (TURBONODE_<SECTION>_<KEY>) < flags.
+Each section is a dataclass; a field's `check` metadata validates its value and raises
+ValueError with a message that the loader prefixes with the dotted key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tomllib
+import typing
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+from .errors import ConfigError, RateError
+from .rates import parse_rate
+from .tiers import TIER_NAMES
+
+DEFAULT_PATH = "/etc/turbonode/turbonode.toml"
+ENV_PREFIX = "TURBONODE_"
+
+
+# ---- checks (raise ValueError with a message; the loader names the key) -------------
+
+def positive(v):
+    if v <= 0:
+        raise ValueError(f"must be positive, got {v}")
+
+
+def fraction(v):
+    if not 0 <= v <= 1:
+        raise ValueError(f"must be between 0 and 1, got {v}")
+
+
+def rate(v):
+    try:
+        parse_rate(v)
+    except RateError as exc:
+        raise ValueError(str(exc)) from None
+
+
+def one_of(*choices):
+    def check(v):
+        if v not in choices:
+            raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {v!r}")
+    return check
+
+
+def host_port(v):
+    host, sep, port = v.rpartition(":")
+    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
+        raise ValueError(f"expected HOST:PORT, got {v!r}")
+
+
+def per_tier(inner=None):
+    """A table keyed by tier name; every value checked with `inner`."""
+    def check(v):
+        for k, x in v.items():
+            if k not in TIER_NAMES:
+                raise ValueError(f"unknown tier {k!r} (expected one of {', '.join(TIER_NAMES)})")
+            if inner:
+                try:
+                    inner(x)
+                except ValueError as exc:
+                    raise ValueError(f"{k}: {exc}") from None
+    return check
+
+
+def tier_list(v):
+    per_tier()(dict.fromkeys(v))
+
+
+def dscp_table(v):
+    for k, name in v.items():
+        if not str(k).isdigit() or not 0 <= int(k) < 64:
+            raise ValueError(f"DSCP key {k!r} must be an integer 0..63")
+        if name not in TIER_NAMES:
+            raise ValueError(f"DSCP {k} maps to unknown tier {name!r}")
+
+
+def opt(default, check=None, help=""):
+    """A config field: default, optional check, one-line help (shown by `config check`)."""
+    factory = (lambda d=default: type(d)(d)) if isinstance(default, (dict, list)) else None
+    meta = {"check": check, "help": help}
+    if factory:
+        return field(default_factory=factory, metadata=meta)
+    return field(default=default, metadata=meta)
+
+
+# ---- sections ------------------------------------------------------------------------
+
+@dataclass
+class QosConfig:
+    dev: str = opt("", help="egress interface to shape")
+    netns: str = opt("", help="named network namespace of dev ('' = the agent's own)")
+    rate: str = opt("1gbit", rate, "link rate the HTB root shapes to")
+    leaf_limit: int = opt(1000, positive, "packets each leaf queue holds")
+    dscp: dict = opt({}, dscp_table, "DSCP -> tier overrides on top of the default table")
+    rate_pct: dict = opt({}, per_tier(positive), "guaranteed share per tier, percent of rate")
+    ceil_pct: dict = opt({}, per_tier(positive), "ceiling per tier, percent of rate")
+    keep_on_stop: bool = opt(True, help="leave the datapath in place when the agent stops (fail-static)")
+
+
+@dataclass
+class WorkerConfig:
+    listen: str = opt("0.0.0.0:8460", host_port, "HTTP API address")
+    control_socket: str = opt("/run/turbonode/worker.sock", help="JSON-RPC control socket path")
+    control_group: str = opt("turbonode", help="group owning the control socket (mode 0660)")
+    model: str = opt("tiny", help="'tiny' (embedded) or a local diffusers directory")
+    backend: str = opt("auto", one_of("auto", "torch", "tensorrt"), "UNet backend")
+    device: str = opt("auto", help="torch device: auto, cpu, cuda, cuda:N")
+    max_batch: int = opt(4, positive, "largest UNet batch")
+    size: int = opt(256, positive, "default image size in pixels")
+    steps: dict = opt({"turbo": 4, "fast": 12, "other": 20, "relax": 25}, per_tier(positive),
+                      "default denoising steps per tier")
+    queue_limit: dict = opt({"turbo": 32, "fast": 64, "other": 64, "relax": 256}, per_tier(positive),
+                            "queued jobs per tier before 429")
+    min_share: float = opt(0.1, fraction, "minimum share of steps each waiting lower tier gets")
+    text_cache_size: int = opt(256, positive, "entries in the text-embedding LRU cache")
+    engine_cache_dir: str = opt("/var/cache/turbonode/engines", help="TensorRT engine cache")
+
+
+@dataclass
+class AgentConfig:
+    worker_socket: str = opt("/run/turbonode/worker.sock", help="worker control socket to throttle")
+    socket: str = opt("/run/turbonode/agent.sock", help="the agent's own status socket")
+    metrics: str = opt("0.0.0.0:9465", host_port, "Prometheus metrics address")
+    sample_period: float = opt(0.25, positive, "seconds between samples")
+    throttle_ttl: float = opt(3.0, positive, "seconds a throttle lasts unless renewed")
+    procfs: str = opt("/proc", help="procfs root (host /proc in a container)")
+    sysfs: str = opt("/sys", help="sysfs root")
+    dry_run: bool = opt(False, help="log what the policy would do; change nothing")
+
+
+@dataclass
+class Config:
+    qos: QosConfig = field(default_factory=QosConfig)
+    worker: WorkerConfig = field(default_factory=WorkerConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
+
+
+# ---- loading -------------------------------------------------------------------------
+
+_TYPE_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "table", list: "array"}
+
+
+def _coerce(key: str, typ, value):
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, bool) or not isinstance(value, typ):
+        raise ConfigError(key, f"expected {_TYPE_NAMES.get(typ, typ.__name__)}, got {value!r}")
+    return value
+
+
+def _build(cls, data: Mapping[str, Any], prefix: str):
+    if not isinstance(data, Mapping):
+        raise ConfigError(prefix.rstrip("."), f"expected a table, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for name, value in data.items():
+        key = prefix + name
+        if name not in fields:
+            raise ConfigError(key, f"unknown key (known: {', '.join(fields)})")
+        typ = hints[name]
+        if dataclasses.is_dataclass(typ):
+            kwargs[name] = _build(typ, value, key + ".")
+            continue
+        value = _coerce(key, typing.get_origin(typ) or typ, value)
+        check = fields[name].metadata.get("check")
+        if check:
+            try:
+                check(value)
+            except ValueError as exc:
+                raise ConfigError(key, str(exc)) from None
+        kwargs[name] = value
+    return cls(**kwargs)
+
+
+def _merge(base: dict, extra: Mapping[str, Any]) -> dict:
+    out = dict(base)
+    for dotted, value in extra.items():
+        node = out
+        *parents, leaf = dotted.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+            if not isinstance(node, dict):
+                raise ConfigError(dotted, "cannot override inside a non-table value")
+        node[leaf] = value
+    return out
+
+
+def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
+    sections = {f.name for f in dataclasses.fields(Config)}
+    out = {}
+    for name, raw in env.items():
+        if not name.startswith(ENV_PREFIX):
+            continue
+        section, _, key = name[len(ENV_PREFIX):].lower().partition("_")
+        if section not in sections or not key:
+            continue
+        try:  # a TOML literal when it parses as one (numbers, booleans, tables), else a string
+            value = tomllib.loads(f"v = {raw}")["v"]
+        except tomllib.TOMLDecodeError:
+            value = raw
+        out[f"{section}.{key}"] = value
+    return out
+
+
+def load_config(path: str | None = None, env: Mapping[str, str] | None = None,
+                overrides: Mapping[str, Any] | None = None) -> Config:
+    """Load and validate. `path=None` reads DEFAULT_PATH if it exists; an explicit path must exist."""
+    data: dict = {}
+    source = path or DEFAULT_PATH
+    try:
+        with open(source, "rb") as f:
+            data = tomllib.load(f)
+    except FileNotFoundError:
+        if path is not None:
+            raise ConfigError(source, "file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(source, f"not valid TOML: {exc}") from None
+    except OSError as exc:
+        raise ConfigError(source, exc.strerror or str(exc)) from None
+    data = _merge(data, _env_overrides(os.environ if env is None else env))
+    data = _merge(data, {k: v for k, v in (overrides or {}).items() if v is not None})
+    return _build(Config, data, "")
+
+
+def as_dict(cfg) -> dict:
+    return dataclasses.asdict(cfg)
