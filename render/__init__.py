@@ -1,0 +1,1 @@
+"""The worker: diffusion backends, step-level priority scheduler, HTTP API, control server."""

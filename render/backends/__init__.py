@@ -1,0 +1,1 @@
+"""UNet/VAE backends behind one interface (base.Backend): torch, TensorRT."""
