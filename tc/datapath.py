@@ -63,8 +63,9 @@ class Datapath:
 
     # ---- operations -----------------------------------------------------------------
 
-    def apply(self, config=None, rate_bps: int | None = None) -> dict:
+    def apply(self, config=None, rate_bps: int | None = None, reload: bool = False) -> dict:
         """Make the interface match `config` (a turbonode.config.QosConfig; defaults if None).
+        `reload` recompiles and swaps the program even when the attached one is current.
         Returns {"changes": n, "prog_id": id, "leaf_kind": kind, "compiled": bool}."""
         inputs = self.inputs(config, rate_bps)
         try:
@@ -78,7 +79,7 @@ class Datapath:
             name = classifier.prog_name()
             current = [f for f in link.filters() if f.kind == "bpf" and f.name == name]
             pins_ok = all(os.path.exists(p) for p in classifier.pin_paths(self.places.pin_dir).values())
-            compiled = not (current and pins_ok and state.get("prog_id"))
+            compiled = reload or not (current and pins_ok and state.get("prog_id"))
             if compiled:
                 # Compiling happens in a child: this process never holds LLVM's memory.
                 state["prog_id"] = classifier.attach_in_child(self.dev, self.netns, self.places.pin_dir, tree)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turbonode.rates import format_rate
 from turbonode.tiers import BY_NAME, DEFAULT_TIER, TIERS, full_dscp_map
 
 ROOT_HANDLE = 0x10000        # qdisc 1:
@@ -134,14 +135,6 @@ def build_tree(rate_bps: int, rate_pct: dict[str, int] | None = None, ceil_pct: 
     )
 
 
-def tree_from_config(qos) -> Tree:
-    """Tree for a turbonode.config.QosConfig (already validated by the config loader)."""
-    from turbonode.rates import parse_rate
-
-    return build_tree(parse_rate(qos.rate), rate_pct=qos.rate_pct, ceil_pct=qos.ceil_pct,
-                      leaf_limit=qos.leaf_limit, dscp={int(k): v for k, v in qos.dscp.items()})
-
-
 def with_rate(tree: Tree, tier: str, rate_bps: int, ceil_bps: int | None = None) -> HtbClass:
     """The class for `tier` with a new rate/ceil (ceil defaults to the current one, at least rate)."""
     old = tree.tier_class(tier)
@@ -149,7 +142,7 @@ def with_rate(tree: Tree, tier: str, rate_bps: int, ceil_bps: int | None = None)
     if rate_bps <= 0:
         raise ValueError("rate must be positive")
     if ceil > tree.rate_bps:
-        raise ValueError(f"ceil {ceil} bit/s exceeds the link rate {tree.rate_bps} bit/s")
+        raise ValueError(f"ceil {format_rate(ceil)} exceeds the link rate {format_rate(tree.rate_bps)}")
     if ceil_bps is not None and ceil_bps < rate_bps:
-        raise ValueError(f"ceil {ceil_bps} bit/s is below rate {rate_bps} bit/s")
+        raise ValueError(f"ceil {format_rate(ceil_bps)} is below rate {format_rate(rate_bps)}")
     return htb_class(tier, old.minor, old.parent, rate_bps, ceil, old.prio)
