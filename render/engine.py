@@ -397,6 +397,11 @@ class Engine:
         self._thread.start()
         return self
 
+    def wake(self) -> None:
+        """Re-plan now (the throttle changed)."""
+        with self._lock:
+            self._wake.notify_all()
+
     @property
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
