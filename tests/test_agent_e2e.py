@@ -42,8 +42,8 @@ def node(sandbox, tmp_path):
         f'[worker]\ncontrol_socket = "{wsock}"\nlisten = "127.0.0.1:{free_port()}"\n'
         f'[agent]\nsocket = "{asock}"\nworker_socket = "{wsock}"\nmetrics = "127.0.0.1:{free_port()}"\n'
         f'throttle_ttl = 1.0\n'
-        '[policy]\ncpu_load_enter = 1.0\ncpu_load_exit = 1.0\nnetrx_share_enter = 1.0\nnetrx_share_exit = 1.0\n'
-        'netrx_latency_enter = 10.0\nnetrx_latency_exit = 10.0\nexit_samples = 4\nmin_change_interval = 0.5\n')
+        '[policy]\ndisabled = ["cpu_load", "netrx_cpu_share", "netrx_latency_p99_s"]\n'
+        'exit_samples = 4\nmin_change_interval = 0.5\n')
     env = {**os.environ, "PYTHONPATH": ROOT}
     logs = {name: open(tmp_path / f"{name}.log", "w+") for name in ("worker", "agent")}
     worker = subprocess.Popen([sys.executable, "-c", WORKER_PY, "worker", "run", "--config", str(cfg)],
