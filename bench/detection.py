@@ -18,10 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -31,103 +29,13 @@ from pathlib import Path
 
 import psutil
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tc.sandbox import Sandbox  # noqa: E402
-from turbonode.errors import ControlError  # noqa: E402
-from turbonode.jsonrpc import ControlClient  # noqa: E402
+from bench.node import Node, call, wait_for  # noqa: E402
 
-POLL_S = 0.01
 FAULT_S = 4           # every fault stops by itself after this long
 DETECT_TIMEOUT_S = 4
 RECOVER_TIMEOUT_S = 60
-LEVEL_LINE = re.compile(r"level (escalate|recover) ")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(pred, timeout: float, step: float = POLL_S):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        value = pred()
-        if value:
-            return value
-        time.sleep(step)
-    return None
-
-
-def call(client: ControlClient, method: str, **params):
-    try:
-        return client.call(method, **params)
-    except ControlError:
-        return None
-
-
-class Node:
-    """Sandbox + worker + agent, all torn down on exit."""
-
-    def __init__(self, tmp: str, period: float):
-        self.tmp = tmp
-        self.period = period
-        self.procs: list[subprocess.Popen] = []
-        self.sandbox = Sandbox(prefix="tnb")
-
-    def __enter__(self) -> "Node":
-        sb = self.sandbox.create()
-        env = {**os.environ, "PYTHONPATH": str(ROOT)}
-        wsock, asock = f"{self.tmp}/worker.sock", f"{self.tmp}/agent.sock"
-        cfg = Path(self.tmp, "turbonode.toml")
-        cfg.write_text(
-            f'[qos]\nrate = "100mbit"\n'
-            f'[worker]\ncontrol_socket = "{wsock}"\nlisten = "127.0.0.1:{free_port()}"\nmax_batch = 2\n'
-            f'[agent]\nsocket = "{asock}"\nworker_socket = "{wsock}"\nmetrics = "127.0.0.1:{free_port()}"\n'
-            f'sample_period = {self.period}\n')
-        # The real worker, with the garbage thread installed in its own process.
-        worker_py = ("import sys; sys.argv[0] = 'turboctl'; from bench.garbage import Garbage; Garbage().install(); "
-                     "from agent.cli import main; main()")
-        self.worker = self._spawn([sys.executable, "-c", worker_py, "worker", "run", "--config", str(cfg)], env,
-                                  "worker.log")
-        self.worker_rpc = ControlClient(wsock, timeout=1.0)
-        if not wait_for(lambda: call(self.worker_rpc, "ping"), 120, 0.2):
-            raise SystemExit(f"worker did not start; see {self.tmp}/worker.log")
-        self.agent = self._spawn([sys.executable, "-m", "agent.cli", "agent", "run", "--config", str(cfg),
-                                  "--dev", sb.dev, "--netns", sb.server], env, "agent.log")
-        self.agent_rpc = ControlClient(asock, timeout=1.0, peer="agent")
-        if not wait_for(lambda: call(self.agent_rpc, "status"), 60, 0.2):
-            raise SystemExit(f"agent did not start; see {self.tmp}/agent.log")
-        return self
-
-    def _spawn(self, argv, env, log) -> subprocess.Popen:
-        f = open(Path(self.tmp, log), "w")
-        proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
-        self.procs.append(proc)
-        return proc
-
-    def __exit__(self, *exc):
-        for proc in reversed(self.procs):
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-        self.sandbox.delete()
-
-    def level_changes(self) -> int:
-        return len(LEVEL_LINE.findall(Path(self.tmp, "agent.log").read_text()))
-
-    def throttle(self):
-        st = call(self.worker_rpc, "status")
-        return st and st.get("throttle")
-
-    def settled(self) -> bool:
-        st = call(self.agent_rpc, "status")
-        return bool(st) and st["level"] == "normal" and not self.throttle()
 
 
 # ---- faults: each returns the processes to stop (all bounded by FAULT_S anyway) -------------

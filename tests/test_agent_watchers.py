@@ -4,27 +4,20 @@ import os
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.metrics import WatcherCollector
 from agent.watchers.cpu import CpuWatcher, parse_stat
 from agent.watchers.gpu import GpuWatcher
 from agent.watchers.psi import PsiTriggers, PsiWatcher, parse_pressure
 from agent.watchers.softirq import SoftirqWatcher, quantile
 from agent.watchers.softirqs_proc import parse_softirqs
 from agent.watchers.softnet import SoftnetWatcher, parse_softnet
+from tests.agent_helpers import scrape
 
 
 def write(root, rel, text):
     path = root / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-
-
-def scrape(watcher) -> str:
-    reg = CollectorRegistry()
-    reg.register(WatcherCollector(watcher))
-    return generate_latest(reg).decode()
 
 
 # ---- /proc/stat -------------------------------------------------------------------------
