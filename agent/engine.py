@@ -62,7 +62,7 @@ class Engine:
                 "to": self.last_change.level_name, "reasons": [r.as_dict() for r in self.last_change.reasons]},
             "signals": signals,
             "rules": self.policy.snapshot(),
-            "watchers": {w.name: {"ok": w.ok, "error": w.error} for w in self.watchers},
+            "watchers": {w.name: w.summary() for w in self.watchers},
             "actions": self.actuator.state(),
             "qos": by_name["htb"].detail.get("tiers", {}) if "htb" in by_name else {},
             "worker": self._worker_view(by_name.get("worker")),

@@ -51,8 +51,13 @@ class Watcher:
         """Prometheus metric families beyond `_collector_success` (fresh objects each call)."""
         return []
 
-    def state(self) -> dict:
-        return {"ok": self.ok, "error": self.error, "signals": self.signals, "detail": self.detail}
+    def summary(self) -> dict:
+        """What `turboctl status` shows about this watcher."""
+        return {"ok": self.ok, "error": self.error}
+
+    def collector_ok(self) -> bool:
+        """The `_collector_success` value: by default, whether the last read succeeded."""
+        return self.ok
 
     def close(self) -> None:
         pass
