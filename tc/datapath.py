@@ -105,8 +105,9 @@ class Datapath:
                 "prog_id": state.get("prog_id"), "tiers": tier_rows(counters, classes, dscp_table)}
 
     def set_map(self, mapping: dict[int, str]) -> None:
-        """Change DSCP -> tier entries in the live map (the program is not reloaded)."""
-        state, _ = self._applied()
+        """Change DSCP -> tier entries in the live map (the program is not reloaded). Until
+        the next apply: apply is declarative and writes the configured map."""
+        self._applied()
         entries = {}
         for dscp, name in mapping.items():
             if not 0 <= int(dscp) < 64:
@@ -119,9 +120,6 @@ class Datapath:
         with bpfobj.PinnedMap(path) as m:
             for dscp, index in entries.items():
                 m.update(dscp, struct.pack("=I", index))
-        # Remember it, so a re-apply of the same config keeps the operator's change.
-        state["inputs"]["dscp"] = {**state["inputs"]["dscp"], **{int(k): v for k, v in mapping.items()}}
-        reconcile.save_state(self.places.state_file, state)
 
     def set_rate(self, tier: str, rate_bps: int, ceil_bps: int | None = None) -> dict:
         """Change one tier's HTB rate/ceil in place (no reload, queued packets stay queued)."""
