@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import BCC_SKIP, needs_bcc
-from qos_frames import Wire, frames
+from tc.frames import Wire, frames
 
 pytestmark = [needs_bcc, pytest.mark.root]
 
