@@ -234,18 +234,19 @@ def test_live_set_rate_changes_class_without_reload(sandbox, datapath):
 def test_shaping_is_real(sandbox, datapath):
     """The root really shapes: a 1 s TCP flow through the tree stays near the link rate."""
     datapath.apply(rate_bps=20_000_000)
-    server = sandbox.popen(sandbox.client, "iperf3", "-s", "-1", stdout=subprocess.DEVNULL)
-    try:
-        for _ in range(20):  # until the server listens
+    bps = None
+    for _ in range(3):  # iperf3 occasionally reports no result (server not yet listening)
+        server = sandbox.popen(sandbox.client, "iperf3", "-s", "-1", stdout=subprocess.DEVNULL)
+        time.sleep(0.3)
+        try:
             out = subprocess.run(sandbox.cmd(sandbox.server, "iperf3", "-c", sandbox.client_ip, "-t", "1", "-J"),
                                  capture_output=True, text=True, timeout=30)
-            if out.returncode == 0:
-                break
-            time.sleep(0.1)
-    finally:
-        server.kill()
-        server.wait()
-    assert out.returncode == 0, out.stdout[-800:] + out.stderr
-    bps = json.loads(out.stdout)["end"]["sum_received"]["bits_per_second"]
+        finally:
+            server.kill()
+            server.wait()
+        bps = json.loads(out.stdout or "{}").get("end", {}).get("sum_received", {}).get("bits_per_second")
+        if bps:
+            break
+    assert bps, out.stdout[-800:] + out.stderr
     assert 12e6 < bps < 23e6, bps
     assert datapath.show()["tiers"]["other"]["htb_sent_bytes"] > 1_000_000

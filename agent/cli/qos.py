@@ -71,7 +71,7 @@ def apply_cmd(qos, dp, rate):
 
 
 def _dscp_cell(codes: list[int]) -> str:
-    return ",".join(map(str, codes)) if len(codes) <= 6 else f"{len(codes)} others"
+    return ",".join(map(str, codes)) if len(codes) <= 6 else f"others({len(codes)})"
 
 
 def _num(v) -> str:
