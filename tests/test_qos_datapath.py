@@ -137,6 +137,7 @@ def test_remove_restores_previous_root_and_unpins(sandbox):
     assert result == {"removed": True, "root": "noqueue", "previous_root": "noqueue", "restored": True}
     assert tc_text(sandbox, "qdisc", "show", "dev", sandbox.dev) == before
     assert not os.path.exists(dp.places.pin_dir) and not os.path.exists(dp.places.state_file)
+    assert not os.path.exists(os.path.dirname(dp.places.pin_dir))  # no empty per-netns dir left
     assert dp.remove()["removed"] is False  # a second remove is a no-op
 
 
