@@ -16,7 +16,9 @@ from __future__ import annotations
 import os
 import struct
 
+from turbonode.config import QosConfig
 from turbonode.errors import DatapathError
+from turbonode.rates import parse_rate
 from turbonode.tiers import tier as tier_by_name
 
 from . import apply as reconcile
@@ -40,9 +42,6 @@ class Datapath:
     @staticmethod
     def inputs(config=None, rate_bps: int | None = None) -> dict:
         """build_tree() keyword arguments from a QosConfig (or defaults) and an optional rate."""
-        from turbonode.config import QosConfig
-        from turbonode.rates import parse_rate
-
         qos = config or QosConfig()
         return {"rate_bps": rate_bps or parse_rate(qos.rate), "rate_pct": dict(qos.rate_pct),
                 "ceil_pct": dict(qos.ceil_pct), "leaf_limit": qos.leaf_limit,
