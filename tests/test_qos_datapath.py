@@ -251,3 +251,19 @@ def test_shaping_is_real(sandbox, datapath):
     assert bps, out.stdout[-800:] + out.stderr
     assert 12e6 < bps < 23e6, bps
     assert datapath.show()["tiers"]["other"]["htb_sent_bytes"] > 1_000_000
+
+
+def test_remove_restores_a_kernel_default_root_with_a_queue(sandbox):
+    """An IFB device gets the kernel's default qdisc (it has a tx queue, unlike veth)."""
+    from tc.datapath import Datapath
+
+    subprocess.run(["ip", "-n", sandbox.server, "link", "add", "tnifb0", "type", "ifb"], check=True)
+    subprocess.run(["ip", "-n", sandbox.server, "link", "set", "tnifb0", "up"], check=True)
+    before = tc_text(sandbox, "qdisc", "show", "dev", "tnifb0")
+    kind = before.split()[1]
+    assert kind != "noqueue" and " 0: root" in before
+    dp = Datapath("tnifb0", sandbox.server)
+    dp.apply(rate_bps=RATE)
+    assert "qdisc htb 1: root" in tc_text(sandbox, "qdisc", "show", "dev", "tnifb0")
+    assert dp.remove() == {"removed": True, "root": kind, "previous_root": kind, "restored": True}
+    assert tc_text(sandbox, "qdisc", "show", "dev", "tnifb0") == before
