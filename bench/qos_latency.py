@@ -105,6 +105,7 @@ SETUPS = {
 def teardown(sb: Sandbox, ctx: dict) -> None:
     if "datapath" in ctx:
         ctx["datapath"].remove()
+        ctx["datapath"].close()
     else:
         subprocess.run(["tc", "-n", sb.server, "qdisc", "del", "dev", sb.dev, "root"], capture_output=True)
 
@@ -229,6 +230,7 @@ def classifier_cost(sb: Sandbox, args) -> dict:
         if prog_fd is not None:
             os.close(prog_fd)
         dp.remove()
+        dp.close()
     return out
 
 

@@ -57,6 +57,7 @@ def datapath(sandbox):
         yield dp
     finally:
         dp.remove()
+        dp.close()
 
 
 @pytest.fixture(scope="module")
@@ -76,6 +77,7 @@ def shared():
             wire.close()
         finally:
             dp.remove()
+            dp.close()
 
 
 @pytest.mark.parametrize("case", list(EXPECT))

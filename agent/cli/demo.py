@@ -92,9 +92,12 @@ def report(view: dict, traffic: dict, rate_bps: int) -> str:
 
 
 def teardown(sb, dp) -> None:
-    if dp is not None:
-        dp.remove()
-    sb.delete()
+    try:
+        if dp is not None:
+            dp.remove()
+            dp.close()
+    finally:
+        sb.delete()
 
 
 @click.command("demo")

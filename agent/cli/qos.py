@@ -48,7 +48,8 @@ def _target(func):
         from tc.datapath import Datapath  # pyroute2 only when a command runs
 
         try:
-            return func(cfg.qos, Datapath(cfg.qos.dev, cfg.qos.netns or None), **kw)
+            with Datapath(cfg.qos.dev, cfg.qos.netns or None) as dp:
+                return func(cfg.qos, dp, **kw)
         except TurbonodeError as exc:
             raise click.ClickException(str(exc)) from None
     return wrapper
