@@ -36,6 +36,7 @@ log = logging.getLogger(__name__)
 
 RECENT = 512          # samples kept for p50/p99 figures
 KEEP_FINISHED = 1024  # terminal jobs kept for GET /v1/jobs/{id}
+KEEP_IMAGES = 64      # of those, the newest done jobs whose images are still held
 
 
 def percentile(values, q: float) -> float | None:
@@ -86,6 +87,7 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._jobs: dict[str, Job] = {}                          # every job, live and recent
         self._finished: collections.deque = collections.deque()  # terminal job ids, oldest first
+        self._holding_images: collections.deque = collections.deque()  # done jobs with images, oldest first
         self._active: dict[str, Job] = {}                        # not terminal yet
         self._seq = itertools.count()
         self._credits: dict[str, float] = {}
@@ -107,7 +109,9 @@ class Engine:
         max_batch = self.settings.max_batch
         if t is not None and t.max_batch is not None:
             max_batch = min(max_batch, t.max_batch)
-        return policy.Limits(max_batch, t.paused_tiers if t else frozenset(), self.settings.min_share,
+        # while draining, paused work runs too: shutdown must not wait on a throttle
+        paused = t.paused_tiers if t is not None and self._intake_open else frozenset()
+        return policy.Limits(max_batch, paused, self.settings.min_share,
                              dict(self.step_cost), self.settings.co_batch_slack)
 
     def steps_for(self, tier: str, requested: int) -> int:
@@ -173,6 +177,10 @@ class Engine:
         self._finished.append(job.id)
         while len(self._finished) > KEEP_FINISHED:
             self._jobs.pop(self._finished.popleft(), None)
+        if state is JobState.DONE:
+            self._holding_images.append(job)
+            while len(self._holding_images) > KEEP_IMAGES:
+                self._holding_images.popleft().drop_images()
         if job.future.done():  # a waiter cancelled the future itself; nobody listens any more
             pass
         elif state is JobState.DONE:
@@ -296,7 +304,7 @@ class Engine:
             for s, arr in zip(samples, arrays):
                 s.image = arr
                 s.latents = None
-            for job in {s.job for s in samples}:
+            for job in dict.fromkeys(s.job for s in samples):  # in batch order: oldest first
                 if all(x.image is not None for x in job.samples):
                     self._finish(job, JobState.DONE)
         self._emit("decode", samples, seconds)
