@@ -47,6 +47,11 @@ def percentile(values, q: float) -> float | None:
     return data[min(len(data) - 1, max(0, math.ceil(q / 100 * len(data)) - 1))]
 
 
+def _smooth(old: float | None, new: float) -> float:
+    """Exponential moving average that starts at the first value."""
+    return new if old is None else 0.8 * old + 0.2 * new
+
+
 @dataclass
 class EngineSettings:
     max_batch: int = 4
@@ -273,8 +278,7 @@ class Engine:
             return
         seconds = self.clock() - t0
         key = (self._shape(samples[0]), len(noise))
-        old = self.step_cost.get(key)
-        self.step_cost[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.step_cost[key] = _smooth(self.step_cost.get(key), seconds)
         self.step_times.append(seconds)
         self.steps_total += 1
         if self.metrics is not None:
@@ -297,9 +301,7 @@ class Engine:
             self._fail({s.job for s in samples}, self._describe_error("decoding", len(samples), exc))
             return
         seconds = self.clock() - t0
-        per_image = seconds / len(samples)
-        self.decode_s_per_image = per_image if self.decode_s_per_image is None else \
-            0.8 * self.decode_s_per_image + 0.2 * per_image
+        self.decode_s_per_image = _smooth(self.decode_s_per_image, seconds / len(samples))
         with self._lock:
             for s, arr in zip(samples, arrays):
                 s.image = arr
