@@ -36,11 +36,12 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from render.backends.select import make_backend  # noqa: E402
-from render.engine import Engine, EngineSettings, percentile  # noqa: E402
+from render.engine import Engine, EngineSettings  # noqa: E402
 from render.jobs import JobRequest  # noqa: E402
 from render.model import load_components  # noqa: E402
 from render.scheduler import Policy  # noqa: E402
 from render.text_cache import PromptEncoder  # noqa: E402
+from turbonode.stats import percentile  # noqa: E402
 
 PROMPTS = [f"a watercolor of a lighthouse, variation {i}" for i in range(6)]
 RELAX_GUIDANCE = 7.5

@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from turbonode.stats import percentile
 from turbonode.tiers import PRIORITY_ORDER
 
 from . import scheduler as policy
@@ -36,20 +37,6 @@ log = logging.getLogger(__name__)
 
 RECENT = 512          # samples kept for p50/p99 figures
 KEEP_FINISHED = 1024  # terminal jobs kept for GET /v1/jobs/{id}
-KEEP_IMAGES = 64      # of those, the newest done jobs whose images are still held
-
-
-def percentile(values, q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100) of a small sample; None when empty."""
-    data = sorted(values)
-    if not data:
-        return None
-    return data[min(len(data) - 1, max(0, math.ceil(q / 100 * len(data)) - 1))]
-
-
-def _smooth(old: float | None, new: float) -> float:
-    """Exponential moving average that starts at the first value."""
-    return new if old is None else 0.8 * old + 0.2 * new
 
 
 @dataclass
@@ -74,6 +61,8 @@ class EngineSettings:
 
 
 class Engine:
+    keep_images = 64  # of the finished jobs kept, the newest done ones whose images are still held
+
     def __init__(self, backend, encoder, components, settings: EngineSettings | None = None, *,
                  throttle: ThrottleState | None = None, metrics=None, clock=time.monotonic, wall=time.time,
                  on_event: Callable[[dict], None] | None = None):
@@ -184,7 +173,7 @@ class Engine:
             self._jobs.pop(self._finished.popleft(), None)
         if state is JobState.DONE:
             self._holding_images.append(job)
-            while len(self._holding_images) > KEEP_IMAGES:
+            while len(self._holding_images) > self.keep_images:
                 self._holding_images.popleft().drop_images()
         if job.future.done():  # a waiter cancelled the future itself; nobody listens any more
             pass
@@ -485,3 +474,8 @@ class Engine:
             "steps_total": self.steps_total,
             "accepting": self._intake_open,
         }
+
+
+def _smooth(old: float | None, new: float) -> float:
+    """Exponential moving average that starts at the first value."""
+    return new if old is None else 0.8 * old + 0.2 * new

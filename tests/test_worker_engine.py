@@ -229,11 +229,9 @@ def test_whole_job_policies_run_in_the_same_engine():
     assert order == ["relax"] * 3 + ["turbo"] * 2  # no preemption: relax finished first
 
 
-def test_only_the_newest_done_jobs_keep_their_images(monkeypatch):
-    import render.engine
-
-    monkeypatch.setattr(render.engine, "KEEP_IMAGES", 2)
+def test_only_the_newest_done_jobs_keep_their_images():
     engine = make_engine()
+    engine.keep_images = 2
     jobs = [engine.submit(req("turbo", steps=1, seed=i)) for i in range(3)]
     drain(engine, jobs)
     assert jobs[0].images_dropped and jobs[0].samples[0].image is None
