@@ -56,7 +56,7 @@ class Engine:
         snap = {
             "level": decision.level_name,
             "level_index": decision.level,
-            "active": [r.as_dict() for r in decision.reasons if r.crossed == "above enter"],
+            "active": [r.as_dict() for r in decision.reasons if r.crossed != "below exit"],
             "last_change": None if self.last_change is None else {
                 "at": self.last_change_wall, "from": LEVELS[self.last_change.previous],
                 "to": self.last_change.level_name, "reasons": [r.as_dict() for r in self.last_change.reasons]},

@@ -23,6 +23,15 @@ from turbonode.config import LEVELS, PolicyConfig
 from turbonode.errors import ConfigError
 
 NORMAL = 0
+HELD = "held until below exit"   # an active rule whose signal sits between exit and enter (or is silent)
+
+
+def describe_reason(signal: str, value: float | None, threshold: float, crossed: str) -> str:
+    """'cpu_load=0.93 > 0.75', 'cpu_load=0.2 < 0.7' or 'cpu_load=0.72 (held until < 0.7)'."""
+    shown = "n/a" if value is None else f"{value:.4g}"
+    if crossed == HELD:
+        return f"{signal}={shown} (held until < {threshold:.4g})"
+    return f"{signal}={shown} {'>' if crossed == 'above enter' else '<'} {threshold:.4g}"
 
 
 @dataclass(frozen=True)
@@ -37,12 +46,10 @@ class Reason:
     signal: str
     value: float | None
     threshold: float
-    crossed: str  # "above enter" | "below exit"
+    crossed: str  # "above enter" | "below exit" | HELD
 
     def __str__(self) -> str:
-        value = "n/a" if self.value is None else f"{self.value:.6g}"
-        op = ">" if self.crossed == "above enter" else "<"
-        return f"{self.signal}={value} {op} {self.threshold:.6g}"
+        return describe_reason(self.signal, self.value, self.threshold, self.crossed)
 
     def as_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -103,7 +110,7 @@ class Policy:
             fresh = any(self._state[r.signal].above >= self.enter_samples for r in active)
             if may_change and fresh and self.level < len(LEVELS) - 1:
                 self._change(self.level + 1, now)
-            reasons = tuple(Reason(r.signal, self._state[r.signal].value, r.enter, "above enter") for r in active)
+            reasons = tuple(self._active_reason(r) for r in active)
         else:
             healthy = all(s.below >= self.exit_samples for s in self._state.values())
             if may_change and healthy and self.level > NORMAL:
@@ -111,6 +118,12 @@ class Policy:
             reasons = () if self.level == previous else tuple(
                 Reason(r.signal, self._state[r.signal].value, r.exit, "below exit") for r in self.rules)
         return Decision(now, self.level, previous, reasons)
+
+    def _active_reason(self, rule: Rule) -> Reason:
+        value = self._state[rule.signal].value
+        if value is not None and value > rule.enter:
+            return Reason(rule.signal, value, rule.enter, "above enter")
+        return Reason(rule.signal, value, rule.exit, HELD)   # active by hysteresis
 
     def _observe(self, rule: Rule, value: float | None) -> None:
         st = self._state[rule.signal]
@@ -123,10 +136,10 @@ class Policy:
             st.above, st.below = 0, st.below + 1
         else:  # inside the hysteresis band: keep the state, restart both streaks
             st.above = st.below = 0
-        if st.above >= self.enter_samples:
+        if st.below >= self.exit_samples:
+            st.active, st.above = False, 0   # a long healthy run also ends a streak that None held
+        elif st.above >= self.enter_samples:
             st.active = True
-        elif st.below >= self.exit_samples:
-            st.active = False
 
     def _change(self, level: int, now: float) -> None:
         self.level, self.last_change = level, now

@@ -16,6 +16,7 @@ counted, and the agent's CPU (% of one core) and RSS are measured at the default
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -155,6 +156,7 @@ def main() -> int:
     ap.add_argument("--healthy-minutes", type=float, default=1.0)
     ap.add_argument("--period", type=float, default=0.25, help="agent sample period (default 0.25 s)")
     ap.add_argument("--json", dest="json_out", help="also write the results here")
+    ap.add_argument("--logs", help="keep the agent's and worker's logs in this directory")
     args = ap.parse_args()
     if os.geteuid() != 0:
         raise SystemExit("needs root (network namespaces, tc, bpf)")
@@ -162,7 +164,10 @@ def main() -> int:
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} not installed (scripts/setup.sh)")
     faults = [f for f in args.faults.split(",") if f]
-    with tempfile.TemporaryDirectory(prefix="tn-detect-") as tmp, Node(tmp, args.period) as node:
+    if args.logs:
+        os.makedirs(args.logs, exist_ok=True)
+    with (contextlib.nullcontext(args.logs) if args.logs else tempfile.TemporaryDirectory(prefix="tn-detect-")) as tmp, \
+            Node(tmp, args.period) as node:
         results = [measure(node, f, args.repeats) for f in faults]
         calm = healthy(node, args.healthy_minutes) if args.healthy_minutes > 0 else None
         if not wait_for(node.settled, RECOVER_TIMEOUT_S, 0.2):

@@ -83,6 +83,7 @@ def test_hysteresis_band_holds_the_level():
     p = Policy((CPU,), enter_samples=3, exit_samples=4)
     d = run(p, [0.9] * 3 + [0.72] * 40)   # between exit (0.70) and enter (0.75)
     assert levels(d)[-1] == 1 and len(changes(d)) == 1
+    assert "cpu_load=0.72 (held until < 0.7)" in d[-1].describe()   # why the level holds, honestly
     d = run(p, [0.5] * 4, start=20)
     assert levels(d)[-1] == 0
 
@@ -96,6 +97,17 @@ def test_none_keeps_streak_and_counts_as_healthy():
     d = run(p, [0.0005, 0.003], signal="gc_pause_s", start=10)  # a 3 ms pause breaks the healthy run
     d += run(p, [None] * 4, signal="gc_pause_s", start=11)
     assert levels(d)[-1] == 0
+
+
+def test_silence_after_a_streak_at_the_top_level_recovers():
+    # At critical no escalation clears the streak; the silence after it (None: no GC ran)
+    # must still end it, or the level would stay up for good.
+    gc = Rule("gc_pause_s", 0.005, 0.001)
+    p = Policy((gc,), enter_samples=3, exit_samples=4, min_change_interval=0)
+    d = run(p, [0.05] * 12, signal="gc_pause_s")
+    assert d[-1].level == 3
+    d = run(p, [None] * 40, signal="gc_pause_s", start=10)
+    assert [c[2] for c in changes(d)] == [2, 1, 0]
 
 
 def test_any_active_signal_holds_level():

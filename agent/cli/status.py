@@ -7,6 +7,7 @@ import time
 
 import click
 
+from agent.policy import describe_reason
 from turbonode.config import load_config
 from turbonode.errors import ConfigError, ControlError
 from turbonode.jsonrpc import ControlClient
@@ -15,9 +16,7 @@ from turbonode.tiers import TIER_NAMES
 
 
 def _reason(r: dict) -> str:
-    value = "n/a" if r.get("value") is None else f"{r['value']:.4g}"
-    op = ">" if r.get("crossed") == "above enter" else "<"
-    return f"{r['signal']}={value} {op} {r['threshold']:.4g}"
+    return describe_reason(r["signal"], r.get("value"), r["threshold"], r.get("crossed", ""))
 
 
 def _table(headers: list[str], rows: list[list]) -> list[str]:
