@@ -164,6 +164,10 @@ def main() -> int:
         if shutil.which(tool) is None:
             raise SystemExit(f"{tool} not installed (scripts/setup.sh)")
     faults = [f for f in args.faults.split(",") if f]
+    # SIGTERM (and SIGINT, which background shells ignore) unwind through the `with` blocks,
+    # so the sandbox, the datapath and the processes go away with the bench.
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
     if args.logs:
         os.makedirs(args.logs, exist_ok=True)
     with (contextlib.nullcontext(args.logs) if args.logs else tempfile.TemporaryDirectory(prefix="tn-detect-")) as tmp, \
