@@ -24,3 +24,7 @@ class ControlError(TurbonodeError):
         super().__init__(message)
         self.code = code
         self.data = data
+
+
+class BackendUnavailable(TurbonodeError):
+    """The requested model backend cannot run here (no GPU, missing package, engine build failed)."""

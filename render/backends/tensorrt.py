@@ -1,0 +1,297 @@
+"""The TensorRT backend: UNet and VAE decoder as TensorRT engines on one CUDA GPU.
+
+Engines are built from ONNX exports (onnx_export.py) with one optimisation profile that
+spans batch 1..max_batch and the configured resolutions, and are cached on disk
+(engine_cache.py). Inference runs on torch CUDA tensors in place: the engine reads and
+writes torch's own device memory (`set_tensor_address(tensor.data_ptr())`) and runs on
+torch's current stream, so there is no host copy and no extra synchronisation.
+
+`tensorrt` is imported lazily: this module imports on any machine, and the profile and key
+logic (pure functions below) is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from turbonode.errors import BackendUnavailable
+
+from . import onnx_export
+from .base import Backend
+from .engine_cache import EngineCache, EngineKey
+
+log = logging.getLogger(__name__)
+
+MIN_TRT_MAJOR = 10  # name-based tensor API, execute_async_v3, strongly typed networks
+Shape = tuple[int, ...]
+
+
+def default_cache_dir() -> Path:
+    """systemd's CacheDirectory= when the unit sets it, else the user's cache."""
+    base = os.environ.get("CACHE_DIRECTORY") or os.path.join(os.path.expanduser("~"), ".cache", "turbonode")
+    return Path(base) / "engines"
+
+
+@dataclass(frozen=True)
+class TensorRTOptions:
+    max_batch: int = 4
+    sizes: tuple[tuple[int, int], ...] = ((512, 512),)  # image (height, width) in pixels; first = opt
+    cache_dir: Path | None = None
+    precision: str = "fp16"
+    workspace_gib: float = 8.0
+    optimization_level: int = 3  # TensorRT's default; lower builds faster, runs a little slower
+
+    def __post_init__(self):
+        if self.max_batch < 1:
+            raise ValueError("max_batch must be at least 1")
+        if not self.sizes:
+            raise ValueError("at least one image size is needed")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}")
+
+
+PRECISIONS = {"fp16": torch.float16, "fp32": torch.float32}
+
+
+def tensorrt_unavailable_reason() -> str | None:
+    """Why the TensorRT backend cannot run in this process, or None when it can."""
+    if not torch.cuda.is_available():
+        return "torch sees no CUDA GPU"
+    try:
+        trt = importlib.import_module("tensorrt")
+    except (ImportError, OSError) as exc:  # OSError: the wheel is there but its CUDA libraries are not
+        return f"the tensorrt package is not importable ({exc}); install turbonode[tensorrt]"
+    major = int(str(getattr(trt, "__version__", "0")).split(".")[0] or 0)
+    if major < MIN_TRT_MAJOR:
+        return f"tensorrt {trt.__version__} is too old (need {MIN_TRT_MAJOR}.x or newer)"
+    return None
+
+
+def latent_profile(options: TensorRTOptions, scale: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """(min, opt, max) latent (height, width) covering every configured image size."""
+    for h, w in options.sizes:
+        if h % scale or w % scale:
+            raise ValueError(f"image size {h}x{w} is not a multiple of the VAE scale {scale}")
+    lat = [(h // scale, w // scale) for h, w in options.sizes]
+    return ((min(h for h, _ in lat), min(w for _, w in lat)), lat[0],
+            (max(h for h, _ in lat), max(w for _, w in lat)))
+
+
+def unet_profile(options: TensorRTOptions, *, in_channels: int, text_len: int, embed_dim: int,
+                 scale: int) -> dict[str, tuple[Shape, Shape, Shape]]:
+    """min/opt/max shape of each UNet input. Opt is the full batch: speed matters under load."""
+    (h0, w0), (h1, w1), (h2, w2) = latent_profile(options, scale)
+    b = options.max_batch
+    return {
+        "sample": ((1, in_channels, h0, w0), (b, in_channels, h1, w1), (b, in_channels, h2, w2)),
+        "timestep": ((1,), (b,), (b,)),
+        "encoder_hidden_states": ((1, text_len, embed_dim), (b, text_len, embed_dim), (b, text_len, embed_dim)),
+    }
+
+
+def vae_profile(options: TensorRTOptions, *, latent_channels: int, scale: int) -> dict[str, tuple[Shape, Shape, Shape]]:
+    (h0, w0), (h1, w1), (h2, w2) = latent_profile(options, scale)
+    b = options.max_batch
+    return {onnx_export.VAE_INPUT: ((1, latent_channels, h0, w0), (b, latent_channels, h1, w1),
+                                    (b, latent_channels, h2, w2))}
+
+
+def _logger(trt):
+    """A TensorRT logger that forwards to Python logging (TensorRT's own prints to stdout)."""
+    levels = {trt.ILogger.INTERNAL_ERROR: logging.CRITICAL, trt.ILogger.ERROR: logging.ERROR,
+              trt.ILogger.WARNING: logging.WARNING, trt.ILogger.INFO: logging.DEBUG,
+              trt.ILogger.VERBOSE: logging.DEBUG}
+
+    class _Log(trt.ILogger):
+        def __init__(self):
+            trt.ILogger.__init__(self)
+
+        def log(self, severity, msg):
+            log.log(levels.get(severity, logging.INFO), "tensorrt: %s", msg)
+
+    return _Log()
+
+
+def _progress_monitor(trt):
+    """Logs each top-level build phase and its step count, so a minutes-long build is visible."""
+
+    class _Progress(trt.IProgressMonitor):
+        def __init__(self):
+            trt.IProgressMonitor.__init__(self)
+            self.steps: dict[str, int] = {}
+
+        def phase_start(self, phase_name, parent_phase, num_steps):
+            self.steps[phase_name] = num_steps
+            if parent_phase is None:
+                log.info("tensorrt build: %s (%d steps)", phase_name, num_steps)
+
+        def step_complete(self, phase_name, step):
+            total = self.steps.get(phase_name, 0)
+            if total >= 10 and (step + 1) % max(1, total // 4) == 0:
+                log.info("tensorrt build: %s %d/%d", phase_name, step + 1, total)
+            return True  # False would cancel the build
+
+        def phase_finish(self, phase_name):
+            self.steps.pop(phase_name, None)
+
+    return _Progress()
+
+
+def build_serialized_engine(trt, onnx_path: Path, profile: dict[str, tuple[Shape, Shape, Shape]],
+                            options: TensorRTOptions, logger) -> bytes:
+    """Parse the ONNX file and build one engine with `profile`; the bytes of the plan."""
+    builder = trt.Builder(logger)
+    flags = 0
+    if hasattr(trt.NetworkDefinitionCreationFlag, "STRONGLY_TYPED"):
+        # Precision comes from the exported graph: required on 10.x for that, implied on 11.x.
+        flags |= 1 << int(trt.NetworkDefinitionCreationFlag.STRONGLY_TYPED)
+    network = builder.create_network(flags)
+    parser = trt.OnnxParser(network, logger)
+    if not parser.parse_from_file(str(onnx_path)):
+        errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
+        raise BackendUnavailable(f"TensorRT cannot parse {onnx_path.name}: {errors}")
+    config = builder.create_builder_config()
+    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gib * 2**30))
+    config.builder_optimization_level = options.optimization_level
+    config.progress_monitor = _progress_monitor(trt)
+    opt_profile = builder.create_optimization_profile()
+    for name, (lo, opt, hi) in profile.items():
+        opt_profile.set_shape(name, lo, opt, hi)
+    config.add_optimization_profile(opt_profile)
+    plan = builder.build_serialized_network(network, config)
+    return bytes(plan) if plan is not None else b""
+
+
+class EngineRunner:
+    """One deserialized engine and its execution context, run on torch CUDA tensors."""
+
+    def __init__(self, trt, engine, device: torch.device):
+        self.engine = engine
+        self.context = engine.create_execution_context()
+        self.device = device
+        dtypes = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int32: torch.int32,
+                  trt.int64: torch.int64, trt.bfloat16: torch.bfloat16}
+        self.inputs: dict[str, torch.dtype] = {}
+        self.outputs: dict[str, torch.dtype] = {}
+        for i in range(engine.num_io_tensors):
+            name = engine.get_tensor_name(i)
+            side = self.inputs if engine.get_tensor_mode(name) == trt.TensorIOMode.INPUT else self.outputs
+            side[name] = dtypes[engine.get_tensor_dtype(name)]
+
+    def __call__(self, **feeds: torch.Tensor) -> dict[str, torch.Tensor]:
+        for name, tensor in feeds.items():
+            # Inputs must be contiguous device tensors of the engine's dtype; the caller
+            # keeps them alive, and torch's allocator never reuses their memory before the
+            # work queued on this stream has run.
+            self.context.set_input_shape(name, tuple(tensor.shape))
+            self.context.set_tensor_address(name, tensor.data_ptr())
+        out = {}
+        for name, dtype in self.outputs.items():
+            out[name] = torch.empty(tuple(self.context.get_tensor_shape(name)), dtype=dtype, device=self.device)
+            self.context.set_tensor_address(name, out[name].data_ptr())
+        stream = torch.cuda.current_stream(self.device)
+        if not self.context.execute_async_v3(stream.cuda_stream):
+            raise BackendUnavailable("TensorRT failed to enqueue the engine (see the log)")
+        return out
+
+
+class TensorRTBackend(Backend):
+    """UNet and VAE decoder as cached TensorRT engines; the text encoder stays in torch."""
+
+    name = "tensorrt"
+
+    def __init__(self, components, device: torch.device, options: TensorRTOptions = TensorRTOptions()):
+        reason = tensorrt_unavailable_reason()
+        if reason:
+            raise BackendUnavailable(f"tensorrt backend unavailable: {reason}")
+        self.trt = trt = importlib.import_module("tensorrt")
+        self.device = torch.device(device)
+        if self.device.type != "cuda":
+            raise BackendUnavailable(f"the tensorrt backend runs on a CUDA device, not {self.device}")
+        if self.device.index is None:
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        self.options = options
+        self.dtype = PRECISIONS[options.precision]
+        self.scale = components.vae_scale_factor
+        self._logger = _logger(trt)
+        self._runtime = trt.Runtime(self._logger)
+        cache = EngineCache(options.cache_dir or default_cache_dir())
+        unet_cfg = components.unet.config
+        text_len = components.tokenizer.model_max_length
+        with torch.cuda.device(self.device):
+            self.unet = self._engine(cache, components, "unet", components.unet, onnx_export.export_unet,
+                                     unet_profile(options, in_channels=unet_cfg.in_channels, text_len=text_len,
+                                                  embed_dim=unet_cfg.cross_attention_dim, scale=self.scale),
+                                     onnx_export.ExportShape(text_len=text_len))
+            self.vae = self._engine(cache, components, "vae_decoder", components.vae,
+                                    onnx_export.export_vae_decoder,
+                                    vae_profile(options, latent_channels=components.vae.config.latent_channels,
+                                                scale=self.scale), onnx_export.ExportShape())
+
+    def key(self, components, component: str) -> EngineKey:
+        props = torch.cuda.get_device_properties(self.device)
+        return EngineKey(component=component, model_hash=components.fingerprint, trt_version=self.trt.__version__,
+                         gpu_name=props.name, compute_capability=(props.major, props.minor), min_batch=1,
+                         max_batch=self.options.max_batch, resolutions=self.options.sizes,
+                         precision=self.options.precision)
+
+    def _engine(self, cache: EngineCache, components, component: str, module, export, profile,
+                shape: onnx_export.ExportShape) -> EngineRunner:
+        key = self.key(components, component)
+        onnx_path = cache.root / "onnx" / f"{component}-{key.model_hash}-{key.precision}.onnx"
+
+        def build() -> bytes:
+            # Export from a copy: the caller's torch module keeps its device and dtype.
+            shadow = copy.deepcopy(module).to(self.device, self.dtype)
+            export(shadow, onnx_path, shape=shape)
+            del shadow
+            torch.cuda.empty_cache()
+            return build_serialized_engine(self.trt, onnx_path, profile, self.options, self._logger)
+
+        def deserialize(blob: bytes):
+            engine = self._runtime.deserialize_cuda_engine(blob)
+            return None if engine is None else EngineRunner(self.trt, engine, self.device)
+
+        return cache.load_or_build(key, build, deserialize)
+
+    def _check_size(self, latents: torch.Tensor) -> None:
+        (h0, w0), _, (h2, w2) = latent_profile(self.options, self.scale)
+        h, w = latents.shape[-2:]
+        if not (h0 <= h <= h2 and w0 <= w <= w2):
+            raise BackendUnavailable(
+                f"image {h * self.scale}x{w * self.scale} is outside the TensorRT engine's sizes "
+                f"({h0 * self.scale}x{w0 * self.scale} .. {h2 * self.scale}x{w2 * self.scale}); "
+                "add it to the configured sizes")
+
+    def _chunks(self, n: int):
+        step = self.options.max_batch
+        return [slice(i, min(i + step, n)) for i in range(0, n, step)]
+
+    @torch.inference_mode()
+    def predict_noise(self, latents, timesteps, encoder_hidden_states):
+        self._check_size(latents)
+        dev, dtype = self.device, self.unet.inputs["sample"]
+        sample = latents.to(dev, dtype).contiguous()
+        t = timesteps.to(dev, torch.float32).reshape(-1).expand(sample.shape[0]).contiguous()
+        ehs = encoder_hidden_states.to(dev, self.unet.inputs["encoder_hidden_states"]).contiguous()
+        outs = [self.unet(sample=sample[s], timestep=t[s], encoder_hidden_states=ehs[s])[onnx_export.UNET_OUTPUT]
+                for s in self._chunks(sample.shape[0])]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    @torch.inference_mode()
+    def decode(self, latents):
+        self._check_size(latents)
+        x = latents.to(self.device, self.vae.inputs[onnx_export.VAE_INPUT]).contiguous()
+        outs = [self.vae(**{onnx_export.VAE_INPUT: x[s]})[onnx_export.VAE_OUTPUT] for s in self._chunks(x.shape[0])]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "tensorrt": self.trt.__version__, "max_batch": self.options.max_batch,
+                "sizes": [f"{h}x{w}" for h, w in self.options.sizes]}
