@@ -74,9 +74,11 @@ def _export(module: torch.nn.Module, args: tuple, path: Path, input_names, outpu
     path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
     with torch.no_grad(), warnings.catch_warnings():
-        # The tracer warns about every Python-side shape comparison in diffusers; they are
-        # the expected constant-folded branches, not errors.
+        # The tracer warns about every Python-side shape comparison in diffusers (expected,
+        # constant-folded branches), and torch warns that this exporter is the legacy one:
+        # that choice is deliberate (module docstring).
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
+        warnings.simplefilter("ignore", DeprecationWarning)
         torch.onnx.export(module.eval(), args, str(path), dynamo=False, opset_version=opset,
                           input_names=list(input_names), output_names=list(output_names),
                           dynamic_axes=dynamic_axes, do_constant_folding=True)

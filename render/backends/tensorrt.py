@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import importlib
 import logging
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,17 +32,11 @@ MIN_TRT_MAJOR = 10  # name-based tensor API, execute_async_v3, strongly typed ne
 Shape = tuple[int, ...]
 
 
-def default_cache_dir() -> Path:
-    """systemd's CacheDirectory= when the unit sets it, else the user's cache."""
-    base = os.environ.get("CACHE_DIRECTORY") or os.path.join(os.path.expanduser("~"), ".cache", "turbonode")
-    return Path(base) / "engines"
-
-
 @dataclass(frozen=True)
 class TensorRTOptions:
+    cache_dir: Path
     max_batch: int = 4
     sizes: tuple[tuple[int, int], ...] = ((512, 512),)  # image (height, width) in pixels; first = opt
-    cache_dir: Path | None = None
     precision: str = "fp16"
     workspace_gib: float = 8.0
     optimization_level: int = 3  # TensorRT's default; lower builds faster, runs a little slower
@@ -55,6 +48,12 @@ class TensorRTOptions:
             raise ValueError("at least one image size is needed")
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}")
+
+    @classmethod
+    def from_config(cls, worker) -> TensorRTOptions:
+        """From the [worker] config section: its batch limit, default size and cache directory."""
+        return cls(cache_dir=Path(worker.engine_cache_dir), max_batch=worker.max_batch,
+                   sizes=((worker.size, worker.size),))
 
 
 PRECISIONS = {"fp16": torch.float16, "fp32": torch.float32}
@@ -207,14 +206,14 @@ class TensorRTBackend(Backend):
 
     name = "tensorrt"
 
-    def __init__(self, components, device: torch.device, options: TensorRTOptions = TensorRTOptions()):
+    def __init__(self, components, device: torch.device, options: TensorRTOptions):
         reason = tensorrt_unavailable_reason()
         if reason:
             raise BackendUnavailable(f"tensorrt backend unavailable: {reason}")
-        self.trt = trt = importlib.import_module("tensorrt")
         self.device = torch.device(device)
         if self.device.type != "cuda":
-            raise BackendUnavailable(f"the tensorrt backend runs on a CUDA device, not {self.device}")
+            raise BackendUnavailable(f"tensorrt backend unavailable: device {self.device} is not a CUDA GPU")
+        self.trt = trt = importlib.import_module("tensorrt")
         if self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.options = options
@@ -222,7 +221,7 @@ class TensorRTBackend(Backend):
         self.scale = components.vae_scale_factor
         self._logger = _logger(trt)
         self._runtime = trt.Runtime(self._logger)
-        cache = EngineCache(options.cache_dir or default_cache_dir())
+        cache = EngineCache(options.cache_dir)
         unet_cfg = components.unet.config
         text_len = components.tokenizer.model_max_length
         with torch.cuda.device(self.device):
