@@ -179,7 +179,7 @@ def test_gpu_second_start_loads_from_cache_and_corrupt_engine_is_rebuilt(engines
         TensorRTBackend(comps, torch.device("cuda"), opts)
     assert sum("engine cache hit" in r.message for r in caplog.records) == 2
     caplog.clear()
-    unet_engine = opts.cache_dir / first.key(comps, "unet").filename()
+    unet_engine = opts.cache_dir / first.engines.key("unet", comps.fingerprint).filename()
     unet_engine.write_bytes(b"\0" * 64)
     with caplog.at_level(logging.INFO, logger="render.backends.engine_cache"):
         again = TensorRTBackend(comps, torch.device("cuda"), opts)

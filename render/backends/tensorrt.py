@@ -104,9 +104,9 @@ def vae_profile(options: TensorRTOptions, *, latent_channels: int, scale: int) -
 
 def _logger(trt):
     """A TensorRT logger that forwards to Python logging (TensorRT's own prints to stdout)."""
-    levels = {trt.ILogger.INTERNAL_ERROR: logging.CRITICAL, trt.ILogger.ERROR: logging.ERROR,
-              trt.ILogger.WARNING: logging.WARNING, trt.ILogger.INFO: logging.DEBUG,
-              trt.ILogger.VERBOSE: logging.DEBUG}
+    sev = trt.ILogger.Severity
+    levels = {sev.INTERNAL_ERROR: logging.CRITICAL, sev.ERROR: logging.ERROR, sev.WARNING: logging.WARNING,
+              sev.INFO: logging.DEBUG, sev.VERBOSE: logging.DEBUG}
 
     class _Log(trt.ILogger):
         def __init__(self):
@@ -159,7 +159,8 @@ def build_serialized_engine(trt, onnx_path: Path, profile: dict[str, tuple[Shape
     config = builder.create_builder_config()
     config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gib * 2**30))
     config.builder_optimization_level = options.optimization_level
-    config.progress_monitor = _progress_monitor(trt)
+    monitor = _progress_monitor(trt)  # held here: the config does not keep the Python object alive
+    config.progress_monitor = monitor
     opt_profile = builder.create_optimization_profile()
     for name, (lo, opt, hi) in profile.items():
         opt_profile.set_shape(name, lo, opt, hi)
@@ -201,50 +202,47 @@ class EngineRunner:
         return out
 
 
-class TensorRTBackend(Backend):
-    """UNet and VAE decoder as cached TensorRT engines; the text encoder stays in torch."""
+class EngineFactory:
+    """Cached TensorRT engines for torch modules, on one CUDA device with one set of options."""
 
-    name = "tensorrt"
-
-    def __init__(self, components, device: torch.device, options: TensorRTOptions):
+    def __init__(self, device: torch.device, options: TensorRTOptions):
         reason = tensorrt_unavailable_reason()
         if reason:
             raise BackendUnavailable(f"tensorrt backend unavailable: {reason}")
-        self.device = torch.device(device)
-        if self.device.type != "cuda":
-            raise BackendUnavailable(f"tensorrt backend unavailable: device {self.device} is not a CUDA GPU")
-        self.trt = trt = importlib.import_module("tensorrt")
-        if self.device.index is None:
-            self.device = torch.device("cuda", torch.cuda.current_device())
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise BackendUnavailable(f"tensorrt backend unavailable: device {device} is not a CUDA GPU")
+        self.device = torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
+        self.trt = importlib.import_module("tensorrt")
         self.options = options
         self.dtype = PRECISIONS[options.precision]
-        self.scale = components.vae_scale_factor
-        self._logger = _logger(trt)
-        self._runtime = trt.Runtime(self._logger)
-        cache = EngineCache(options.cache_dir)
-        unet_cfg = components.unet.config
-        text_len = components.tokenizer.model_max_length
-        with torch.cuda.device(self.device):
-            self.unet = self._engine(cache, components, "unet", components.unet, onnx_export.export_unet,
-                                     unet_profile(options, in_channels=unet_cfg.in_channels, text_len=text_len,
-                                                  embed_dim=unet_cfg.cross_attention_dim, scale=self.scale),
-                                     onnx_export.ExportShape(text_len=text_len))
-            self.vae = self._engine(cache, components, "vae_decoder", components.vae,
-                                    onnx_export.export_vae_decoder,
-                                    vae_profile(options, latent_channels=components.vae.config.latent_channels,
-                                                scale=self.scale), onnx_export.ExportShape())
+        self.logger = _logger(self.trt)
+        self.runtime = self.trt.Runtime(self.logger)
+        self.cache = EngineCache(options.cache_dir)
 
-    def key(self, components, component: str) -> EngineKey:
+    def key(self, component: str, model_hash: str) -> EngineKey:
         props = torch.cuda.get_device_properties(self.device)
-        return EngineKey(component=component, model_hash=components.fingerprint, trt_version=self.trt.__version__,
+        return EngineKey(component=component, model_hash=model_hash, trt_version=self.trt.__version__,
                          gpu_name=props.name, compute_capability=(props.major, props.minor), min_batch=1,
                          max_batch=self.options.max_batch, resolutions=self.options.sizes,
                          precision=self.options.precision)
 
-    def _engine(self, cache: EngineCache, components, component: str, module, export, profile,
-                shape: onnx_export.ExportShape) -> EngineRunner:
-        key = self.key(components, component)
-        onnx_path = cache.root / "onnx" / f"{component}-{key.model_hash}-{key.precision}.onnx"
+    def unet(self, unet, model_hash: str, *, text_len: int, scale: int) -> EngineRunner:
+        cfg = unet.config
+        profile = unet_profile(self.options, in_channels=cfg.in_channels, text_len=text_len,
+                               embed_dim=cfg.cross_attention_dim, scale=scale)
+        return self._get("unet", model_hash, unet, onnx_export.export_unet, profile,
+                         onnx_export.ExportShape(text_len=text_len))
+
+    def vae_decoder(self, vae, model_hash: str, *, scale: int) -> EngineRunner:
+        profile = vae_profile(self.options, latent_channels=vae.config.latent_channels, scale=scale)
+        return self._get("vae_decoder", model_hash, vae, onnx_export.export_vae_decoder, profile,
+                         onnx_export.ExportShape())
+
+    def _get(self, component: str, model_hash: str, module, export, profile,
+             shape: onnx_export.ExportShape) -> EngineRunner:
+        key = self.key(component, model_hash)
+        onnx_path = self.cache.root / "onnx" / f"{component}-{model_hash}-{key.precision}.onnx"
 
         def build() -> bytes:
             # Export from a copy: the caller's torch module keeps its device and dtype.
@@ -252,13 +250,28 @@ class TensorRTBackend(Backend):
             export(shadow, onnx_path, shape=shape)
             del shadow
             torch.cuda.empty_cache()
-            return build_serialized_engine(self.trt, onnx_path, profile, self.options, self._logger)
+            return build_serialized_engine(self.trt, onnx_path, profile, self.options, self.logger)
 
         def deserialize(blob: bytes):
-            engine = self._runtime.deserialize_cuda_engine(blob)
+            engine = self.runtime.deserialize_cuda_engine(blob)
             return None if engine is None else EngineRunner(self.trt, engine, self.device)
 
-        return cache.load_or_build(key, build, deserialize)
+        with torch.cuda.device(self.device):
+            return self.cache.load_or_build(key, build, deserialize)
+
+
+class TensorRTBackend(Backend):
+    """UNet and VAE decoder as cached TensorRT engines; the text encoder stays in torch."""
+
+    name = "tensorrt"
+
+    def __init__(self, components, device: torch.device, options: TensorRTOptions):
+        self.engines = EngineFactory(device, options)
+        self.device, self.dtype, self.options = self.engines.device, self.engines.dtype, options
+        self.scale = components.vae_scale_factor
+        self.unet = self.engines.unet(components.unet, components.fingerprint,
+                                      text_len=components.tokenizer.model_max_length, scale=self.scale)
+        self.vae = self.engines.vae_decoder(components.vae, components.fingerprint, scale=self.scale)
 
     def _check_size(self, latents: torch.Tensor) -> None:
         (h0, w0), _, (h2, w2) = latent_profile(self.options, self.scale)
@@ -292,5 +305,5 @@ class TensorRTBackend(Backend):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def describe(self) -> dict:
-        return {**super().describe(), "tensorrt": self.trt.__version__, "max_batch": self.options.max_batch,
+        return {**super().describe(), "tensorrt": self.engines.trt.__version__, "max_batch": self.options.max_batch,
                 "sizes": [f"{h}x{w}" for h, w in self.options.sizes]}
