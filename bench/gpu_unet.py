@@ -23,25 +23,10 @@ import sys
 import time
 from pathlib import Path
 
-SD15_UNET = dict(
-    sample_size=64, in_channels=4, out_channels=4, layers_per_block=2,
-    block_out_channels=(320, 640, 1280, 1280),
-    down_block_types=("CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D", "DownBlock2D"),
-    up_block_types=("UpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "CrossAttnUpBlock2D"),
-    cross_attention_dim=768, attention_head_dim=8,
-)
+import sd15  # bench/sd15.py, beside this script
+
 TEXT_LEN = 77
 TARGET_TRT_OVER_EAGER = 1.8
-
-
-def build_unet(device):
-    import torch
-    from diffusers import UNet2DConditionModel
-
-    torch.manual_seed(0)
-    with torch.device(device):  # initialise on the GPU: 860 M parameters are slow to init on CPU
-        unet = UNet2DConditionModel(**SD15_UNET)
-    return unet.to(dtype=torch.float16).eval().requires_grad_(False)
 
 
 def inputs(batch: int, latent: int, device):
@@ -50,7 +35,7 @@ def inputs(batch: int, latent: int, device):
     gen = torch.Generator(device=device).manual_seed(batch)
     sample = torch.randn(batch, 4, latent, latent, generator=gen, device=device, dtype=torch.float16)
     timestep = torch.linspace(999, 1, batch, device=device)  # every sample at its own step
-    ehs = torch.randn(batch, TEXT_LEN, SD15_UNET["cross_attention_dim"], generator=gen, device=device,
+    ehs = torch.randn(batch, TEXT_LEN, sd15.UNET["cross_attention_dim"], generator=gen, device=device,
                       dtype=torch.float16)
     return sample, timestep, ehs
 
@@ -100,7 +85,7 @@ def make_step(mode: str, unet, args, device):
         opts = TensorRTOptions(cache_dir=Path(args.cache_dir), max_batch=max(args.batches),
                                sizes=((args.size, args.size),), optimization_level=args.trt_opt_level)
         factory = EngineFactory(device, opts)
-        runner = factory.unet(unet, "bench-sd15-seed0", text_len=TEXT_LEN, scale=args.size // latent)
+        runner = factory.unet(unet, sd15.FINGERPRINT, text_len=TEXT_LEN, scale=args.size // latent)
 
         def step(sample, timestep, ehs):
             return runner(sample=sample, timestep=timestep, encoder_hidden_states=ehs)["noise"]
@@ -120,7 +105,7 @@ def run_mode(args) -> dict:
 
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
-    unet = build_unet(device)
+    unet = sd15.build_unet(device)
     results = []
     with torch.inference_mode():
         step, setup_s, info = make_step(args.mode, unet, args, device)
