@@ -33,8 +33,13 @@ print(f"python ok: torch {torch.__version__} (CUDA {torch.version.cuda}, GPU {to
       f"diffusers {diffusers.__version__}")
 from render.backends.tensorrt import tensorrt_unavailable_reason
 print("tensorrt:", tensorrt_unavailable_reason() or "available")
+raise SystemExit(0 if torch.cuda.is_available() else 3)
 EOF
-[ "${PIPESTATUS[0]}" -eq 0 ] || { say "torch/diffusers not importable: carry .whl (bench/fetch_gpu_wheels.sh)"; exit 1; }
+case "${PIPESTATUS[0]}" in
+    0) ;;
+    3) say "torch sees no CUDA GPU: nothing to measure here"; exit 1 ;;
+    *) say "torch/diffusers not importable: carry .whl (bench/fetch_gpu_wheels.sh)"; exit 1 ;;
+esac
 
 # stage NAME MAX_SECONDS COMMAND...: run within min(MAX, what is left of the budget).
 stage() {
