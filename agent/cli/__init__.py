@@ -12,7 +12,7 @@ import click
 
 from turbonode import __version__
 
-from . import config_cmd
+from . import config_cmd, worker
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -24,5 +24,6 @@ def main(verbose):
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-for _module in (config_cmd,):
-    main.add_command(_module.command)
+for _module in (config_cmd, worker):
+    for _command in getattr(_module, "commands", (_module.command,)):
+        main.add_command(_command)
