@@ -47,6 +47,7 @@ class Worker:
         from prometheus_client import CollectorRegistry
 
         from .backends.select import make_backend
+        from .backends.tensorrt import TensorRTOptions
         from .engine import Engine, EngineSettings
         from .gc_telemetry import GcMonitor, freeze_after_load
         from .http_api import Api, RequestDefaults
@@ -57,7 +58,8 @@ class Worker:
         self.cfg = cfg
         torch_threads()
         components = load_components(cfg.model)
-        self.backend = make_backend(cfg.backend, components, cfg.device)
+        self.backend = make_backend(cfg.backend, components, cfg.device,
+                                    tensorrt_options=TensorRTOptions.from_config(cfg))
         encoder = PromptEncoder(components, self.backend.device, self.backend.dtype, cfg.text_cache_size)
         self.metrics = WorkerMetrics(CollectorRegistry())
         overrides = {"policy": policy} if policy is not None else {}

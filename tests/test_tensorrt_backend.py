@@ -186,3 +186,16 @@ def test_gpu_second_start_loads_from_cache_and_corrupt_engine_is_rebuilt(engines
     assert any("rebuilding" in r.message for r in caplog.records)
     assert unet_engine.stat().st_size > 64 and again.describe()["name"] == "tensorrt"
 
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
+def test_cli_worker_run_backend_tensorrt_without_gpu_is_a_click_error(tmp_path):
+    from click.testing import CliRunner
+
+    from agent.cli import main
+
+    result = CliRunner().invoke(main, ["worker", "run", "--backend", "tensorrt", "--model", "tiny",
+                                       "--listen", "127.0.0.1:0", "--control", str(tmp_path / "w.sock")])
+    assert result.exit_code == 1, result.output
+    assert "Error: tensorrt backend unavailable: torch sees no CUDA GPU" in result.output
+    assert "Traceback" not in result.output
