@@ -90,3 +90,24 @@ def test_export_keeps_the_callers_module_as_it_was(exported, tmp_path):
     after = components.vae.state_dict()
     assert all(torch.equal(before[k], after[k]) for k in before)
     assert next(components.vae.parameters()).dtype == torch.float32
+
+
+def test_fp16_export_carries_its_precision_in_the_graph(exported, tmp_path):
+    """What the TensorRT engine is built from: TensorRT 11 takes precision from the graph."""
+    import copy
+
+    components, backend, _, _ = exported
+    path = onnx_export.export_unet(copy.deepcopy(components.unet).half(), tmp_path / "unet16.onnx",
+                                   shape=onnx_export.ExportShape(batch=1, latent_height=16, latent_width=16))
+    model = onnx.load(str(path))
+    f16, f32 = onnx.TensorProto.FLOAT16, onnx.TensorProto.FLOAT
+    assert {i.name: i.type.tensor_type.elem_type for i in model.graph.input} == {
+        "sample": f16, "timestep": f32, "encoder_hidden_states": f16}
+    assert model.graph.output[0].type.tensor_type.elem_type == f16
+    gen = torch.Generator().manual_seed(16)
+    x, t = torch.randn(2, 4, 32, 32, generator=gen), torch.tensor([999.0, 10.0])
+    e = torch.randn(2, 77, components.unet.config.cross_attention_dim, generator=gen)
+    session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = session.run(None, {"sample": x.half().numpy(), "timestep": t.numpy(),
+                             "encoder_hidden_states": e.half().numpy()})[0]
+    np.testing.assert_allclose(got.astype(np.float32), backend.predict_noise(x, t, e).numpy(), atol=2e-2, rtol=0)
