@@ -14,13 +14,12 @@ UNet steps, VAE decode to uint8 pixels) on SD-1.5-sized components with random w
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import sys
 import time
 from pathlib import Path
 
-import sd15  # bench/sd15.py, beside this script
+import sd15  # bench/sd15.py and bench/runs.py, beside this script
+from runs import finish
 
 
 def request(tier: str, i: int, size: int):
@@ -49,17 +48,12 @@ def latencies(engine, n: int, background: int, size: int) -> list[float]:
     return out
 
 
-def pct(values, q):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def run(args) -> dict:
     import torch
 
     from render.backends.select import make_backend
     from render.backends.tensorrt import TensorRTOptions
-    from render.engine import Engine, EngineSettings
+    from render.engine import Engine, EngineSettings, percentile
     from render.text_cache import PromptEncoder
 
     if args.model == "tiny":  # the embedded model: checks this script anywhere, CPU included
@@ -86,19 +80,13 @@ def run(args) -> dict:
     result = {"backend": backend.name, "model": args.model, "size": size, "where": where, "setup_s": setup_s,
               "max_batch": args.max_batch, "background_relax_jobs": args.background}
     for name, values in (("idle", idle), ("loaded", loaded)):
-        result[name] = {"n": len(values), "p50_s": pct(values, 50), "p99_s": pct(values, 99)}
-        print(f"{backend.name:8s} turbo {name:6s}: p50 {pct(values, 50) * 1000:7.1f} ms, "
-              f"p99 {pct(values, 99) * 1000:7.1f} ms ({len(values)} jobs)", flush=True)
+        result[name] = {"n": len(values), "p50_s": percentile(values, 50), "p99_s": percentile(values, 99)}
+        print(f"{backend.name:8s} turbo {name:6s}: p50 {percentile(values, 50) * 1000:7.1f} ms, "
+              f"p99 {percentile(values, 99) * 1000:7.1f} ms ({len(values)} jobs)", flush=True)
     return result
 
 
-def report(paths) -> str:
-    rows = []
-    for p in paths:
-        try:
-            rows.append(json.loads(Path(p).read_text()))
-        except (OSError, ValueError) as exc:
-            print(f"skipping {p}: {exc}", file=sys.stderr)
+def report(rows: list[dict]) -> str:
     if not rows:
         return "no end-to-end results"
     r0 = rows[0]
@@ -121,15 +109,7 @@ def main(argv=None) -> int:
     ap.add_argument("--model", choices=("sd15", "tiny"), default="sd15", help="tiny: the embedded model")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--cache-dir", default="/tmp/turbonode-engines")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.report:
-        print(report(args.report))
-        return 0
-    result = run(args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    return finish(ap.parse_args(argv), run, report)
 
 
 if __name__ == "__main__":

@@ -16,14 +16,13 @@ or runs out of time does not lose the others; `--report` prints them side by sid
 from __future__ import annotations
 
 import argparse
-import json
-import logging
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import sd15  # bench/sd15.py, beside this script
+import sd15  # bench/sd15.py and bench/runs.py, beside this script
+from runs import finish
 
 TEXT_LEN = 77
 TARGET_TRT_OVER_EAGER = 1.8
@@ -56,11 +55,6 @@ def time_calls(fn, args, iters: int, warmup: int) -> list[float]:
         end.synchronize()
         times.append(start.elapsed_time(end))
     return times
-
-
-def pct(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
 
 
 def make_step(mode: str, unet, args, device):
@@ -103,6 +97,8 @@ def make_step(mode: str, unet, args, device):
 def run_mode(args) -> dict:
     import torch
 
+    from render.engine import percentile
+
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     unet = sd15.build_unet(device)
@@ -118,26 +114,19 @@ def run_mode(args) -> dict:
             first_s = time.monotonic() - first
             times = time_calls(step, call_args, args.iters, args.warmup)
             mean = statistics.fmean(times)
-            results.append({"batch": batch, "mean_ms": mean, "p50_ms": pct(times, 50), "p99_ms": pct(times, 99),
+            results.append({"batch": batch, "mean_ms": mean, "p50_ms": percentile(times, 50), "p99_ms": percentile(times, 99),
                             "unet_calls_per_s": 1000 / mean, "sample_steps_per_s": batch * 1000 / mean,
                             "first_call_s": first_s, "batch_wall_s": time.monotonic() - batch_started})
             print(f"{args.mode:9s} batch {batch}: {1000 / mean:7.2f} UNet calls/s "
-                  f"(p50 {pct(times, 50):.2f} ms, p99 {pct(times, 99):.2f} ms, first call {first_s:.1f} s)",
+                  f"(p50 {percentile(times, 50):.2f} ms, p99 {percentile(times, 99):.2f} ms, first call {first_s:.1f} s)",
                   flush=True)
     return {"mode": args.mode, "gpu": props.name, "compute_capability": f"{props.major}.{props.minor}",
             "torch": torch.__version__, "size": args.size, "iters": args.iters, "setup_s": setup_s,
             "info": info, "results": results}
 
 
-def report(paths: list[str]) -> str:
-    runs = {}
-    for p in paths:
-        try:
-            data = json.loads(Path(p).read_text())
-        except (OSError, ValueError) as exc:
-            print(f"skipping {p}: {exc}", file=sys.stderr)
-            continue
-        runs[data["mode"]] = data
+def report(loaded: list[dict]) -> str:
+    runs = {data["mode"]: data for data in loaded}
     order = [m for m in ("eager", "compile", "tensorrt") if m in runs]
     if "eager" not in runs:
         return "no eager run: nothing to compare against"
@@ -190,16 +179,9 @@ def main(argv=None) -> int:
     ap.add_argument("--trt-opt-level", type=int, default=3)
     ap.add_argument("--cache-dir", default="/tmp/turbonode-engines")
     args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    if args.report:
-        print(report(args.report))
-        return 0
-    if not args.mode:
+    if not (args.mode or args.report):
         ap.error("--mode or --report is required")
-    result = run_mode(args)
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1))
-    return 0
+    return finish(args, run_mode, report)
 
 
 if __name__ == "__main__":

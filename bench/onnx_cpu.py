@@ -17,11 +17,6 @@ import time
 from pathlib import Path
 
 
-def pct(values, q):
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, round(q / 100 * (len(ordered) - 1)))]
-
-
 def timed(fn, iters: int, warmup: int = 3) -> list[float]:
     for _ in range(warmup):
         fn()
@@ -45,6 +40,7 @@ def main(argv=None) -> int:
 
     from render.backends import onnx_export
     from render.backends.torch_backend import TorchBackend
+    from render.engine import percentile
     from render.model import load_components
 
     comps = load_components("tiny")
@@ -75,8 +71,8 @@ def main(argv=None) -> int:
             ort_ms = timed(lambda: session.run(None, feeds), args.iters)
             diff = abs(session.run(None, feeds)[0] - backend.predict_noise(x, t, e).numpy()).max()
             ratio = statistics.median(torch_ms) / statistics.median(ort_ms)
-            print(f"{batch:>5} | {pct(torch_ms, 50):>8.1f}/{pct(torch_ms, 99):<8.1f} | "
-                  f"{pct(ort_ms, 50):>11.1f}/{pct(ort_ms, 99):<11.1f} | {ratio:>14.2f}x | {diff:.1e}")
+            print(f"{batch:>5} | {percentile(torch_ms, 50):>8.1f}/{percentile(torch_ms, 99):<8.1f} | "
+                  f"{percentile(ort_ms, 50):>11.1f}/{percentile(ort_ms, 99):<11.1f} | {ratio:>14.2f}x | {diff:.1e}")
     return 0
 
 
