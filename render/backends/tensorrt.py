@@ -38,7 +38,6 @@ class TensorRTOptions:
     max_batch: int = 4
     sizes: tuple[tuple[int, int], ...] = ((512, 512),)  # image (height, width) in pixels; first = opt
     precision: str = "fp16"
-    workspace_gib: float = 8.0
     optimization_level: int = 3  # TensorRT's default; lower builds faster, runs a little slower
 
     def __post_init__(self):
@@ -66,7 +65,8 @@ def tensorrt_unavailable_reason() -> str | None:
     try:
         trt = importlib.import_module("tensorrt")
     except (ImportError, OSError) as exc:  # OSError: the wheel is there but its CUDA libraries are not
-        return f"the tensorrt package is not importable ({exc}); install turbonode[tensorrt]"
+        return (f"the tensorrt package is not importable ({exc}); install turbonode[tensorrt] "
+                "(CUDA 12 torch) or turbonode[tensorrt-cu13] (CUDA 13 torch)")
     major = int(str(getattr(trt, "__version__", "0")).split(".")[0] or 0)
     if major < MIN_TRT_MAJOR:
         return f"tensorrt {trt.__version__} is too old (need {MIN_TRT_MAJOR}.x or newer)"
@@ -88,10 +88,11 @@ def unet_profile(options: TensorRTOptions, *, in_channels: int, text_len: int, e
     """min/opt/max shape of each UNet input. Opt is the full batch: speed matters under load."""
     (h0, w0), (h1, w1), (h2, w2) = latent_profile(options, scale)
     b = options.max_batch
+    sample, timestep, ehs = onnx_export.UNET_INPUTS
     return {
-        "sample": ((1, in_channels, h0, w0), (b, in_channels, h1, w1), (b, in_channels, h2, w2)),
-        "timestep": ((1,), (b,), (b,)),
-        "encoder_hidden_states": ((1, text_len, embed_dim), (b, text_len, embed_dim), (b, text_len, embed_dim)),
+        sample: ((1, in_channels, h0, w0), (b, in_channels, h1, w1), (b, in_channels, h2, w2)),
+        timestep: ((1,), (b,), (b,)),
+        ehs: ((1, text_len, embed_dim), (b, text_len, embed_dim), (b, text_len, embed_dim)),
     }
 
 
@@ -157,7 +158,6 @@ def build_serialized_engine(trt, onnx_path: Path, profile: dict[str, tuple[Shape
         errors = "; ".join(str(parser.get_error(i)) for i in range(parser.num_errors))
         raise BackendUnavailable(f"TensorRT cannot parse {onnx_path.name}: {errors}")
     config = builder.create_builder_config()
-    config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_gib * 2**30))
     config.builder_optimization_level = options.optimization_level
     monitor = _progress_monitor(trt)  # held here: the config does not keep the Python object alive
     config.progress_monitor = monitor
@@ -190,15 +190,16 @@ class EngineRunner:
             # Inputs must be contiguous device tensors of the engine's dtype; the caller
             # keeps them alive, and torch's allocator never reuses their memory before the
             # work queued on this stream has run.
-            self.context.set_input_shape(name, tuple(tensor.shape))
+            if not self.context.set_input_shape(name, tuple(tensor.shape)):
+                raise BackendUnavailable(f"input {name} of shape {tuple(tensor.shape)} is outside the engine's profile")
             self.context.set_tensor_address(name, tensor.data_ptr())
         out = {}
-        for name, dtype in self.outputs.items():
-            out[name] = torch.empty(tuple(self.context.get_tensor_shape(name)), dtype=dtype, device=self.device)
-            self.context.set_tensor_address(name, out[name].data_ptr())
-        stream = torch.cuda.current_stream(self.device)
-        if not self.context.execute_async_v3(stream.cuda_stream):
-            raise BackendUnavailable("TensorRT failed to enqueue the engine (see the log)")
+        with torch.cuda.device(self.device):  # TensorRT runs on the calling thread's current device
+            for name, dtype in self.outputs.items():
+                out[name] = torch.empty(tuple(self.context.get_tensor_shape(name)), dtype=dtype, device=self.device)
+                self.context.set_tensor_address(name, out[name].data_ptr())
+            if not self.context.execute_async_v3(torch.cuda.current_stream(self.device).cuda_stream):
+                raise BackendUnavailable("TensorRT failed to enqueue the engine (see the log)")
         return out
 
 
@@ -250,7 +251,10 @@ class EngineFactory:
             export(shadow, onnx_path, shape=shape)
             del shadow
             torch.cuda.empty_cache()
-            return build_serialized_engine(self.trt, onnx_path, profile, self.options, self.logger)
+            try:
+                return build_serialized_engine(self.trt, onnx_path, profile, self.options, self.logger)
+            finally:
+                onnx_path.unlink(missing_ok=True)  # GBs for SD; a rebuild exports afresh
 
         def deserialize(blob: bytes):
             engine = self.runtime.deserialize_cuda_engine(blob)
