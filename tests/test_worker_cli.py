@@ -129,7 +129,12 @@ def test_daemon_ready_sigterm_finishes_running_and_fails_queued(tmp_path):
                              "--control", control], env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
     try:
         assert b"READY=1" in notify.recv(4096)
-        url = re.search(r"http://[\d.]+:\d+", proc.stderr.readline()).group(0)
+        # log lines (e.g. backend auto's fallback notice) may come before the ready line
+        found = None
+        for line in iter(proc.stderr.readline, ""):
+            if found := re.search(r"http://[\d.]+:\d+", line):
+                break
+        url = found.group(0)
         client = ControlClient(control)
         client.call("throttle", paused_tiers=["relax"], reason="keep relax queued", ttl_s=120)
         results = {}
