@@ -83,7 +83,7 @@ def test_miss_builds_stores_and_then_hits(tmp_path, caplog):
     path = cache.path_for(BASE)
     assert path.read_bytes() == b"PLAN:unet"
     assert '"gpu_name":"NVIDIA H200"' in path.with_suffix(".json").read_text()
-    assert any("built unet engine in" in r.message for r in caplog.records)
+    assert any("built the unet engine in" in r.message for r in caplog.records)
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
 
     again = cache.load_or_build(BASE, build, deserialize)

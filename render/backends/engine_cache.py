@@ -101,14 +101,17 @@ class EngineCache:
             log.warning("cached engine %s does not deserialize: rebuilding it", path)
             path.unlink(missing_ok=True)
         self.root.mkdir(parents=True, exist_ok=True)
-        log.info("building %s engine (%s, batch %d..%d, %s) -> %s", key.component, key.precision,
-                 key.min_batch, key.max_batch, ", ".join(f"{h}x{w}" for h, w in key.resolutions), path)
+        # Warning level: the worker serves nothing for the minutes a large engine takes, and
+        # the default log level should say why.
+        log.warning("building the %s engine (%s, batch %d..%d, %s): minutes for a large model -> %s",
+                    key.component, key.precision, key.min_batch, key.max_batch,
+                    ", ".join(f"{h}x{w}" for h, w in key.resolutions), path)
         started = time.monotonic()
         blob = build()
         if not blob:
             raise BackendUnavailable(f"TensorRT could not build the {key.component} engine (see the log above)")
-        log.info("built %s engine in %.1f s (%.1f MiB)", key.component, time.monotonic() - started,
-                 len(blob) / 2**20)
+        log.warning("built the %s engine in %.1f s (%.1f MiB)", key.component, time.monotonic() - started,
+                    len(blob) / 2**20)
         engine = self._try_deserialize(path, blob, deserialize)
         if engine is None:
             raise BackendUnavailable(f"the freshly built {key.component} engine does not deserialize")
