@@ -56,6 +56,7 @@ class EngineSettings:
     queue_limit: dict = field(default_factory=lambda: {"turbo": 32, "fast": 64, "other": 64, "relax": 256})
     min_share: float = 0.1
     policy: policy.Policy = policy.Policy.STEP_PRIORITY
+    co_batch_slack: float = 0.25
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> "EngineSettings":
@@ -95,6 +96,7 @@ class Engine:
         self.step_times: collections.deque = collections.deque(maxlen=RECENT)
         self.queue_waits = {t: collections.deque(maxlen=RECENT) for t in PRIORITY_ORDER}
         self.decode_s_per_image: float | None = None
+        self.step_cost: dict[tuple, float] = {}  # (shape, UNet rows) -> smoothed step seconds
         self.steps_total = 0
         self.heartbeat = clock()
 
@@ -105,7 +107,8 @@ class Engine:
         max_batch = self.settings.max_batch
         if t is not None and t.max_batch is not None:
             max_batch = min(max_batch, t.max_batch)
-        return policy.Limits(max_batch, t.paused_tiers if t else frozenset(), self.settings.min_share)
+        return policy.Limits(max_batch, t.paused_tiers if t else frozenset(), self.settings.min_share,
+                             dict(self.step_cost), self.settings.co_batch_slack)
 
     def steps_for(self, tier: str, requested: int) -> int:
         t = self.throttle.current()
@@ -261,6 +264,9 @@ class Engine:
             self._fail({s.job for s in samples}, self._describe_error("a denoising step", len(samples), exc))
             return
         seconds = self.clock() - t0
+        key = (self._shape(samples[0]), len(noise))
+        old = self.step_cost.get(key)
+        self.step_cost[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
         self.step_times.append(seconds)
         self.steps_total += 1
         if self.metrics is not None:
@@ -348,8 +354,8 @@ class Engine:
 
     def _run_step(self, runnable: list[Sample], limits: policy.Limits) -> bool:
         by_key = {s.key: s for s in runnable}
-        cands = [policy.Candidate(s.key, s.job.tier, self._shape(s), s.job.seq, s.scheduler is not None)
-                 for s in runnable]
+        cands = [policy.Candidate(s.key, s.job.tier, self._shape(s), s.job.seq, s.scheduler is not None,
+                                  2 if s.job.request.cfg else 1) for s in runnable]
         comp = policy.compose_batch(cands, limits, self._credits, self.settings.policy)
         self._credits = comp.credits
         if not comp.keys:

@@ -33,7 +33,7 @@ def test_turbo_joins_at_the_next_step_boundary():
     assert all(tiers_of(e) == ["relax", "relax"] for e in events)
     turbo = engine.submit(req("turbo", steps=2))
     engine.run_once()
-    assert events[-1]["kind"] == "step" and tiers_of(events[-1]) == ["turbo", "relax"]
+    assert events[-1]["kind"] == "step" and tiers_of(events[-1])[0] == "turbo"
     drain(engine, [turbo])
     assert turbo.state is JobState.DONE
     # the turbo job took its 2 steps and its decode back to back: nothing else came between
