@@ -5,6 +5,7 @@ This is not a TensorRT figure (TensorRT needs an NVIDIA GPU; see bench/gpu_check
 says what the export costs and that the exported graph is a working, comparable UNet.
 
     flock /tmp/turbonode-bench.lock python bench/onnx_cpu.py
+    python bench/onnx_cpu.py --sd15     # full-size SD-1.5 fp16 export, checked on onnxruntime
 """
 
 from __future__ import annotations
@@ -28,12 +29,50 @@ def timed(fn, iters: int, warmup: int = 3) -> list[float]:
     return out
 
 
+def sd15_check() -> int:
+    """The graph a TensorRT engine is built from, at full size: the SD-1.5 UNet exported in
+    fp16 (bench/sd15.py, random weights), run on onnxruntime at a small non-square latent
+    with mixed timesteps and compared with the same UNet in fp32 torch. Minutes, ~6 GB RAM."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    from render.backends import onnx_export
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import sd15
+
+    unet = sd15.build_unet("cpu")
+    with tempfile.TemporaryDirectory(prefix="turbonode-onnx-") as tmp:
+        path = Path(tmp) / "unet.onnx"
+        t0 = time.perf_counter()
+        onnx_export.export_unet(unet, path, shape=onnx_export.ExportShape(batch=1, latent_height=16,
+                                                                           latent_width=16))
+        export_s = time.perf_counter() - t0
+        size_gib = sum(f.stat().st_size for f in Path(tmp).iterdir()) / 2**30
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        gen = torch.Generator().manual_seed(0)
+        x, t = torch.randn(2, 4, 16, 24, generator=gen), torch.tensor([999.0, 20.0])
+        e = torch.randn(2, 77, sd15.UNET["cross_attention_dim"], generator=gen)
+        got = session.run(None, {"sample": x.half().numpy(), "timestep": t.numpy(),
+                                 "encoder_hidden_states": e.half().numpy()})[0].astype(np.float32)
+    with torch.no_grad():
+        want = unet.float()(x, t, encoder_hidden_states=e, return_dict=False)[0].numpy()
+    print(f"SD-1.5 UNet fp16 ONNX: export {export_s:.0f} s on CPU, {size_gib:.2f} GiB; onnxruntime batch 2, "
+          f"latent 16x24, timesteps 999/20: max |diff| vs fp32 torch {np.abs(got - want).max():.1e} "
+          f"(outputs up to {np.abs(want).max():.2f})")
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     ap.add_argument("--latent", type=int, default=32, help="latent side (image side / 8)")
     ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--sd15", action="store_true", help=sd15_check.__doc__.split(".")[0])
     args = ap.parse_args(argv)
+    if args.sd15:
+        return sd15_check()
 
     import onnxruntime as ort
     import torch
