@@ -199,3 +199,88 @@ def test_cli_worker_run_backend_tensorrt_without_gpu_is_a_click_error(tmp_path):
     assert result.exit_code == 1, result.output
     assert "Error: tensorrt backend unavailable: torch sees no CUDA GPU" in result.output
     assert "Traceback" not in result.output
+
+
+# ---- engine-build glue, with TensorRT faked (it cannot exist without a GPU) ---------------
+
+class FakeTRT:
+    """Just the TensorRT surface build_serialized_engine touches, recording what it is told."""
+
+    NetworkDefinitionCreationFlag = types.SimpleNamespace(STRONGLY_TYPED=5)
+
+    class IProgressMonitor:
+        def __init__(self):
+            pass
+
+    def __init__(self, parses=True, plan=b"PLAN"):
+        self.parses, self.plan, self.seen = parses, plan, {}
+        fake = self
+
+        class Builder:
+            def __init__(self, logger):
+                pass
+
+            def create_network(self, flags):
+                fake.seen["flags"] = flags
+                return "network"
+
+            def create_builder_config(self):
+                config = types.SimpleNamespace()
+                config.add_optimization_profile = lambda prof: fake.seen.setdefault("profiles", []).append(prof)
+                return config
+
+            def create_optimization_profile(self):
+                shapes = fake.seen.setdefault("shapes", {})
+                return types.SimpleNamespace(set_shape=lambda name, lo, opt, hi: shapes.update({name: (lo, opt, hi)}))
+
+            def build_serialized_network(self, network, config):
+                fake.seen["config"] = config
+                mon = config.progress_monitor
+                mon.phase_start("Building engine", None, 8)
+                mon.phase_start("Timing conv_17", "Building engine", 300)
+                for step in range(8):
+                    assert mon.step_complete("Building engine", step) is True
+                mon.phase_finish("Timing conv_17")
+                mon.phase_finish("Building engine")
+                return fake.plan
+
+        class OnnxParser:
+            num_errors = 0 if parses else 2
+
+            def __init__(self, network, logger):
+                pass
+
+            def parse_from_file(self, path):
+                return fake.parses
+
+            def get_error(self, i):
+                return f"node {i}: unsupported operator"
+
+        self.Builder, self.OnnxParser = Builder, OnnxParser
+
+
+def test_build_uses_a_strongly_typed_network_and_the_profile(tmp_path, caplog):
+    from render.backends.tensorrt import build_serialized_engine
+
+    fake = FakeTRT()
+    opts = TensorRTOptions(cache_dir=tmp_path, max_batch=8, optimization_level=2)
+    profile = unet_profile(opts, in_channels=4, text_len=77, embed_dim=768, scale=8)
+    with caplog.at_level(logging.INFO, logger="render.backends.tensorrt"):
+        assert build_serialized_engine(fake, tmp_path / "unet.onnx", profile, opts, None) == b"PLAN"
+    assert fake.seen["flags"] == 1 << 5
+    assert fake.seen["shapes"] == profile and len(fake.seen["profiles"]) == 1
+    assert fake.seen["config"].builder_optimization_level == 2
+    messages = [r.getMessage() for r in caplog.records]
+    assert "tensorrt build: Building engine (8 steps)" in messages
+    assert "tensorrt build: Building engine 4/8" in messages and "tensorrt build: Building engine 8/8" in messages
+    assert any(m.startswith("tensorrt build: Building engine done in") for m in messages)
+    assert not any("conv_17" in m for m in messages)  # nested phases stay out of the log
+
+
+def test_build_reports_parser_errors_and_empty_plans(tmp_path):
+    from render.backends.tensorrt import build_serialized_engine
+
+    opts = TensorRTOptions(cache_dir=tmp_path)
+    with pytest.raises(BackendUnavailable, match="cannot parse unet.onnx: node 0: unsupported operator; node 1"):
+        build_serialized_engine(FakeTRT(parses=False), tmp_path / "unet.onnx", {}, opts, None)
+    assert build_serialized_engine(FakeTRT(plan=None), tmp_path / "unet.onnx", {}, opts, None) == b""

@@ -15,6 +15,7 @@ from __future__ import annotations
 import copy
 import importlib
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -120,26 +121,28 @@ def _logger(trt):
 
 
 def _progress_monitor(trt):
-    """Logs each top-level build phase and its step count, so a minutes-long build is visible."""
+    """Logs each top-level build phase: its start, every quarter of its steps, its duration."""
 
     class _Progress(trt.IProgressMonitor):
         def __init__(self):
             trt.IProgressMonitor.__init__(self)
-            self.steps: dict[str, int] = {}
+            self.top: dict[str, tuple[int, float]] = {}  # top-level phase -> (steps, start time)
 
         def phase_start(self, phase_name, parent_phase, num_steps):
-            self.steps[phase_name] = num_steps
-            if parent_phase is None:
+            if parent_phase is None:  # nested phases (per-layer tactic timing) would flood the log
+                self.top[phase_name] = (num_steps, time.monotonic())
                 log.info("tensorrt build: %s (%d steps)", phase_name, num_steps)
 
         def step_complete(self, phase_name, step):
-            total = self.steps.get(phase_name, 0)
-            if total >= 10 and (step + 1) % max(1, total // 4) == 0:
+            total = self.top.get(phase_name, (0, 0.0))[0]
+            if total >= 4 and (step + 1) % (total // 4) == 0:
                 log.info("tensorrt build: %s %d/%d", phase_name, step + 1, total)
             return True  # False would cancel the build
 
         def phase_finish(self, phase_name):
-            self.steps.pop(phase_name, None)
+            if phase_name in self.top:
+                log.info("tensorrt build: %s done in %.1f s", phase_name,
+                         time.monotonic() - self.top.pop(phase_name)[1])
 
     return _Progress()
 
