@@ -115,6 +115,20 @@ def test_auto_with_tensorrt_but_a_cpu_device_falls_back(components, gpu_claimed,
         make_backend("tensorrt", components, "cpu")
 
 
+def test_engine_build_failure_is_clear_and_auto_falls_back(components, monkeypatch, caplog):
+    import render.backends.tensorrt as trt_backend
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: out of memory during ONNX export")
+
+    monkeypatch.setattr(trt_backend, "TensorRTBackend", broken)
+    with pytest.raises(BackendUnavailable, match="failed to start: RuntimeError: CUDA error: out of memory"):
+        make_backend("tensorrt", components, "cpu")
+    with caplog.at_level(logging.WARNING, logger="render.backends.select"):
+        assert isinstance(make_backend("auto", components, "cpu"), TorchBackend)
+    assert any("out of memory during ONNX export" in r.message for r in caplog.records)
+
+
 def test_unknown_backend_is_named(components):
     with pytest.raises(BackendUnavailable, match="unknown backend 'onnx'"):
         make_backend("onnx", components, "cpu")

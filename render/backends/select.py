@@ -40,7 +40,12 @@ def _tensorrt(components, dev: torch.device, options) -> Backend:
         from turbonode.config import WorkerConfig
 
         options = TensorRTOptions.from_config(WorkerConfig())
-    return TensorRTBackend(components, dev, options)
+    try:
+        return TensorRTBackend(components, dev, options)
+    except BackendUnavailable:
+        raise
+    except Exception as exc:  # export, build or CUDA failures: a clear message, and auto's fallback
+        raise BackendUnavailable(f"tensorrt backend failed to start: {type(exc).__name__}: {exc}") from exc
 
 
 def make_backend(name: str, components, device: str = "auto", *, tensorrt_options=None) -> Backend:
