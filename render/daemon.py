@@ -67,7 +67,7 @@ class Worker:
                              metrics=self.metrics)
         self.metrics.watch(self.engine)
         defaults = RequestDefaults(cfg.size, self.engine.size_multiple, self.engine.settings.steps,
-                                   self.engine.settings.guidance)
+                                   self.engine.settings.guidance, size_check=self.backend.unsupported_size)
         self.api = Api(self.engine, self.metrics.registry, defaults, components.model_id)
         self.backend_info = {**self.backend.describe(), "model": components.model_id,
                              "fingerprint": components.fingerprint}

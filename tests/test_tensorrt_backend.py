@@ -180,7 +180,7 @@ def test_gpu_vae_engine_matches_torch(engines):
 def test_gpu_size_outside_profile_is_a_clear_error(engines):
     comps, _, trt_backend, _ = engines
     latents, timesteps, ehs = _inputs(1, (64, 64), comps.unet.config.cross_attention_dim)
-    with pytest.raises(BackendUnavailable, match="outside the TensorRT engine's sizes"):
+    with pytest.raises(BackendUnavailable, match="outside what this node's TensorRT engines were built for"):
         trt_backend.predict_noise(latents, timesteps, ehs)
 
 
@@ -298,3 +298,22 @@ def test_build_reports_parser_errors_and_empty_plans(tmp_path):
     with pytest.raises(BackendUnavailable, match="cannot parse unet.onnx: node 0: unsupported operator; node 1"):
         build_serialized_engine(FakeTRT(parses=False), tmp_path / "unet.onnx", {}, opts, None)
     assert build_serialized_engine(FakeTRT(plan=None), tmp_path / "unet.onnx", {}, opts, None) == b""
+
+
+def test_sizes_outside_the_engines_are_a_400_before_queueing(tmp_path):
+    """The TensorRT backend's size limits reach the HTTP API's validation (no failed job, no 5xx)."""
+    from render.backends.tensorrt import TensorRTBackend
+    from render.http_api import BadRequest, RequestDefaults, parse_generation
+
+    opts = TensorRTOptions(cache_dir=tmp_path, sizes=((512, 512), (512, 768)))  # (height, width)
+    backend = types.SimpleNamespace(options=opts, scale=8)  # what unsupported_size reads; no GPU needed
+    check = TensorRTBackend.unsupported_size.__get__(backend)
+    assert check(512, 512) is None and check(512, 640) is None and check(512, 768) is None
+    assert check(768, 512) == ("512x768 is outside what this node's TensorRT engines were built for "
+                               "(512x512 to 768x512; worker.size sets it)")
+    defaults = RequestDefaults(512, 8, {"turbo": 4}, {"turbo": 0.0}, size_check=check)
+    request, _ = parse_generation({"prompt": "a cat", "size": "768x512", "tier": "turbo"}, None, defaults)
+    assert (request.width, request.height) == (768, 512)
+    with pytest.raises(BadRequest) as err:
+        parse_generation({"prompt": "a cat", "size": "512x1024", "tier": "turbo"}, None, defaults)
+    assert err.value.status == 400 and err.value.param == "size" and "TensorRT engines" in err.value.message

@@ -280,14 +280,18 @@ class TensorRTBackend(Backend):
                                       text_len=components.tokenizer.model_max_length, scale=self.scale)
         self.vae = self.engines.vae_decoder(components.vae, components.fingerprint, scale=self.scale)
 
+    def unsupported_size(self, height: int, width: int) -> str | None:
+        (h0, w0), _, (h2, w2) = [(h * self.scale, w * self.scale) for h, w in latent_profile(self.options, self.scale)]
+        if h0 <= height <= h2 and w0 <= width <= w2:
+            return None
+        # WIDTHxHEIGHT, as the API's 'size' is written
+        return (f"{width}x{height} is outside what this node's TensorRT engines were built for "
+                f"({w0}x{h0} to {w2}x{h2}; worker.size sets it)")
+
     def _check_size(self, latents: torch.Tensor) -> None:
-        (h0, w0), _, (h2, w2) = latent_profile(self.options, self.scale)
-        h, w = latents.shape[-2:]
-        if not (h0 <= h <= h2 and w0 <= w <= w2):
-            raise BackendUnavailable(
-                f"image {h * self.scale}x{w * self.scale} is outside the TensorRT engine's sizes "
-                f"({h0 * self.scale}x{w0 * self.scale} .. {h2 * self.scale}x{w2 * self.scale}); "
-                "add it to the configured sizes")
+        reason = self.unsupported_size(latents.shape[-2] * self.scale, latents.shape[-1] * self.scale)
+        if reason:
+            raise BackendUnavailable(reason)
 
     def _chunks(self, n: int):
         step = self.options.max_batch
