@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from turbonode.stats import percentile
 from turbonode.tiers import PRIORITY_ORDER
 
 from . import scheduler as policy
@@ -36,14 +37,6 @@ log = logging.getLogger(__name__)
 
 RECENT = 512          # samples kept for p50/p99 figures
 KEEP_FINISHED = 1024  # terminal jobs kept for GET /v1/jobs/{id}
-
-
-def percentile(values, q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100) of a small sample; None when empty."""
-    data = sorted(values)
-    if not data:
-        return None
-    return data[min(len(data) - 1, max(0, math.ceil(q / 100 * len(data)) - 1))]
 
 
 @dataclass
@@ -68,6 +61,8 @@ class EngineSettings:
 
 
 class Engine:
+    keep_images = 64  # of the finished jobs kept, the newest done ones whose images are still held
+
     def __init__(self, backend, encoder, components, settings: EngineSettings | None = None, *,
                  throttle: ThrottleState | None = None, metrics=None, clock=time.monotonic, wall=time.time,
                  on_event: Callable[[dict], None] | None = None):
@@ -86,6 +81,7 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._jobs: dict[str, Job] = {}                          # every job, live and recent
         self._finished: collections.deque = collections.deque()  # terminal job ids, oldest first
+        self._holding_images: collections.deque = collections.deque()  # done jobs with images, oldest first
         self._active: dict[str, Job] = {}                        # not terminal yet
         self._seq = itertools.count()
         self._credits: dict[str, float] = {}
@@ -107,7 +103,9 @@ class Engine:
         max_batch = self.settings.max_batch
         if t is not None and t.max_batch is not None:
             max_batch = min(max_batch, t.max_batch)
-        return policy.Limits(max_batch, t.paused_tiers if t else frozenset(), self.settings.min_share,
+        # while draining, paused work runs too: shutdown must not wait on a throttle
+        paused = t.paused_tiers if t is not None and self._intake_open else frozenset()
+        return policy.Limits(max_batch, paused, self.settings.min_share,
                              dict(self.step_cost), self.settings.co_batch_slack)
 
     def steps_for(self, tier: str, requested: int) -> int:
@@ -173,6 +171,10 @@ class Engine:
         self._finished.append(job.id)
         while len(self._finished) > KEEP_FINISHED:
             self._jobs.pop(self._finished.popleft(), None)
+        if state is JobState.DONE:
+            self._holding_images.append(job)
+            while len(self._holding_images) > self.keep_images:
+                self._holding_images.popleft().drop_images()
         if job.future.done():  # a waiter cancelled the future itself; nobody listens any more
             pass
         elif state is JobState.DONE:
@@ -265,8 +267,7 @@ class Engine:
             return
         seconds = self.clock() - t0
         key = (self._shape(samples[0]), len(noise))
-        old = self.step_cost.get(key)
-        self.step_cost[key] = seconds if old is None else 0.8 * old + 0.2 * seconds
+        self.step_cost[key] = _smooth(self.step_cost.get(key), seconds)
         self.step_times.append(seconds)
         self.steps_total += 1
         if self.metrics is not None:
@@ -289,14 +290,12 @@ class Engine:
             self._fail({s.job for s in samples}, self._describe_error("decoding", len(samples), exc))
             return
         seconds = self.clock() - t0
-        per_image = seconds / len(samples)
-        self.decode_s_per_image = per_image if self.decode_s_per_image is None else \
-            0.8 * self.decode_s_per_image + 0.2 * per_image
+        self.decode_s_per_image = _smooth(self.decode_s_per_image, seconds / len(samples))
         with self._lock:
             for s, arr in zip(samples, arrays):
                 s.image = arr
                 s.latents = None
-            for job in {s.job for s in samples}:
+            for job in dict.fromkeys(s.job for s in samples):  # in batch order: oldest first
                 if all(x.image is not None for x in job.samples):
                     self._finish(job, JobState.DONE)
         self._emit("decode", samples, seconds)
@@ -475,3 +474,8 @@ class Engine:
             "steps_total": self.steps_total,
             "accepting": self._intake_open,
         }
+
+
+def _smooth(old: float | None, new: float) -> float:
+    """Exponential moving average that starts at the first value."""
+    return new if old is None else 0.8 * old + 0.2 * new

@@ -227,3 +227,28 @@ def test_whole_job_policies_run_in_the_same_engine():
     drain(engine, [relax, turbo])
     order = [tiers_of(e)[0] for e in events if e["kind"] == "step"]
     assert order == ["relax"] * 3 + ["turbo"] * 2  # no preemption: relax finished first
+
+
+def test_only_the_newest_done_jobs_keep_their_images():
+    engine = make_engine()
+    engine.keep_images = 2
+    jobs = [engine.submit(req("turbo", steps=1, seed=i)) for i in range(3)]
+    drain(engine, jobs)
+    assert jobs[0].images_dropped and jobs[0].samples[0].image is None
+    assert "no longer held" in jobs[0].describe(0)["images"]
+    assert all(j.samples[0].image is not None for j in jobs[1:])
+
+
+def test_draining_fails_queued_jobs_and_runs_paused_started_ones():
+    engine = make_engine()
+    running = engine.submit(req("relax", steps=3))
+    engine.run_once()
+    queued = engine.submit(req("relax", steps=3, seed=2))
+    engine.throttle.set(paused_tiers=["relax"], reason="test", ttl_s=600)
+    assert not engine.run_once()
+    engine.close_intake()
+    assert queued.state is JobState.FAILED and "shutting down" in queued.error
+    with pytest.raises(Exception, match="shutting down"):
+        engine.submit(req("turbo"))
+    drain(engine, [running])  # the pause does not hold shutdown back
+    assert running.state is JobState.DONE
