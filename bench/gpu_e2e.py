@@ -53,7 +53,8 @@ def run(args) -> dict:
 
     from render.backends.select import make_backend
     from render.backends.tensorrt import TensorRTOptions
-    from render.engine import Engine, EngineSettings, percentile
+    from render.engine import Engine, EngineSettings
+    from turbonode.stats import percentile
     from render.text_cache import PromptEncoder
 
     if args.model == "tiny":  # the embedded model: checks this script anywhere, CPU included

@@ -97,13 +97,13 @@ def make_step(mode: str, unet, args, device):
 def run_mode(args) -> dict:
     import torch
 
-    from render.engine import percentile
+    from turbonode.stats import percentile
 
     device = torch.device("cuda")
     props = torch.cuda.get_device_properties(device)
     unet = sd15.build_unet(device)
     results = []
-    with torch.inference_mode():
+    with torch.no_grad():  # not inference_mode: torch.compile has had trouble under it
         step, setup_s, info = make_step(args.mode, unet, args, device)
         for batch in args.batches:
             batch_started = time.monotonic()
@@ -113,13 +113,12 @@ def run_mode(args) -> dict:
             torch.cuda.synchronize()
             first_s = time.monotonic() - first
             times = time_calls(step, call_args, args.iters, args.warmup)
-            mean = statistics.fmean(times)
-            results.append({"batch": batch, "mean_ms": mean, "p50_ms": percentile(times, 50), "p99_ms": percentile(times, 99),
+            mean, p50, p99 = statistics.fmean(times), percentile(times, 50), percentile(times, 99)
+            results.append({"batch": batch, "mean_ms": mean, "p50_ms": p50, "p99_ms": p99,
                             "unet_calls_per_s": 1000 / mean, "sample_steps_per_s": batch * 1000 / mean,
                             "first_call_s": first_s, "batch_wall_s": time.monotonic() - batch_started})
             print(f"{args.mode:9s} batch {batch}: {1000 / mean:7.2f} UNet calls/s "
-                  f"(p50 {percentile(times, 50):.2f} ms, p99 {percentile(times, 99):.2f} ms, first call {first_s:.1f} s)",
-                  flush=True)
+                  f"(p50 {p50:.2f} ms, p99 {p99:.2f} ms, first call {first_s:.1f} s)", flush=True)
     return {"mode": args.mode, "gpu": props.name, "compute_capability": f"{props.major}.{props.minor}",
             "torch": torch.__version__, "size": args.size, "iters": args.iters, "setup_s": setup_s,
             "info": info, "results": results}
@@ -175,7 +174,8 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=512, help="image size in pixels (latent = size/8)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--compile-mode", default="default", help="torch.compile mode (max-autotune takes many minutes on this UNet)")
+    ap.add_argument("--compile-mode", default="default",
+                    help="torch.compile mode (max-autotune takes many minutes on this UNet)")
     ap.add_argument("--trt-opt-level", type=int, default=3)
     ap.add_argument("--cache-dir", default="/tmp/turbonode-engines")
     args = ap.parse_args(argv)

@@ -79,7 +79,7 @@ def main(argv=None) -> int:
 
     from render.backends import onnx_export
     from render.backends.torch_backend import TorchBackend
-    from render.engine import percentile
+    from turbonode.stats import percentile
     from render.model import load_components
 
     comps = load_components("tiny")

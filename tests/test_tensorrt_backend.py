@@ -61,7 +61,8 @@ def test_options_reject_bad_values(tmp_path, bad):
 def test_options_from_worker_config():
     cfg = WorkerConfig(max_batch=6, size=768, engine_cache_dir="/tmp/engines")
     opts = TensorRTOptions.from_config(cfg)
-    assert (opts.max_batch, opts.sizes, str(opts.cache_dir), opts.precision) == (6, ((768, 768),), "/tmp/engines", "fp16")
+    assert (opts.max_batch, opts.sizes, str(opts.cache_dir), opts.precision) == \
+        (6, ((768, 768),), "/tmp/engines", "fp16")
 
 
 # ---- availability and selection (this machine has no GPU; the GPU side is simulated) ------
