@@ -47,6 +47,7 @@ class Worker:
         from prometheus_client import CollectorRegistry
 
         from .backends.select import make_backend
+        from .backends.tensorrt import TensorRTOptions
         from .engine import Engine, EngineSettings
         from .gc_telemetry import GcMonitor, freeze_after_load
         from .http_api import Api, RequestDefaults
@@ -57,7 +58,8 @@ class Worker:
         self.cfg = cfg
         torch_threads()
         components = load_components(cfg.model)
-        self.backend = make_backend(cfg.backend, components, cfg.device)
+        self.backend = make_backend(cfg.backend, components, cfg.device,
+                                    tensorrt_options=TensorRTOptions.from_config(cfg))
         encoder = PromptEncoder(components, self.backend.device, self.backend.dtype, cfg.text_cache_size)
         self.metrics = WorkerMetrics(CollectorRegistry())
         overrides = {"policy": policy} if policy is not None else {}
@@ -65,7 +67,7 @@ class Worker:
                              metrics=self.metrics)
         self.metrics.watch(self.engine)
         defaults = RequestDefaults(cfg.size, self.engine.size_multiple, self.engine.settings.steps,
-                                   self.engine.settings.guidance)
+                                   self.engine.settings.guidance, size_check=self.backend.unsupported_size)
         self.api = Api(self.engine, self.metrics.registry, defaults, components.model_id)
         self.backend_info = {**self.backend.describe(), "model": components.model_id,
                              "fingerprint": components.fingerprint}

@@ -19,6 +19,7 @@ import math
 import secrets
 import socket
 from dataclasses import dataclass
+from typing import Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -54,6 +55,7 @@ class RequestDefaults:
     size_multiple: int
     steps: dict
     guidance: dict
+    size_check: Callable[[int, int], str | None] | None = None  # Backend.unsupported_size(height, width)
 
 
 def _int(body: dict, key: str, default, lo: int, hi: int) -> int:
@@ -82,6 +84,9 @@ def _size(value, defaults: RequestDefaults) -> tuple[int, int]:
             raise BadRequest(f"'size' sides must be multiples of {m} between {max(m, MIN_PIXELS)} and {MAX_PIXELS}, "
                              f"got {value!r}",
                              "size")
+    reason = defaults.size_check(height, width) if defaults.size_check else None
+    if reason:
+        raise BadRequest(f"'size' {reason}", "size")
     return width, height
 
 

@@ -8,7 +8,6 @@ from render.engine import EngineSettings
 from render.samplers import SAMPLERS, make_scheduler
 from render.tiny import SCHEDULER_CONFIG
 from turbonode.config import SAMPLER_NAMES, load_config
-from turbonode.errors import ConfigError
 
 
 def test_sampler_names_match_the_config_contract():
@@ -32,16 +31,3 @@ def test_partial_tier_tables_override_only_the_named_tiers(tmp_path):
     assert settings.sampler["relax"] == "ddim" and settings.sampler["turbo"] == "euler_a"
     assert settings.guidance["fast"] == 3 and settings.guidance["turbo"] == 0.0
     assert settings.max_batch == 8 and settings.min_share == 0.2
-
-
-@pytest.mark.parametrize("text,key", [
-    ('[worker]\nsampler = { turbo = "heun9" }\n', "worker.sampler"),
-    ("[worker]\nguidance = { relax = 99 }\n", "worker.guidance"),
-    ("[worker]\ndrain_timeout = 0\n", "worker.drain_timeout"),
-])
-def test_bad_worker_keys_are_named(tmp_path, text, key):
-    path = tmp_path / "bad.toml"
-    path.write_text(text)
-    with pytest.raises(ConfigError) as info:
-        load_config(str(path), env={})
-    assert info.value.key == key

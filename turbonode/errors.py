@@ -40,3 +40,7 @@ class NotRootError(DatapathError):
 
 class BpfUnavailableError(DatapathError):
     """bcc is not importable, kernel headers are missing, or the kernel refused the program."""
+
+
+class BackendUnavailable(TurbonodeError):
+    """The requested model backend cannot run here (no GPU, missing package, engine build failed)."""

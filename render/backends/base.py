@@ -28,6 +28,13 @@ class Backend(ABC):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Unscaled latents [B,C,H,W] -> images [B,3,8H,8W] in [-1, 1]."""
 
+    def unsupported_size(self, height: int, width: int) -> str | None:
+        """Why this backend cannot render height x width pixels, or None (any size, by default).
+
+        The HTTP API asks before queueing, so such a request is a 400, not a failed job.
+        """
+        return None
+
     def describe(self) -> dict:
         """What `status` and the logs say about this backend."""
         return {"name": self.name, "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}

@@ -1,16 +1,23 @@
-"""Choosing a backend: the one place that maps `--backend` to an implementation."""
+"""Choosing a backend: the one place that maps `--backend` to an implementation.
+
+`tensorrt` insists (a clear error where it cannot run); `auto` prefers TensorRT on a CUDA
+GPU with the tensorrt package and otherwise falls back to torch, logging why.
+"""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from turbonode.errors import TurbonodeError
+from turbonode.errors import BackendUnavailable
 
 from .base import Backend
 
+__all__ = ["BACKENDS", "BackendUnavailable", "make_backend", "resolve_device"]
 
-class BackendUnavailable(TurbonodeError):
-    """The requested backend cannot run here (or is not built in)."""
+log = logging.getLogger(__name__)
+BACKENDS = ("auto", "torch", "tensorrt")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -26,13 +33,37 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def make_backend(name: str, components, device: str = "auto") -> Backend:
-    """Build the backend `name` ('auto', 'torch', 'tensorrt') for `components` on `device`."""
-    dev = resolve_device(device)
-    if name in ("auto", "torch"):
-        from .torch_backend import TorchBackend
+def _tensorrt(components, dev: torch.device, options) -> Backend:
+    from .tensorrt import TensorRTBackend, TensorRTOptions
 
-        return TorchBackend(components, dev)
+    if options is None:
+        from turbonode.config import WorkerConfig
+
+        options = TensorRTOptions.from_config(WorkerConfig())
+    try:
+        return TensorRTBackend(components, dev, options)
+    except BackendUnavailable:
+        raise
+    except Exception as exc:  # export, build or CUDA failures: a clear message, and auto's fallback
+        raise BackendUnavailable(f"tensorrt backend failed to start: {type(exc).__name__}: {exc}") from exc
+
+
+def make_backend(name: str, components, device: str = "auto", *, tensorrt_options=None) -> Backend:
+    """Build the backend `name` ('auto', 'torch', 'tensorrt') for `components` on `device`.
+
+    `tensorrt_options` (a render.backends.tensorrt.TensorRTOptions) sets the engines'
+    batch range, sizes and cache; None takes the config defaults.
+    """
+    if name not in BACKENDS:
+        raise BackendUnavailable(f"unknown backend {name!r} (expected {', '.join(BACKENDS)})")
+    dev = resolve_device(device)
     if name == "tensorrt":
-        raise BackendUnavailable("the tensorrt backend is not built into this worker yet; use --backend torch")
-    raise BackendUnavailable(f"unknown backend {name!r} (expected auto, torch or tensorrt)")
+        return _tensorrt(components, dev, tensorrt_options)
+    if name == "auto":
+        try:
+            return _tensorrt(components, dev, tensorrt_options)
+        except BackendUnavailable as exc:
+            log.warning("backend auto: using torch on %s (%s)", dev, exc)
+    from .torch_backend import TorchBackend
+
+    return TorchBackend(components, dev)

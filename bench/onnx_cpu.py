@@ -1,0 +1,119 @@
+"""CPU figures for the TensorRT path's first half: ONNX export time, and one UNet step of the
+exported graph on onnxruntime (CPU) against torch eager (CPU), tiny model, side by side.
+
+This is not a TensorRT figure (TensorRT needs an NVIDIA GPU; see bench/gpu_check.sh). It
+says what the export costs and that the exported graph is a working, comparable UNet.
+
+    flock /tmp/turbonode-bench.lock python bench/onnx_cpu.py
+    python bench/onnx_cpu.py --sd15     # full-size SD-1.5 fp16 export, checked on onnxruntime
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+
+def timed(fn, iters: int, warmup: int = 3) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    out = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1000)
+    return out
+
+
+def sd15_check() -> int:
+    """The graph a TensorRT engine is built from, at full size: the SD-1.5 UNet exported in
+    fp16 (bench/sd15.py, random weights), run on onnxruntime at a small non-square latent
+    with mixed timesteps and compared with the same UNet in fp32 torch. Minutes, ~6 GB RAM."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    from render.backends import onnx_export
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import sd15
+
+    unet = sd15.build_unet("cpu")
+    with tempfile.TemporaryDirectory(prefix="turbonode-onnx-") as tmp:
+        path = Path(tmp) / "unet.onnx"
+        t0 = time.perf_counter()
+        onnx_export.export_unet(unet, path, shape=onnx_export.ExportShape(batch=1, latent_height=16,
+                                                                           latent_width=16))
+        export_s = time.perf_counter() - t0
+        size_gib = sum(f.stat().st_size for f in Path(tmp).iterdir()) / 2**30
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        gen = torch.Generator().manual_seed(0)
+        x, t = torch.randn(2, 4, 16, 24, generator=gen), torch.tensor([999.0, 20.0])
+        e = torch.randn(2, 77, sd15.UNET["cross_attention_dim"], generator=gen)
+        got = session.run(None, {"sample": x.half().numpy(), "timestep": t.numpy(),
+                                 "encoder_hidden_states": e.half().numpy()})[0].astype(np.float32)
+    with torch.no_grad():
+        want = unet.float()(x, t, encoder_hidden_states=e, return_dict=False)[0].numpy()
+    print(f"SD-1.5 UNet fp16 ONNX: export {export_s:.0f} s on CPU, {size_gib:.2f} GiB; onnxruntime batch 2, "
+          f"latent 16x24, timesteps 999/20: max |diff| vs fp32 torch {np.abs(got - want).max():.1e} "
+          f"(outputs up to {np.abs(want).max():.2f})")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    ap.add_argument("--latent", type=int, default=32, help="latent side (image side / 8)")
+    ap.add_argument("--iters", type=int, default=30)
+    ap.add_argument("--sd15", action="store_true", help=sd15_check.__doc__.split(".")[0])
+    args = ap.parse_args(argv)
+    if args.sd15:
+        return sd15_check()
+
+    import onnxruntime as ort
+    import torch
+
+    from render.backends import onnx_export
+    from render.backends.torch_backend import TorchBackend
+    from turbonode.stats import percentile
+    from render.model import load_components
+
+    comps = load_components("tiny")
+    backend = TorchBackend(comps, torch.device("cpu"))
+    with tempfile.TemporaryDirectory(prefix="turbonode-onnx-") as tmp:
+        path = Path(tmp) / "unet.onnx"
+        t0 = time.perf_counter()
+        onnx_export.export_unet(comps.unet, path, shape=onnx_export.ExportShape(latent_height=args.latent,
+                                                                                 latent_width=args.latent))
+        export_s = time.perf_counter() - t0
+        size_mib = path.stat().st_size / 2**20
+        t0 = time.perf_counter()
+        session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        session_s = time.perf_counter() - t0
+        print(f"tiny UNet, CPU ({torch.get_num_threads()} torch threads), latent {args.latent}x{args.latent} "
+              f"({args.latent * 8} px), {args.iters} timed calls; torch {torch.__version__}, "
+              f"onnxruntime {ort.__version__}")
+        print(f"ONNX export {export_s:.2f} s ({size_mib:.1f} MiB), onnxruntime session {session_s:.2f} s")
+        print(f"{'batch':>5} | {'torch p50/p99 ms':>17} | {'onnxruntime p50/p99 ms':>23} | {'ort/torch speed':>15}"
+              f" | max |diff|")
+        for batch in args.batches:
+            gen = torch.Generator().manual_seed(batch)
+            x = torch.randn(batch, 4, args.latent, args.latent, generator=gen)
+            t = torch.linspace(999, 1, batch)
+            e = torch.randn(batch, 77, comps.unet.config.cross_attention_dim, generator=gen)
+            feeds = {"sample": x.numpy(), "timestep": t.numpy(), "encoder_hidden_states": e.numpy()}
+            torch_ms = timed(lambda: backend.predict_noise(x, t, e), args.iters)
+            ort_ms = timed(lambda: session.run(None, feeds), args.iters)
+            diff = abs(session.run(None, feeds)[0] - backend.predict_noise(x, t, e).numpy()).max()
+            ratio = statistics.median(torch_ms) / statistics.median(ort_ms)
+            print(f"{batch:>5} | {percentile(torch_ms, 50):>8.1f}/{percentile(torch_ms, 99):<8.1f} | "
+                  f"{percentile(ort_ms, 50):>11.1f}/{percentile(ort_ms, 99):<11.1f} | {ratio:>14.2f}x | {diff:.1e}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
