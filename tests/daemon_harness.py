@@ -1,0 +1,89 @@
+"""Start turboctl daemons as real subprocesses the way systemd would, and listen to them.
+
+Used by tests/test_service_*.py: a NOTIFY_SOCKET datagram socket in a temp directory stands in
+for systemd's, and promtool checks what the daemons serve on /metrics.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class NotifyListener:
+    """systemd's side of sd_notify: collects the datagrams a daemon sends to NOTIFY_SOCKET."""
+
+    def __init__(self, directory: Path):
+        self.path = str(directory / "notify.sock")
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self.sock.bind(self.path)
+        self.messages: list[str] = []
+
+    def _drain(self, timeout: float) -> None:
+        self.sock.settimeout(timeout)
+        try:
+            while True:
+                data = self.sock.recv(4096).decode()
+                self.messages.extend(line for line in data.split("\n") if line)
+                self.sock.settimeout(0.001)
+        except (socket.timeout, BlockingIOError):
+            pass
+
+    def wait_for(self, message: str, timeout: float, count: int = 1, proc: subprocess.Popen | None = None) -> bool:
+        """True once `message` arrived `count` times; False on timeout or when `proc` exits first."""
+        deadline = time.monotonic() + timeout
+        while self.messages.count(message) < count:
+            left = deadline - time.monotonic()
+            if left <= 0 or (proc is not None and proc.poll() is not None):
+                self._drain(0.05)
+                return self.messages.count(message) >= count
+            self._drain(min(left, 0.2))
+        return True
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def daemon_env(notify: NotifyListener | None = None, watchdog_usec: int | None = None, **extra) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("TURBONODE_", "NOTIFY_", "WATCHDOG_"))}
+    env["PYTHONPATH"] = str(ROOT)
+    env["PYTHONUNBUFFERED"] = "1"
+    if notify:
+        env["NOTIFY_SOCKET"] = notify.path
+    if watchdog_usec:
+        env["WATCHDOG_USEC"] = str(watchdog_usec)
+    env.update(extra)
+    return env
+
+
+def turboctl_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "agent.cli", *args]
+
+
+def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
+    """SIGTERM, wait; SIGKILL only if it does not exit (a test failure either way)."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+            raise AssertionError(f"pid {proc.pid} ignored SIGTERM for {timeout}s") from None
+    return proc.returncode
+
+
+def promtool_check(text: str) -> subprocess.CompletedProcess:
+    """`promtool check metrics` on an exposition; returncode 0 means no lint problem."""
+    return subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, text=True, timeout=30)
+
+
+PROMTOOL_SKIP = None if shutil.which("promtool") else "promtool not installed (Debian package prometheus)"
