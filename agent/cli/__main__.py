@@ -1,5 +1,5 @@
-"""`python -m agent.cli`: turboctl without the console script (tests start daemons this way)."""
+"""`python -m agent.cli` = turboctl (tests run the CLI this way in subprocesses)."""
 
 from . import main
 
-main(prog_name="turboctl")
+main()
