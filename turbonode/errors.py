@@ -24,3 +24,19 @@ class ControlError(TurbonodeError):
         super().__init__(message)
         self.code = code
         self.data = data
+
+
+class DatapathError(TurbonodeError):
+    """The QoS datapath (HTB tree, classifier, pinned maps) could not be set up or read."""
+
+
+class NoDeviceError(DatapathError):
+    """The named interface or network namespace does not exist."""
+
+
+class NotRootError(DatapathError):
+    """The operation needs root (CAP_NET_ADMIN, CAP_BPF)."""
+
+
+class BpfUnavailableError(DatapathError):
+    """bcc is not importable, kernel headers are missing, or the kernel refused the program."""

@@ -1,0 +1,127 @@
+"""Compile bpf/classifier.c with bcc, fill its pinned maps, attach it as the filter on 1:.
+
+Compiling needs bcc and LLVM (~130 MB resident that never goes back to the OS), so the
+datapath runs this in a short-lived child process (`python -m tc.classifier`): the caller
+stays small, and the tc filter's own reference keeps the program running after the child
+exits. The child reports one JSON line: {"prog_id": N} or {"error": kind, "message": ...}.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+
+from turbonode.errors import BpfUnavailableError, DatapathError, NoDeviceError, NotRootError
+from turbonode.tiers import BY_NAME, DEFAULT_TIER, TIERS
+
+from . import bpfobj
+from .tree import Tree
+
+NTIERS = len(TIERS)
+COUNTER_SLOTS = NTIERS + 1         # the last slot counts frames that could not be parsed
+_ERRORS = {"bpf": BpfUnavailableError, "device": NoDeviceError, "root": NotRootError, "datapath": DatapathError}
+
+
+def prog_name() -> str:
+    """TCA_BPF_NAME of our filter: names the source version, so a re-apply can tell whether
+    the attached program is current (skip the compile) or must be swapped."""
+    from bpf import source
+
+    with open(source("classifier.c"), "rb") as f:
+        digest = hashlib.sha256(f.read() + repr([(t.index, t.class_minor) for t in TIERS]).encode())
+    return f"turbonode_{digest.hexdigest()[:12]}"
+
+
+def pin_paths(pin_dir: str) -> dict[str, str]:
+    return {name: os.path.join(pin_dir, name) for name in ("dscp_map", "tier_minor", "counters")}
+
+
+def write_tables(pin_dir: str, dscp_table, tier_minors) -> None:
+    """Program the pinned maps. Minors before DSCPs: a DSCP never points at an unset tier."""
+    paths = pin_paths(pin_dir)
+    bpfobj.write_u32_array(paths["tier_minor"], tier_minors)
+    bpfobj.write_u32_array(paths["dscp_map"], dscp_table)
+
+
+def _prog_id(fd: int) -> int:
+    with open(f"/proc/self/fdinfo/{fd}") as f:
+        for line in f:
+            if line.startswith("prog_id:"):
+                return int(line.split(":")[1])
+    raise DatapathError("kernel did not report the classifier's program id")
+
+
+def load_and_attach(dev: str, netns: str | None, pin_dir: str, dscp_table, tier_minors) -> int:
+    """In this process: compile, load, fill maps, replace the filter. Returns the program id."""
+    from .netlink import Link  # noqa: PLC0415 (open the device before spending 0.4 s compiling)
+    from bpf import source
+
+    with Link(dev, netns) as link:
+        try:
+            from bcc import BPF
+        except ImportError:
+            raise BpfUnavailableError("bcc Python bindings not importable: install python3-bpfcc "
+                                      "(scripts/setup.sh) and use a venv with system site packages") from None
+        os.makedirs(pin_dir, exist_ok=True)
+        default = BY_NAME[DEFAULT_TIER]
+        cflags = [f'-DPIN_DIR="{pin_dir}"', f"-DNTIERS={NTIERS}", f"-DDEFAULT_TIER={default.index}",
+                  f"-DDEFAULT_MINOR={default.class_minor:#x}"]
+        try:
+            b = BPF(src_file=source("classifier.c"), cflags=cflags)
+            fn = b.load_func("classify", BPF.SCHED_CLS)
+        except Exception as exc:  # bcc raises bare Exception for compile and load failures
+            raise BpfUnavailableError(f"could not build the classifier: {exc}") from None
+        write_tables(pin_dir, dscp_table, tier_minors)
+        link.replace_bpf_filter(fn.fd, prog_name())
+        return _prog_id(fn.fd)
+
+
+def _headers_hint(stderr: str) -> str:
+    if "kernel headers" in stderr or "linux/" in stderr and "file not found" in stderr:
+        return ("no kernel headers for bcc: install linux-headers-$(uname -r) or run scripts/setup.sh "
+                "(links the generic headers)")
+    return ""
+
+
+def attach_in_child(dev: str, netns: str | None, pin_dir: str, tree: Tree, timeout: float = 60) -> int:
+    """Run load_and_attach in a child process; return the program id or raise its error."""
+    request = {"dev": dev, "netns": netns, "pin_dir": pin_dir,
+               "dscp_table": list(tree.dscp_table), "tier_minors": list(tree.tier_minors)}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    try:
+        proc = subprocess.run([sys.executable, "-m", "tc.classifier"], input=json.dumps(request),
+                              capture_output=True, text=True, timeout=timeout, env=env)
+    except subprocess.TimeoutExpired:
+        raise DatapathError(f"loading the classifier took longer than {timeout:.0f} s") from None
+    lines = proc.stdout.strip().splitlines()
+    try:
+        reply = json.loads(lines[-1])
+    except (IndexError, ValueError):
+        hint = _headers_hint(proc.stderr)
+        tail = proc.stderr.strip().splitlines()[-3:]
+        raise BpfUnavailableError(hint or f"classifier loader failed: {' | '.join(tail)}") from None
+    if "error" in reply:
+        hint = _headers_hint(proc.stderr) if reply["error"] == "bpf" else ""
+        raise _ERRORS.get(reply["error"], DatapathError)(hint or reply["message"])
+    return int(reply["prog_id"])
+
+
+def _main() -> int:
+    req = json.loads(sys.stdin.read())
+    kinds = {v: k for k, v in _ERRORS.items()}
+    try:
+        prog_id = load_and_attach(req["dev"], req["netns"], req["pin_dir"], req["dscp_table"], req["tier_minors"])
+    except DatapathError as exc:
+        kind = next((kinds[c] for c in type(exc).__mro__ if c in kinds), "datapath")
+        print(json.dumps({"error": kind, "message": str(exc)}))
+        return 1
+    print(json.dumps({"prog_id": prog_id}))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

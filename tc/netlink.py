@@ -1,0 +1,232 @@
+"""Thin pyroute2 edge for tc: one interface in one network namespace.
+
+Only this module talks rtnetlink. Every NetlinkError/OSError becomes a turbonode.errors
+exception that names the device and the operation.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+from dataclasses import dataclass
+
+from pyroute2 import IPRoute
+from pyroute2.netlink.exceptions import NetlinkError
+
+from turbonode.errors import DatapathError, NoDeviceError, NotRootError
+
+from .tree import FILTER_HANDLE, FILTER_PRIO, ROOT_HANDLE, HtbClass, fmt_handle
+
+ETH_P_ALL = 0x0003
+TC_H_ROOT = 0xFFFFFFFF
+# pyroute2 warns on every fq_codel parameter ("naming will change"); the names are pinned here.
+logging.getLogger("pyroute2.netlink.rtnl.tcmsg.sched_fq_codel").setLevel(logging.ERROR)
+
+
+class UnsupportedKind(DatapathError):
+    """The kernel has no qdisc of that kind (not built, module not loadable)."""
+
+
+@dataclass(frozen=True)
+class Qdisc:
+    kind: str
+    handle: int
+    parent: int
+    limit: int | None = None
+    defcls: int | None = None
+
+
+@dataclass(frozen=True)
+class ClassState:
+    handle: int
+    parent: int
+    rate_bps: int
+    ceil_bps: int
+    prio: int
+    quantum: int
+    bytes: int
+    packets: int
+    drops: int
+    backlog_bytes: int
+    backlog_packets: int
+    borrows: int
+    lends: int
+
+
+@dataclass(frozen=True)
+class FilterState:
+    kind: str
+    parent: int
+    prio: int
+    handle: int
+    name: str | None
+    prog_id: int | None
+    classid: int | None
+    direct_action: bool
+
+
+def _root_check() -> None:
+    if os.geteuid() != 0:
+        raise NotRootError("turbonode's datapath needs root (tc and bpf need CAP_NET_ADMIN and CAP_BPF)")
+
+
+class Link:
+    """rtnetlink for tc on device `dev` inside named netns `netns` (None: this process's own)."""
+
+    def __init__(self, dev: str, netns: str | None = None):
+        _root_check()
+        self.dev = dev
+        self.netns = netns
+        where = f" in netns {netns}" if netns else ""
+        self.where = f"{dev}{where}"
+        if netns and not os.path.exists(f"/run/netns/{netns}"):
+            raise NoDeviceError(f"unknown network namespace {netns!r} (no /run/netns/{netns})")
+        try:
+            # flags=0: never create the namespace as a side effect of opening it.
+            self.ipr = IPRoute(netns=netns, flags=0) if netns else IPRoute()
+        except (OSError, NetlinkError) as exc:
+            raise self._error("open rtnetlink", exc) from None
+        try:
+            found = self.ipr.link_lookup(ifname=dev)
+        except (OSError, NetlinkError) as exc:
+            self.close()
+            raise self._error("look up device", exc) from None
+        if not found:
+            self.close()
+            raise NoDeviceError(f"unknown device {self.where}")
+        self.ifindex = found[0]
+
+    def close(self) -> None:
+        self.ipr.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _error(self, what: str, exc: Exception) -> DatapathError:
+        code = getattr(exc, "code", None) or getattr(exc, "errno", None) or 0
+        msg = f"{what} on {self.where}: {os.strerror(code) if code else exc}"
+        if code in (errno.EPERM, errno.EACCES):
+            return NotRootError(msg + " (needs root)")
+        if code == errno.ENODEV:
+            return NoDeviceError(f"unknown device {self.where}")
+        return DatapathError(msg)
+
+    def _tc(self, what: str, *args, **kw):
+        try:
+            return self.ipr.tc(*args, **kw)
+        except (OSError, NetlinkError) as exc:
+            raise self._error(what, exc) from None
+
+    def _dump(self, what: str, method: str, **kw) -> list:
+        try:
+            return list(getattr(self.ipr, method)(index=self.ifindex, **kw))
+        except (OSError, NetlinkError) as exc:
+            raise self._error(what, exc) from None
+
+    # ---- qdiscs ---------------------------------------------------------------------
+
+    def qdiscs(self) -> list[Qdisc]:
+        out = []
+        for msg in self._dump("dump qdiscs", "get_qdiscs"):
+            if msg["index"] != self.ifindex:
+                continue
+            opts = msg.get_attr("TCA_OPTIONS")
+            limit = defcls = None
+            if opts is not None:
+                kind = msg.get_attr("TCA_KIND")
+                if kind == "htb":
+                    init = opts.get_attr("TCA_HTB_INIT")
+                    defcls = init["defcls"] if init else None
+                elif kind == "fq_codel":
+                    limit = opts.get_attr("TCA_FQ_CODEL_LIMIT")
+                elif kind in ("pfifo", "bfifo"):
+                    limit = opts.get("limit") if hasattr(opts, "get") else None
+            out.append(Qdisc(msg.get_attr("TCA_KIND"), msg["handle"], msg["parent"], limit, defcls))
+        return out
+
+    def root_qdisc(self) -> Qdisc | None:
+        for q in self.qdiscs():
+            if q.parent == TC_H_ROOT:
+                return q
+        return None
+
+    def replace_htb_root(self, default_minor: int) -> None:
+        self._tc("replace the root qdisc with htb 1:", "replace", "htb", self.ifindex, ROOT_HANDLE,
+                 parent=TC_H_ROOT, default=default_minor)
+
+    def delete_root(self) -> None:
+        self._tc("delete the root qdisc", "del", index=self.ifindex, parent=TC_H_ROOT)
+
+    def replace_leaf(self, kind: str, parent: int, handle: int, limit: int) -> None:
+        params = {"fqc_limit": limit} if kind == "fq_codel" else {"limit": limit}
+        try:
+            self.ipr.tc("replace", kind, self.ifindex, handle, parent=parent, **params)
+        except NetlinkError as exc:
+            # ENOENT/EOPNOTSUPP: this kernel has no such qdisc (fq_codel is not always built).
+            if exc.code in (errno.ENOENT, errno.EOPNOTSUPP):
+                raise UnsupportedKind(f"no {kind} qdisc in this kernel") from None
+            raise self._error(f"replace leaf {kind} {fmt_handle(handle)}", exc) from None
+
+    # ---- HTB classes ----------------------------------------------------------------
+
+    def replace_class(self, c: HtbClass) -> None:
+        self._tc(f"replace class {fmt_handle(c.handle)}", "replace-class", "htb", self.ifindex, c.handle,
+                 parent=c.parent, rate=c.rate_bps // 8, ceil=c.ceil_bps // 8, prio=c.prio,
+                 burst=c.burst, cburst=c.cburst, quantum=c.quantum)
+
+    def delete_class(self, handle: int) -> None:
+        self._tc(f"delete class {fmt_handle(handle)}", "del-class", "htb", self.ifindex, handle)
+
+    def classes(self) -> list[ClassState]:
+        out = []
+        for msg in self._dump("dump classes", "get_classes"):
+            if msg["index"] != self.ifindex or msg.get_attr("TCA_KIND") != "htb":
+                continue
+            parms = msg.get_nested("TCA_OPTIONS", "TCA_HTB_PARMS") or {}
+            opts = msg.get_attr("TCA_OPTIONS")
+            rate64 = opts.get_attr("TCA_HTB_RATE64") if opts else None
+            ceil64 = opts.get_attr("TCA_HTB_CEIL64") if opts else None
+            stats2 = msg.get_attr("TCA_STATS2")
+            basic = stats2.get_attr("TCA_STATS_BASIC") if stats2 else None
+            queue = stats2.get_attr("TCA_STATS_QUEUE") if stats2 else None
+            app = stats2.get_attr("TCA_STATS_APP") if stats2 else None
+            out.append(ClassState(
+                handle=msg["handle"], parent=msg["parent"],
+                rate_bps=8 * (rate64 or parms.get("rate", 0)),
+                ceil_bps=8 * (ceil64 or parms.get("ceil", 0)),
+                prio=parms.get("prio", 0), quantum=parms.get("quantum", 0),
+                bytes=basic["bytes"] if basic else 0, packets=basic["packets"] if basic else 0,
+                drops=queue["drops"] if queue else 0, backlog_bytes=queue["backlog"] if queue else 0,
+                backlog_packets=queue["qlen"] if queue else 0,
+                borrows=app["borrows"] if app else 0, lends=app["lends"] if app else 0,
+            ))
+        return out
+
+    # ---- the classifier filter ------------------------------------------------------
+
+    def replace_bpf_filter(self, prog_fd: int, name: str) -> None:
+        """Attach (or atomically swap) the classifier on 1: at a fixed prio/handle."""
+        self._tc("attach the classifier", "replace-filter", "bpf", self.ifindex, FILTER_HANDLE,
+                 parent=ROOT_HANDLE, prio=FILTER_PRIO, protocol=ETH_P_ALL, fd=prog_fd, name=name,
+                 classid=ROOT_HANDLE, direct_action=True)
+
+    def filters(self, parent: int = ROOT_HANDLE) -> list[FilterState]:
+        out = []
+        for msg in self._dump("dump filters", "get_filters", parent=parent):
+            kind = msg.get_attr("TCA_KIND")
+            opts = msg.get_attr("TCA_OPTIONS")
+            if kind is None or (kind == "bpf" and opts is None):
+                continue  # the per-prio chain header the kernel dumps before the filters
+            flags = opts.get_attr("TCA_BPF_FLAGS") if kind == "bpf" else 0
+            out.append(FilterState(
+                kind=kind, parent=msg["parent"], prio=msg["info"] >> 16, handle=msg["handle"],
+                name=opts.get_attr("TCA_BPF_NAME") if kind == "bpf" else None,
+                prog_id=opts.get_attr("TCA_BPF_ID") if kind == "bpf" else None,
+                classid=opts.get_attr("TCA_BPF_CLASSID") if kind == "bpf" else None,
+                direct_action=bool((flags or 0) & 1),
+            ))
+        return out

@@ -1,0 +1,148 @@
+"""Pure model of the HTB tree turbonode wants on an interface (no I/O).
+
+    1: htb default 1:<other>
+    └─ 1:1 root class, rate = ceil = link
+       ├─ 1:10 turbo  prio 0  ├─ 1:20 fast  prio 1  ├─ 1:30 other prio 2  └─ 1:40 relax prio 3
+       each with a bounded leaf qdisc <minor>:0 (fq_codel where the kernel has it, else pfifo)
+
+Rates are bits per second in the model and bytes per second on the wire (HTB's unit).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from turbonode.rates import format_rate
+from turbonode.tiers import BY_NAME, DEFAULT_TIER, TIERS, full_dscp_map
+
+ROOT_HANDLE = 0x10000        # qdisc 1:
+ROOT_CLASS = 0x10001         # class 1:1
+FILTER_PRIO = 1
+FILTER_HANDLE = 1
+MTU = 1514                   # Ethernet frame without FCS
+HTB_QUANTUM_MIN = 1000       # HTB warns "quantum is small" below this
+HTB_QUANTUM_MAX = 200000     # ... and "quantum is big" above
+BURST_TIME_S = 0.001         # token bucket depth: 1 ms at the class's rate (tc's default at HZ=1000)
+LEAF_KINDS = ("fq_codel", "pfifo")  # preference order; the kernel decides which exists
+
+
+def class_handle(minor: int) -> int:
+    return ROOT_HANDLE | minor
+
+
+def leaf_handle(minor: int) -> int:
+    """The leaf qdisc under class 1:<minor> gets handle <minor>:0."""
+    return minor << 16
+
+
+def fmt_handle(handle: int) -> str:
+    return f"{handle >> 16:x}:{handle & 0xffff:x}"
+
+
+@dataclass(frozen=True)
+class HtbClass:
+    tier: str | None      # None for the root class 1:1
+    minor: int
+    parent: int           # parent class handle (1:1) or the qdisc handle (1:) for the root class
+    rate_bps: int
+    ceil_bps: int
+    prio: int
+    burst: int            # bytes
+    cburst: int           # bytes
+    quantum: int          # bytes
+
+    @property
+    def handle(self) -> int:
+        return class_handle(self.minor)
+
+
+@dataclass(frozen=True)
+class Leaf:
+    tier: str
+    parent: int           # class handle
+    handle: int
+    limit: int            # packets
+
+
+@dataclass(frozen=True)
+class Tree:
+    rate_bps: int
+    default_minor: int
+    classes: tuple[HtbClass, ...]
+    leaves: tuple[Leaf, ...]
+    dscp_table: tuple[int, ...]           # 64 entries: DSCP -> tier index
+    tier_minors: tuple[int, ...]          # tier index -> class minor
+
+    def tier_class(self, name: str) -> HtbClass:
+        for c in self.classes:
+            if c.tier == name:
+                return c
+        raise KeyError(name)
+
+
+def burst_bytes(rate_bps: int) -> int:
+    """Token bucket depth: BURST_TIME_S at `rate`, never less than two full frames."""
+    return max(int(rate_bps / 8 * BURST_TIME_S), 2 * MTU)
+
+
+def quantum_bytes(rate_bps: int) -> int:
+    """DRR quantum sized from the rate (rate/r2q with r2q=10) but clamped so HTB never warns
+    and a quantum always covers a full frame."""
+    return min(max(rate_bps // 8 // 10, MTU, HTB_QUANTUM_MIN), HTB_QUANTUM_MAX)
+
+
+def htb_class(tier: str | None, minor: int, parent: int, rate_bps: int, ceil_bps: int, prio: int) -> HtbClass:
+    return HtbClass(tier, minor, parent, rate_bps, ceil_bps, prio,
+                    burst_bytes(rate_bps), burst_bytes(ceil_bps), quantum_bytes(rate_bps))
+
+
+def build_tree(rate_bps: int, rate_pct: dict[str, int] | None = None, ceil_pct: dict[str, int] | None = None,
+               leaf_limit: int = 1000, dscp: dict[int, str] | None = None) -> Tree:
+    """The desired tree for a link of `rate_bps`, tier shares from the tier table with
+    per-tier percent overrides. Raises ValueError naming the bad value."""
+    if rate_bps <= 0:
+        raise ValueError(f"link rate must be positive, got {rate_bps}")
+    if leaf_limit <= 0:
+        raise ValueError(f"leaf_limit must be positive, got {leaf_limit}")
+    rate_pct = {t.name: t.rate_pct for t in TIERS} | (rate_pct or {})
+    ceil_pct = {t.name: t.ceil_pct for t in TIERS} | (ceil_pct or {})
+    for name in (*rate_pct, *ceil_pct):
+        if name not in BY_NAME:
+            raise ValueError(f"unknown tier {name!r}")
+    total = sum(rate_pct.values())
+    if total > 100:
+        raise ValueError(f"guaranteed rates add up to {total}% of the link (at most 100%)")
+    classes = [htb_class(None, 1, ROOT_HANDLE, rate_bps, rate_bps, 0)]
+    leaves = []
+    for t in TIERS:
+        if not rate_pct[t.name] > 0:
+            raise ValueError(f"rate_pct.{t.name}: must be positive")
+        if ceil_pct[t.name] < rate_pct[t.name]:
+            raise ValueError(f"ceil_pct.{t.name} ({ceil_pct[t.name]}%) is below its rate_pct ({rate_pct[t.name]}%)")
+        if ceil_pct[t.name] > 100:
+            raise ValueError(f"ceil_pct.{t.name} ({ceil_pct[t.name]}%) exceeds the link")
+        rate = max(rate_bps * rate_pct[t.name] // 100, 8)  # HTB needs a non-zero rate
+        ceil = max(rate_bps * ceil_pct[t.name] // 100, rate)
+        classes.append(htb_class(t.name, t.class_minor, ROOT_CLASS, rate, ceil, t.prio))
+        leaves.append(Leaf(t.name, class_handle(t.class_minor), leaf_handle(t.class_minor), leaf_limit))
+    return Tree(
+        rate_bps=rate_bps,
+        default_minor=BY_NAME[DEFAULT_TIER].class_minor,
+        classes=tuple(classes),
+        leaves=tuple(leaves),
+        dscp_table=tuple(full_dscp_map(dscp)),
+        tier_minors=tuple(t.class_minor for t in sorted(TIERS, key=lambda t: t.index)),
+    )
+
+
+def with_rate(tree: Tree, tier: str, rate_bps: int, ceil_bps: int | None = None) -> HtbClass:
+    """The class for `tier` with a new rate/ceil (ceil defaults to the current one, at least rate)."""
+    old = tree.tier_class(tier)
+    ceil = max(ceil_bps if ceil_bps is not None else old.ceil_bps, rate_bps)
+    if rate_bps <= 0:
+        raise ValueError("rate must be positive")
+    if ceil > tree.rate_bps:
+        raise ValueError(f"ceil {format_rate(ceil)} exceeds the link rate {format_rate(tree.rate_bps)}")
+    if ceil_bps is not None and ceil_bps < rate_bps:
+        raise ValueError(f"ceil {format_rate(ceil_bps)} is below rate {format_rate(rate_bps)}")
+    return htb_class(tier, old.minor, old.parent, rate_bps, ceil, old.prio)
