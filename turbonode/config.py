@@ -134,11 +134,67 @@ class AgentConfig:
     dry_run: bool = opt(False, help="log what the policy would do; change nothing")
 
 
+LEVELS = ("normal", "pressured", "degraded", "critical")
+_ACTION_KEYS = ("relax_ceil_pct", "max_batch", "paused_tiers", "step_caps", "shed_tiers")
+
+
+def level_actions(v):
+    """Per degradation level, what the agent does; turbo is never throttled."""
+    for level, acts in v.items():
+        if level not in LEVELS[1:]:
+            raise ValueError(f"unknown level {level!r} (expected one of {', '.join(LEVELS[1:])})")
+        if not isinstance(acts, dict):
+            raise ValueError(f"{level}: expected a table, got {acts!r}")
+        for k, x in acts.items():
+            where = f"{level}.{k}"
+            if k not in _ACTION_KEYS:
+                raise ValueError(f"{where}: unknown action (known: {', '.join(_ACTION_KEYS)})")
+            if k == "relax_ceil_pct" and not (isinstance(x, int) and 0 < x <= 100):
+                raise ValueError(f"{where}: must be an integer percent 1..100, got {x!r}")
+            if k == "max_batch" and not (isinstance(x, int) and x > 0):
+                raise ValueError(f"{where}: must be a positive integer, got {x!r}")
+            if k in ("paused_tiers", "shed_tiers", "step_caps"):
+                names = list(x) if isinstance(x, (list, dict)) else None
+                if names is None:
+                    raise ValueError(f"{where}: expected {'a table' if k == 'step_caps' else 'an array'}, got {x!r}")
+                try:
+                    tier_list(names)
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {exc}") from None
+                if "turbo" in names:
+                    raise ValueError(f"{where}: turbo is never throttled")
+                if k == "step_caps" and not all(isinstance(n, int) and n > 0 for n in x.values()):
+                    raise ValueError(f"{where}: step caps must be positive integers")
+
+
+@dataclass
+class PolicyConfig:
+    enter_samples: int = opt(3, positive, "samples above an enter threshold before escalating")
+    exit_samples: int = opt(12, positive, "samples below every exit threshold before stepping down")
+    min_change_interval: float = opt(1.0, positive, "seconds between two level changes")
+    cpu_load_enter: float = opt(0.75, fraction, "CPU busy fraction (incl. softirq, steal) that escalates")
+    cpu_load_exit: float = opt(0.70, fraction, "CPU busy fraction counted as healthy")
+    gc_pause_enter: float = opt(0.005, positive, "worker GC pause (s) that escalates")
+    gc_pause_exit: float = opt(0.001, positive, "worker GC pause (s) counted as healthy")
+    netrx_latency_enter: float = opt(200e-6, positive, "NET_RX softirq raise-to-run p99 (s) that escalates")
+    netrx_latency_exit: float = opt(50e-6, positive, "NET_RX softirq latency p99 (s) counted as healthy")
+    turbo_wait_enter: float = opt(0.5, positive, "turbo queue wait budget (s); above it escalates")
+    turbo_wait_exit: float = opt(0.25, positive, "turbo queue wait (s) counted as healthy")
+    psi_trigger_us: int = opt(100000, positive, "PSI trigger: stall microseconds per 1 s window that wakes the sampler")
+    actions: dict = opt({
+        "pressured": {"relax_ceil_pct": 50, "max_batch": 2},
+        "degraded": {"relax_ceil_pct": 25, "max_batch": 2, "paused_tiers": ["relax"], "step_caps": {"fast": 8}},
+        "critical": {"relax_ceil_pct": 10, "max_batch": 1, "paused_tiers": ["relax"], "step_caps": {"fast": 6},
+                     "shed_tiers": ["relax"]},
+    }, level_actions, "what each level does (relax_ceil_pct, max_batch, paused_tiers, step_caps, shed_tiers)")
+
+
 @dataclass
 class Config:
     qos: QosConfig = field(default_factory=QosConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
 
 
 # ---- loading -------------------------------------------------------------------------

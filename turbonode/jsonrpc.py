@@ -122,8 +122,8 @@ def read_line(sock_file, limit: int = MAX_REQUEST_BYTES) -> bytes | None:
 class ControlClient:
     """Synchronous client for the worker's control socket (used by the agent and turboctl)."""
 
-    def __init__(self, path: str = DEFAULT_SOCKET, timeout: float = 2.0):
-        self.path, self.timeout = path, timeout
+    def __init__(self, path: str = DEFAULT_SOCKET, timeout: float = 2.0, peer: str = "worker"):
+        self.path, self.timeout, self.peer = path, timeout, peer  # peer names the server in errors
         self._next_id = 0
 
     def call(self, method: str, **params) -> Any:
@@ -137,19 +137,19 @@ class ControlClient:
                 with sock.makefile("rb") as f:
                     line = f.readline(16 * MAX_REQUEST_BYTES)
         except FileNotFoundError:
-            raise ControlError(f"worker control socket {self.path} does not exist (is the worker running?)") from None
+            raise ControlError(f"{self.peer} control socket {self.path} does not exist (is the {self.peer} running?)") from None
         except PermissionError:
             raise ControlError(f"no permission to connect to {self.path} (need the turbonode group or root)") from None
         except ConnectionRefusedError:
-            raise ControlError(f"worker control socket {self.path} refused the connection (worker not running?)") from None
+            raise ControlError(f"{self.peer} control socket {self.path} refused the connection ({self.peer} not running?)") from None
         except OSError as exc:
             raise ControlError(f"control socket {self.path}: {exc.strerror or exc}") from None
         if not line:
-            raise ControlError(f"worker closed {self.path} without answering {method}")
+            raise ControlError(f"{self.peer} closed {self.path} without answering {method}")
         try:
             resp = json.loads(line)
         except ValueError as exc:
-            raise ControlError(f"worker sent an unreadable answer to {method}: {exc}") from None
+            raise ControlError(f"{self.peer} sent an unreadable answer to {method}: {exc}") from None
         if "error" in resp:
             err = resp["error"]
             raise ControlError(f"{method}: {err.get('message')}", err.get("code"), err.get("data"))

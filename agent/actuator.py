@@ -1,0 +1,97 @@
+"""Enforces the policy's actions: the worker throttle (renewed before its TTL runs out) and
+the relax class's HTB ceil. Idempotent per sample; I/O failures are reported, retried on
+the next sample, and never raise into the loop. In dry-run it only logs what it would do.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from dataclasses import dataclass, field
+
+from turbonode.errors import ControlError, TurbonodeError
+from turbonode.jsonrpc import ControlClient
+
+from .policy import Actions
+
+log = logging.getLogger("turbonode.agent")
+
+RENEW_FRACTION = 1 / 3   # renew after a third of the TTL: two more tries before it expires
+
+
+@dataclass
+class Actuator:
+    worker: ControlClient | None
+    ttl_s: float = 3.0
+    dry_run: bool = False
+    datapath: object | None = None          # tc.datapath.Datapath (set_rate) or None
+    relax_rate_bps: int = 0                  # relax's guaranteed rate (kept when the ceil moves)
+    relax_ceil_bps: int = 0                  # relax's configured ceil (restored at normal)
+    link_bps: int = 0
+    counts: Counter = field(default_factory=Counter)   # (action, signal) -> n
+    applied: Actions = field(default_factory=Actions)
+    worker_error: str | None = None
+    datapath_error: str | None = None
+    _sent: dict | None = None                # throttle in force at the worker, as far as we know
+    _sent_at: float = 0.0
+    _ceil_done: int | None = None
+
+    def apply(self, actions: Actions, reason: str, signal: str, now: float) -> None:
+        """Make the world match `actions`; `reason` goes to the worker, `signal` labels metrics."""
+        if actions != self.applied:
+            log.info("%s%s (%s)", "dry-run: would apply " if self.dry_run else "apply ", actions, reason)
+        self.applied = actions
+        if self.worker is not None:
+            self._worker(actions.throttle, reason, signal, now)
+        self._ceil(actions, signal)
+
+    def _worker(self, want: dict | None, reason: str, signal: str, now: float) -> None:
+        fresh = now - self._sent_at < self.ttl_s * RENEW_FRACTION
+        if want == self._sent and (want is None or fresh):
+            return
+        action = "release" if want is None else "renew" if want == self._sent else "throttle"
+        params = {"reason": reason} if want is None else {"reason": reason, "ttl_s": self.ttl_s, **want}
+        if self.dry_run:
+            if action != "renew":
+                log.info("dry-run: would %s worker %s", action, params)
+                self.counts[(action, signal)] += 1
+        else:
+            try:
+                self.worker.call("release" if want is None else "throttle", **params)
+            except ControlError as exc:  # absent or restarting worker: retried next sample
+                if self.worker_error != str(exc):
+                    log.warning("worker %s failed: %s", action, exc)
+                self.worker_error = str(exc)
+                return
+            self.worker_error = None
+            self.counts[(action, signal)] += 1
+            log.log(logging.DEBUG if action == "renew" else logging.INFO, "worker %s %s", action, params)
+        self._sent, self._sent_at = want, now
+
+    def _ceil(self, actions: Actions, signal: str) -> None:
+        if self.datapath is None or not self.link_bps:
+            return
+        pct = actions.relax_ceil_pct
+        ceil = self.relax_ceil_bps if pct is None else max(self.relax_rate_bps, self.link_bps * pct // 100)
+        if ceil == self._ceil_done:
+            return
+        if self.dry_run:
+            log.info("dry-run: would set relax ceil to %d bit/s", ceil)
+            self._ceil_done = ceil
+            return
+        try:
+            self.datapath.set_rate("relax", self.relax_rate_bps, ceil)
+        except TurbonodeError as exc:
+            if self.datapath_error != str(exc):
+                log.warning("setting the relax ceil failed: %s", exc)
+            self.datapath_error = str(exc)
+            return
+        self.datapath_error = None
+        self._ceil_done = ceil
+        self.counts[("relax_ceil", signal)] += 1
+        log.info("relax ceil set to %d bit/s", ceil)
+
+    def state(self) -> dict:
+        return {"applied": {"relax_ceil_pct": self.applied.relax_ceil_pct, "throttle": self.applied.throttle},
+                "dry_run": self.dry_run, "worker_error": self.worker_error, "datapath_error": self.datapath_error,
+                "relax_ceil_bps": self._ceil_done}

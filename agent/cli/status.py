@@ -1,0 +1,85 @@
+"""`turboctl status`: the agent's level and why, QoS per tier, worker queues and throttle."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import click
+
+from turbonode.config import load_config
+from turbonode.errors import ConfigError, ControlError
+from turbonode.jsonrpc import ControlClient
+from turbonode.tiers import TIER_NAMES
+
+
+def _reason(r: dict) -> str:
+    value = "n/a" if r.get("value") is None else f"{r['value']:.4g}"
+    op = ">" if r.get("crossed") == "above enter" else "<"
+    return f"{r['signal']}={value} {op} {r['threshold']:.4g}"
+
+
+def _table(headers: list[str], rows: list[list]) -> list[str]:
+    cells = [headers] + [["-" if c is None else str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+    return ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in cells]
+
+
+def _secs(v) -> str | None:
+    return None if v is None else f"{v * 1000:.1f} ms"
+
+
+def render(st: dict, now: float | None = None) -> str:
+    now = time.time() if now is None else now
+    out = [f"level:    {st['level']}"]
+    change = st.get("last_change")
+    if change:
+        ago = now - change["at"] if change.get("at") else 0
+        out.append(f"changed:  {change['from']} -> {change['to']} {ago:.0f} s ago: "
+                   + (", ".join(map(_reason, change["reasons"])) or "all signals healthy"))
+    out.append("active:   " + (", ".join(map(_reason, st.get("active", []))) or "none"))
+    acts = st.get("actions", {})
+    applied = acts.get("applied", {})
+    out.append(f"actions:  relax ceil {applied.get('relax_ceil_pct') or 'configured'}"
+               f"{' %' if applied.get('relax_ceil_pct') else ''}, worker throttle {applied.get('throttle') or 'none'}"
+               + ("  (dry-run)" if acts.get("dry_run") else ""))
+    bad = [f"{n}: {w['error']}" for n, w in st.get("watchers", {}).items() if not w["ok"]]
+    out.append("watchers: " + ("all ok" if not bad else "; ".join(bad)))
+    qos = st.get("qos") or {}
+    if qos:
+        out += ["", "QoS"] + _table(
+            ["tier", "packets", "bytes", "drops", "backlog", "ceil"],
+            [[t, q.get("packets"), q.get("bytes"), q.get("drops"), q.get("backlog"), q.get("ceil")]
+             for t, q in qos.items()])
+    worker = st.get("worker", {})
+    out += ["", f"worker:   {worker.get('state')}" + (f" ({worker['error']})" if worker.get("error") else "")]
+    tiers = worker.get("tiers") or {}
+    if tiers:
+        out += _table(["tier", "queued", "in flight", "oldest wait", "wait p99"],
+                      [[t, tiers[t].get("queued"), tiers[t].get("in_flight"), _secs(tiers[t].get("oldest_wait_s")),
+                        _secs(tiers[t].get("queue_wait_p99_s"))] for t in TIER_NAMES if t in tiers])
+    thr = worker.get("throttle")
+    if worker.get("state") == "ok":
+        out.append("throttle: " + ("none" if not thr else ", ".join(
+            f"{k}={v}" for k, v in thr.items() if v not in (None, [], {}))))
+    return "\n".join(out)
+
+
+@click.command("status")
+@click.option("--socket", "path", help="agent status socket (default: agent.socket from the config)")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML configuration file")
+@click.option("--json", "as_json", is_flag=True, help="print the agent's status object as JSON")
+@click.pass_context
+def command(ctx, path, config_file, as_json):
+    """Show the agent's degradation level and why, QoS per tier, worker queues and throttle."""
+    if path is None:
+        try:
+            path = load_config(config_file).agent.socket
+        except ConfigError as exc:
+            raise click.ClickException(f"invalid configuration: {exc}") from None
+    ctx.obj = ControlClient(path, peer="agent")
+    try:
+        st = ctx.obj.call("status")
+    except ControlError as exc:
+        raise click.ClickException(str(exc)) from None
+    click.echo(json.dumps(st, indent=2, sort_keys=True) if as_json else render(st))

@@ -1,0 +1,152 @@
+"""The agent daemon: composition root. Builds watchers, policy, actuator, the status socket
+and the metrics endpoint from the configuration, then runs the sampling loop.
+
+Signal handlers only set a flag (and wake the loop through the wakeup fd). sd_notify
+READY/WATCHDOG/STOPPING when run under systemd. On stop the datapath stays in place
+(qos.keep_on_stop, fail-static); the worker throttle is released and the relax ceil
+restored so nothing stays degraded behind a stopped agent.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import signal
+import time
+from contextlib import ExitStack
+from dataclasses import dataclass
+
+from turbonode import sdnotify
+from turbonode.config import Config
+from turbonode.errors import TurbonodeError
+from turbonode.jsonrpc import ControlClient
+from turbonode.rates import parse_rate
+from turbonode.tiers import tier
+
+from . import metrics
+from .actuator import Actuator
+from .engine import Engine
+from .mounts import ensure_mounts
+from .policy import Actions, actions_table, policy_from_config
+from .status_server import StatusServer
+from .watchers.cpu import CpuWatcher
+from .watchers.gpu import GpuWatcher
+from .watchers.psi import PsiTriggers, PsiWatcher
+from .watchers.softirq import SoftirqWatcher
+from .watchers.softnet import SoftnetWatcher
+from .watchers.worker import WorkerWatcher
+
+log = logging.getLogger("turbonode.agent")
+
+
+@dataclass
+class Flags:
+    stop: bool = False
+
+
+def open_datapath(cfg: Config):
+    """The QoS datapath on qos.dev, applied (idempotent); None when no device is configured."""
+    if not cfg.qos.dev:
+        return None
+    from tc.datapath import Datapath
+
+    dp = Datapath(cfg.qos.dev, cfg.qos.netns or None)
+    dp.apply(cfg.qos)
+    return dp
+
+
+def build_engine(cfg: Config, datapath=None, gpu_nvml=None) -> Engine:
+    a = cfg.agent
+    client = ControlClient(a.worker_socket, timeout=max(0.5, 2 * a.sample_period))
+    watchers = [CpuWatcher(a.procfs), PsiWatcher(a.procfs), SoftnetWatcher(a.procfs),
+                SoftirqWatcher(a.procfs, a.sysfs), GpuWatcher(gpu_nvml), WorkerWatcher(client)]
+    link = parse_rate(cfg.qos.rate)
+    relax = tier("relax")
+    actuator = Actuator(client, a.throttle_ttl, a.dry_run, datapath,
+                        relax_rate_bps=link * cfg.qos.rate_pct.get("relax", relax.rate_pct) // 100,
+                        relax_ceil_bps=link * cfg.qos.ceil_pct.get("relax", relax.ceil_pct) // 100,
+                        link_bps=link)
+    if datapath is not None:
+        from .watchers.htb import HtbWatcher
+
+        watchers.append(HtbWatcher(datapath))
+    return Engine(watchers, policy_from_config(cfg.policy), actions_table(cfg.policy), actuator, a.sample_period)
+
+
+def run(cfg: Config, flags: Flags | None = None) -> int:
+    flags = flags or Flags()
+    a = cfg.agent
+    with ExitStack() as stack:
+        if os.geteuid() == 0:
+            ensure_mounts(a.procfs, a.sysfs)
+        datapath = open_datapath(cfg)
+        engine = build_engine(cfg, datapath)
+        for w in engine.watchers:
+            stack.callback(w.close)
+        stack.callback(_shutdown, engine, cfg, datapath)
+        status = StatusServer(a.socket, {"status": engine.status, "ping": lambda: "pong"}).start()
+        stack.callback(status.close)
+        server = metrics.serve(metrics.build_registry(engine.watchers, engine.metrics_state), a.metrics)
+        log.info("metrics on %s:%d/metrics, status on %s", *server.server_address[:2], a.socket)
+        stack.callback(server.shutdown)
+        triggers = PsiTriggers(a.procfs, cfg.policy.psi_trigger_us)
+        stack.callback(triggers.close)
+        _loop(engine, triggers, flags, a.sample_period)
+    return 0
+
+
+def _loop(engine: Engine, triggers: PsiTriggers, flags: Flags, period: float) -> None:
+    rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+    poller = select.poll()
+    poller.register(rfd, select.POLLIN)
+    triggers.register(poller)
+
+    def on_signal(signum, _frame):
+        flags.stop = True
+
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+    old_fd = signal.set_wakeup_fd(wfd)
+    watchdog = sdnotify.watchdog_interval()
+    last_ping = 0.0
+    sdnotify.notify("READY=1")
+    log.info("agent running: sample period %.3f s, dry-run %s", period, engine.actuator.dry_run)
+    try:
+        due = time.monotonic()
+        while not flags.stop:
+            now = time.monotonic()
+            engine.step(now)
+            if watchdog and now - last_ping >= watchdog:
+                sdnotify.notify("WATCHDOG=1")
+                last_ping = now
+            due = max(due + period, now)   # never try to catch up on missed ticks
+            events = poller.poll(max(0.0, due - time.monotonic()) * 1000)
+            if rfd in (fd for fd, _ in events):
+                while _drain(rfd):
+                    pass
+            if triggers.fired(events):
+                log.debug("PSI trigger: sampling now")
+                due = time.monotonic()
+    finally:
+        sdnotify.notify("STOPPING=1")
+        signal.set_wakeup_fd(old_fd)
+        for s, h in old.items():
+            signal.signal(s, h)
+        os.close(rfd)
+        os.close(wfd)
+
+
+def _drain(fd: int) -> bool:
+    try:
+        return bool(os.read(fd, 512))
+    except BlockingIOError:
+        return False
+
+
+def _shutdown(engine: Engine, cfg: Config, datapath) -> None:
+    engine.actuator.apply(Actions(), "agent stopping", "shutdown", time.monotonic())
+    if datapath is not None and not cfg.qos.keep_on_stop:
+        try:
+            datapath.remove()
+        except TurbonodeError as exc:
+            log.warning("removing the datapath failed: %s", exc)

@@ -1,0 +1,74 @@
+"""Prometheus collectors: one per watcher (its `_collector_success` plus what only it knows),
+and one for the policy. Families are built fresh on every scrape from the latest sample.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from turbonode.errors import TurbonodeError
+from turbonode.config import LEVELS
+
+from .watchers.base import Watcher
+
+
+class WatcherCollector:
+    def __init__(self, watcher: Watcher):
+        self.watcher = watcher
+
+    def collect(self):
+        w = self.watcher
+        ok = w.collector_ok() if hasattr(w, "collector_ok") else w.ok
+        success = GaugeMetricFamily(f"turbonode_{w.name}_collector_success",
+                                    f"1 if the {w.name} watcher's last sample succeeded")
+        success.add_metric([], 1.0 if ok else 0.0)
+        yield success
+        yield from w.families()
+
+    def describe(self):
+        return []  # no collect() at registration: the probe may not be ready yet
+
+
+class PolicyCollector:
+    """Degradation level and throttle actions; `state` returns (level index, actuator counts)."""
+
+    def __init__(self, state: Callable[[], tuple[int, dict]]):
+        self.state = state
+
+    def collect(self):
+        level, counts = self.state()
+        g = GaugeMetricFamily("turbonode_degradation_level",
+                              f"Degradation level: {', '.join(f'{i} {n}' for i, n in enumerate(LEVELS))}")
+        g.add_metric([], level)
+        yield g
+        c = CounterMetricFamily("turbonode_throttle_actions", "Actions the agent took, by signal that caused them",
+                                labels=["action", "reason"])
+        for (action, reason), n in sorted(counts.items()):
+            c.add_metric([action, reason], n)
+        yield c
+
+    def describe(self):
+        return []
+
+
+def build_registry(watchers: list[Watcher], policy_state) -> CollectorRegistry:
+    reg = CollectorRegistry(auto_describe=False)
+    for w in watchers:
+        reg.register(WatcherCollector(w))
+    reg.register(PolicyCollector(policy_state))
+    return reg
+
+
+def serve(registry: CollectorRegistry, address: str):
+    """Start the /metrics HTTP server on HOST:PORT; returns the server (port 0 picks one)."""
+    from prometheus_client import start_http_server
+
+    host, _, port = address.rpartition(":")
+    try:
+        server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=registry)
+    except OSError as exc:
+        raise TurbonodeError(f"cannot serve metrics on {address}: {exc.strerror or exc}") from None
+    return server

@@ -1,0 +1,185 @@
+"""Degradation policy: signals in, a level and the actions for it out. Pure: no I/O, no clock.
+
+Levels go normal -> pressured -> degraded -> critical. A rule becomes *active* when its signal
+is above the enter threshold for `enter_samples` consecutive samples, and inactive again after
+`exit_samples` consecutive samples below the (lower) exit threshold; between the two it keeps
+its state (hysteresis). While any rule is active the level climbs one step per
+`min_change_interval`, each further step needing `enter_samples` fresh samples above enter;
+once no rule is active and every signal has been below its exit threshold for `exit_samples`
+samples since the last change, it steps down one level, and the next step down waits again.
+
+A signal value of None means "no observation this sample" (e.g. no GC ran): it neither
+breaks an escalation streak nor holds back recovery, so a dead watcher never pins a level.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from turbonode.config import LEVELS, PolicyConfig
+from turbonode.errors import ConfigError
+
+NORMAL = 0
+
+
+@dataclass(frozen=True)
+class Rule:
+    signal: str
+    enter: float
+    exit: float
+
+
+@dataclass(frozen=True)
+class Reason:
+    signal: str
+    value: float | None
+    threshold: float
+    crossed: str  # "above enter" | "below exit"
+
+    def __str__(self) -> str:
+        value = "n/a" if self.value is None else f"{self.value:.6g}"
+        op = ">" if self.crossed == "above enter" else "<"
+        return f"{self.signal}={value} {op} {self.threshold:.6g}"
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+@dataclass(frozen=True)
+class Decision:
+    at: float
+    level: int
+    previous: int
+    reasons: tuple[Reason, ...]   # why the level is what it is (active rules, or recovery evidence)
+
+    @property
+    def changed(self) -> bool:
+        return self.level != self.previous
+
+    @property
+    def level_name(self) -> str:
+        return LEVELS[self.level]
+
+    def describe(self) -> str:
+        why = ", ".join(map(str, self.reasons)) or "all signals healthy"
+        if not self.changed:
+            return f"{self.level_name} ({why})"
+        verb = "escalate" if self.level > self.previous else "recover"
+        return f"{verb} {LEVELS[self.previous]} -> {self.level_name}: {why}"
+
+
+@dataclass
+class _RuleState:
+    above: int = 0
+    below: int = 0
+    active: bool = False
+    value: float | None = None
+
+
+@dataclass
+class Policy:
+    rules: tuple[Rule, ...]
+    enter_samples: int = 3
+    exit_samples: int = 12
+    min_change_interval: float = 1.0
+    level: int = NORMAL
+    last_change: float = -math.inf
+    _state: dict[str, _RuleState] = field(default_factory=dict)
+
+    def __post_init__(self):
+        self._state = {r.signal: _RuleState() for r in self.rules}
+
+    def update(self, signals: Mapping[str, float | None], now: float) -> Decision:
+        """Feed one sample taken at `now` (seconds, any monotonic clock)."""
+        for rule in self.rules:
+            self._observe(rule, signals.get(rule.signal))
+        previous = self.level
+        active = [r for r in self.rules if self._state[r.signal].active]
+        may_change = now - self.last_change >= self.min_change_interval
+        if active:
+            fresh = any(self._state[r.signal].above >= self.enter_samples for r in active)
+            if may_change and fresh and self.level < len(LEVELS) - 1:
+                self._change(self.level + 1, now)
+            reasons = tuple(Reason(r.signal, self._state[r.signal].value, r.enter, "above enter") for r in active)
+        else:
+            healthy = all(s.below >= self.exit_samples for s in self._state.values())
+            if may_change and healthy and self.level > NORMAL:
+                self._change(self.level - 1, now)
+            reasons = () if self.level == previous else tuple(
+                Reason(r.signal, self._state[r.signal].value, r.exit, "below exit") for r in self.rules)
+        return Decision(now, self.level, previous, reasons)
+
+    def _observe(self, rule: Rule, value: float | None) -> None:
+        st = self._state[rule.signal]
+        st.value = value
+        if value is None:
+            st.below += 1
+        elif value > rule.enter:
+            st.above, st.below = st.above + 1, 0
+        elif value < rule.exit:
+            st.above, st.below = 0, st.below + 1
+        else:  # inside the hysteresis band: keep the state, restart both streaks
+            st.above = st.below = 0
+        if st.above >= self.enter_samples:
+            st.active = True
+        elif st.below >= self.exit_samples:
+            st.active = False
+
+    def _change(self, level: int, now: float) -> None:
+        self.level, self.last_change = level, now
+        # Each further step needs fresh evidence: N more samples up, or M more samples down.
+        for st in self._state.values():
+            st.above = st.below = 0
+
+    def snapshot(self) -> dict:
+        return {r.signal: {"value": self._state[r.signal].value, "enter": r.enter, "exit": r.exit,
+                           "active": self._state[r.signal].active} for r in self.rules}
+
+
+# ---- configuration ---------------------------------------------------------------------
+
+# signal name -> PolicyConfig field prefix
+SIGNALS = {
+    "cpu_load": "cpu_load",
+    "gc_pause_s": "gc_pause",
+    "netrx_latency_p99_s": "netrx_latency",
+    "turbo_wait_s": "turbo_wait",
+}
+
+
+def rules_from_config(cfg: PolicyConfig) -> tuple[Rule, ...]:
+    rules = []
+    for signal, prefix in SIGNALS.items():
+        enter, exit_ = getattr(cfg, f"{prefix}_enter"), getattr(cfg, f"{prefix}_exit")
+        if exit_ > enter:
+            raise ConfigError(f"policy.{prefix}_exit", f"must not exceed policy.{prefix}_enter ({enter}), got {exit_}")
+        rules.append(Rule(signal, enter, exit_))
+    return tuple(rules)
+
+
+def policy_from_config(cfg: PolicyConfig) -> Policy:
+    return Policy(rules_from_config(cfg), cfg.enter_samples, cfg.exit_samples, cfg.min_change_interval)
+
+
+# ---- actions ---------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Actions:
+    """What the agent enforces at one level. `throttle` is None or the worker's throttle params."""
+    relax_ceil_pct: int | None = None
+    throttle: dict | None = None
+
+
+def actions_table(cfg: PolicyConfig) -> dict[int, Actions]:
+    """Level index -> Actions; levels the file leaves out keep their defaults."""
+    table = {**PolicyConfig().actions, **cfg.actions}
+    out = {NORMAL: Actions()}
+    for i, name in enumerate(LEVELS[1:], start=1):
+        acts = dict(table.get(name, {}))
+        ceil = acts.pop("relax_ceil_pct", None)
+        throttle = {k: v for k, v in acts.items() if v}
+        out[i] = Actions(ceil, throttle or None)
+    return out

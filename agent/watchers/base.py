@@ -1,0 +1,64 @@
+"""The watcher contract: sample() never raises; failures are a reported state."""
+
+from __future__ import annotations
+
+import logging
+
+from turbonode.errors import TurbonodeError
+
+log = logging.getLogger("turbonode.agent")
+
+Signals = dict[str, "float | None"]
+
+
+class Watcher:
+    """Subclasses implement read(now) -> (signals, detail) and optionally families()."""
+
+    name = "watcher"
+
+    def __init__(self):
+        self.ok = False
+        self.error: str | None = "not sampled yet"
+        self.signals: Signals = {}
+        self.detail: dict = {}
+
+    def read(self, now: float) -> tuple[Signals, dict]:
+        raise NotImplementedError
+
+    def sample(self, now: float) -> Signals:
+        try:
+            self.signals, self.detail = self.read(now)
+        except (TurbonodeError, OSError, ValueError) as exc:
+            if self.ok or self.error != str(exc):  # log transitions, not every failed sample
+                log.warning("%s watcher failed: %s", self.name, exc)
+            self.ok, self.error, self.signals = False, str(exc), {}
+            return {}
+        if not self.ok:
+            log.info("%s watcher ok", self.name)
+        self.ok, self.error = True, None
+        return self.signals
+
+    def families(self) -> list:
+        """Prometheus metric families beyond `_collector_success` (fresh objects each call)."""
+        return []
+
+    def state(self) -> dict:
+        return {"ok": self.ok, "error": self.error, "signals": self.signals, "detail": self.detail}
+
+    def close(self) -> None:
+        pass
+
+
+class Rate:
+    """Per-second rates of cumulative counters between two samples (None on the first)."""
+
+    def __init__(self):
+        self._last: tuple[float, dict] | None = None
+
+    def update(self, now: float, counters: dict) -> dict | None:
+        last, self._last = self._last, (now, counters)
+        if last is None or now <= last[0]:
+            return None
+        dt = now - last[0]
+        # A counter that went backwards (wrap, CPU hotplug) reads as zero, not negative.
+        return {k: max(0, v - last[1].get(k, v)) / dt for k, v in counters.items()}

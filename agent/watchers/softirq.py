@@ -1,0 +1,171 @@
+"""Softirq time and latency per vector from eBPF tracepoints (bpf/softirq.c).
+
+Signals: NET_RX raise-to-entry latency p99 over the last sample and the share of one CPU
+spent in NET_RX. Where BPF cannot be used (no bcc, no tracepoints, no headers) the watcher
+falls back to /proc/softirqs counts and says so; its collector then reports failure because
+the counts alone are node_exporter's business.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
+
+from turbonode.errors import TurbonodeError
+
+from .base import Rate, Watcher
+from .softirqs_proc import read_softirqs
+
+VECTORS = ("HI", "TIMER", "NET_TX", "NET_RX", "BLOCK", "IRQ_POLL", "TASKLET", "SCHED", "HRTIMER", "RCU")
+NET_RX = VECTORS.index("NET_RX")
+NR_SLOTS = 32            # must match bpf/softirq.c
+TRACEPOINTS = ("softirq_raise", "softirq_entry", "softirq_exit")
+MIN_EVENTS_FOR_P99 = 10  # fewer raises in a sample say nothing about a tail
+
+
+class BpfUnavailable(TurbonodeError):
+    pass
+
+
+def slot_bounds(slot: int) -> tuple[float, float]:
+    """Nanosecond range [lo, hi) of a log2 slot (bcc's bpf_log2l: slot s holds [2^(s-1), 2^s))."""
+    return (0.0, 1.0) if slot == 0 else (float(2 ** (slot - 1)), float(2 ** slot))
+
+
+def quantile(counts: list[int], q: float) -> float | None:
+    """q-quantile in seconds of a log2 ns histogram, interpolated inside its slot."""
+    total = sum(counts)
+    if total == 0:
+        return None
+    rank, seen = q * total, 0
+    for slot, n in enumerate(counts):
+        if n and seen + n >= rank:
+            lo, hi = slot_bounds(slot)
+            return (lo + (hi - lo) * (rank - seen) / n) / 1e9
+        seen += n
+    return slot_bounds(len(counts) - 1)[1] / 1e9
+
+
+def tracefs_dirs(sysfs: str) -> list[str]:
+    return [os.path.join(sysfs, "kernel", "tracing"), os.path.join(sysfs, "kernel", "debug", "tracing")]
+
+
+def missing_tracepoints(sysfs: str = "/sys") -> list[str]:
+    """Tracepoints absent from tracefs (all of them when tracefs is not mounted)."""
+    for base in tracefs_dirs(sysfs):
+        if os.path.isdir(os.path.join(base, "events")):
+            return [tp for tp in TRACEPOINTS if not os.path.isdir(os.path.join(base, "events", "irq", tp))]
+    return [f"irq:{tp}" for tp in TRACEPOINTS] + ["(tracefs not mounted)"]
+
+
+class SoftirqBpf:
+    """The loaded probe: thin reader over its per-CPU maps."""
+
+    def __init__(self, sysfs: str = "/sys"):
+        missing = missing_tracepoints(sysfs)
+        if missing:
+            raise BpfUnavailable(f"tracepoints missing: {', '.join(missing)}")
+        try:
+            from bcc import BPF
+        except ImportError as exc:
+            raise BpfUnavailable(f"bcc not importable ({exc}); install python3-bpfcc") from None
+        import bpf
+        try:  # bcc raises bare Exception for compile/load/attach failures
+            self.bpf = BPF(src_file=bpf.source("softirq.c"))
+        except Exception as exc:
+            raise BpfUnavailable(f"loading bpf/softirq.c failed: {exc}") from None
+        self._time, self._runs, self._lat = self.bpf["time_ns"], self.bpf["runs"], self.bpf["latency"]
+
+    @staticmethod
+    def _per_cpu(table, key: int) -> list[int]:
+        return list(table[ctypes.c_int(key)])
+
+    def time_ns(self, vec: int) -> list[int]:
+        """Nanoseconds per CPU spent in vector `vec`."""
+        return self._per_cpu(self._time, vec)
+
+    def runs(self, vec: int) -> list[int]:
+        return self._per_cpu(self._runs, vec)
+
+    def latency(self, vec: int) -> list[int]:
+        """Cumulative raise-to-entry histogram of `vec`, summed over CPUs."""
+        return [sum(self._per_cpu(self._lat, vec * NR_SLOTS + s)) for s in range(NR_SLOTS)]
+
+    def close(self) -> None:
+        self.bpf.cleanup()
+
+
+class SoftirqWatcher(Watcher):
+    name = "softirq"
+
+    def __init__(self, procfs: str = "/proc", sysfs: str = "/sys", use_bpf: bool = True):
+        super().__init__()
+        self.procfs = procfs
+        self.probe: SoftirqBpf | None = None
+        self.bpf_error: str | None = "disabled"
+        if use_bpf:
+            try:
+                self.probe = SoftirqBpf(sysfs)
+                self.bpf_error = None
+            except BpfUnavailable as exc:
+                self.bpf_error = str(exc)
+        self._rate = Rate()
+        self._last_hist: list[int] | None = None
+
+    @property
+    def mode(self) -> str:
+        return "bpf" if self.probe else "procfs"
+
+    def read(self, now):
+        if self.probe is None:
+            counts = read_softirqs(self.procfs).get("NET_RX", {})
+            rates = self._rate.update(now, {"netrx": sum(counts.values())})
+            signals = {"netrx_per_s": rates and rates["netrx"], "netrx_latency_p99_s": None}
+            return signals, {"mode": "procfs", "bpf_error": self.bpf_error}
+        hist = self.probe.latency(NET_RX)
+        rates = self._rate.update(now, {"time": sum(self.probe.time_ns(NET_RX)) / 1e9,
+                                        "runs": sum(self.probe.runs(NET_RX))})
+        last, self._last_hist = self._last_hist, hist
+        p99 = None
+        if last is not None:
+            delta = [max(0, a - b) for a, b in zip(hist, last)]
+            if sum(delta) >= MIN_EVENTS_FOR_P99:
+                p99 = quantile(delta, 0.99)
+        signals = {"netrx_latency_p99_s": p99,
+                   "netrx_time_ratio": rates and rates["time"],   # CPU-seconds per second
+                   "netrx_per_s": rates and rates["runs"]}
+        return signals, {"mode": "bpf"}
+
+    def state(self) -> dict:
+        return {**super().state(), "mode": self.mode, "bpf_error": self.bpf_error}
+
+    def collector_ok(self) -> bool:
+        return self.ok and self.probe is not None
+
+    def families(self):
+        if self.probe is None:
+            return []
+        secs = CounterMetricFamily("turbonode_softirq_seconds", "Time spent in softirq handlers, from eBPF",
+                                   labels=["vector", "cpu"])
+        lat = HistogramMetricFamily("turbonode_softirq_latency_seconds",
+                                    "Softirq raise-to-entry latency, from eBPF (log2 buckets)", labels=["vector"])
+        for vec, name in enumerate(VECTORS):
+            for cpu, ns in enumerate(self.probe.time_ns(vec)):
+                secs.add_metric([name, str(cpu)], ns / 1e9)
+            counts = self.probe.latency(vec)
+            buckets, acc = [], 0
+            for slot, n in enumerate(counts[:-1]):
+                acc += n
+                buckets.append((repr(slot_bounds(slot)[1] / 1e9), acc))
+            buckets.append(("+Inf", acc + counts[-1]))
+            # Sum is unknown from a log2 histogram: estimate it from bucket midpoints.
+            est = sum(n * sum(slot_bounds(s)) / 2 for s, n in enumerate(counts)) / 1e9
+            lat.add_metric([name], buckets, est)
+        return [secs, lat]
+
+    def close(self) -> None:
+        if self.probe:
+            self.probe.close()
+            self.probe = None

@@ -1,0 +1,144 @@
+"""The policy with a fake clock and recorded signal sequences (pure: no kernel, no sockets)."""
+
+import random
+
+import pytest
+
+from agent.policy import Actions, Policy, Rule, actions_table, policy_from_config, rules_from_config
+from turbonode.config import PolicyConfig, load_config
+from turbonode.errors import ConfigError
+
+PERIOD = 0.25
+CPU = Rule("cpu_load", 0.75, 0.70)
+
+
+def run(policy, values, signal="cpu_load", start=0.0):
+    """Feed one value per sample period; return the decisions."""
+    return [policy.update({signal: v}, start + i * PERIOD) for i, v in enumerate(values)]
+
+
+def levels(decisions):
+    return [d.level for d in decisions]
+
+
+def changes(decisions):
+    return [(i, d.previous, d.level) for i, d in enumerate(decisions) if d.changed]
+
+
+def noisy(mean, sd, n, seed=4):
+    rng = random.Random(seed)
+    return [min(1.0, max(0.0, mean + rng.gauss(0, sd))) for _ in range(n)]
+
+
+def test_healthy_noise_with_spikes_over_threshold_changes_nothing():
+    values = noisy(0.65, 0.05, 4 * 60 * 5)      # 5 minutes of samples
+    assert sum(v > 0.75 for v in values) > 10   # single spikes do cross the enter threshold
+    assert changes(run(Policy((CPU,)), values)) == []
+
+
+@pytest.mark.parametrize("mean", [0.70, 0.725, 0.75, 0.78])
+def test_noise_around_threshold_never_flaps(mean):
+    d = run(Policy((CPU,)), noisy(mean, 0.03, 4 * 60 * 5))
+    steps = [c[2] - c[1] for c in changes(d)]
+    # It may escalate, but never goes back and forth: no reversal of direction.
+    reversals = sum(1 for a, b in zip(steps, steps[1:]) if (a > 0) != (b > 0))
+    assert reversals == 0, changes(d)
+
+
+def test_step_change_escalates_within_enter_samples():
+    p = Policy((CPU,), enter_samples=3)
+    d = run(p, [0.2] * 20 + [0.95] * 3)
+    assert levels(d)[:22] == [0] * 22
+    assert d[22].changed and d[22].level == 1
+    assert d[22].reasons[0].signal == "cpu_load"
+    assert d[22].reasons[0].value == 0.95 and d[22].reasons[0].threshold == 0.75
+    assert "cpu_load=0.95 > 0.75" in d[22].describe()
+
+
+def test_one_change_per_interval_and_fresh_evidence_per_step():
+    p = Policy((CPU,), enter_samples=3, min_change_interval=1.0)
+    d = run(p, [0.99] * 40)   # 10 s of saturation
+    ch = changes(d)
+    assert [c[2] for c in ch] == [1, 2, 3]            # one step at a time, stops at critical
+    times = [c[0] * PERIOD for c in ch]
+    assert all(b - a >= 1.0 for a, b in zip(times, times[1:]))
+
+
+def test_recovery_waits_its_dwell_step_by_step():
+    p = Policy((CPU,), enter_samples=3, exit_samples=8, min_change_interval=1.0)
+    d = run(p, [0.99] * 12 + [0.1] * 40)
+    ch = changes(d)
+    ups = [c for c in ch if c[2] > c[1]]
+    downs = [c for c in ch if c[2] < c[1]]
+    top = ups[-1][2]
+    assert [c[2] for c in downs] == list(range(top - 1, -1, -1))
+    # The first step down needs exit_samples healthy samples after the load ended at sample 12.
+    assert downs[0][0] >= 12 + 8 - 1
+    # Each further step waits another full dwell.
+    assert all(b[0] - a[0] >= 8 for a, b in zip(downs, downs[1:]))
+    assert "below exit" in d[downs[0][0]].reasons[0].crossed
+
+
+def test_hysteresis_band_holds_the_level():
+    p = Policy((CPU,), enter_samples=3, exit_samples=4)
+    d = run(p, [0.9] * 3 + [0.72] * 40)   # between exit (0.70) and enter (0.75)
+    assert levels(d)[-1] == 1 and len(changes(d)) == 1
+    d = run(p, [0.5] * 4, start=20)
+    assert levels(d)[-1] == 0
+
+
+def test_none_keeps_streak_and_counts_as_healthy():
+    gc = Rule("gc_pause_s", 0.005, 0.001)
+    p = Policy((gc,), enter_samples=3, exit_samples=4)
+    # Three long pauses with sample gaps where no collection ran: still "three in a row".
+    d = run(p, [0.02, None, 0.03, None, None, 0.02], signal="gc_pause_s")
+    assert levels(d)[-1] == 1
+    d = run(p, [0.0005, 0.003], signal="gc_pause_s", start=10)  # a 3 ms pause breaks the healthy run
+    d += run(p, [None] * 4, signal="gc_pause_s", start=11)
+    assert levels(d)[-1] == 0
+
+
+def test_any_active_signal_holds_level():
+    wait = Rule("turbo_wait_s", 0.5, 0.25)
+    p = Policy((CPU, wait), enter_samples=2, exit_samples=2, min_change_interval=0)
+    p.update({"cpu_load": 0.9, "turbo_wait_s": 0.0}, 0)
+    d = p.update({"cpu_load": 0.9, "turbo_wait_s": 0.0}, 0.25)
+    assert d.level == 1
+    for t in range(2, 10):
+        d = p.update({"cpu_load": 0.1, "turbo_wait_s": 0.8 if t < 4 else 0.4}, t * 0.25)
+    assert d.level >= 1   # turbo wait stuck in its band keeps the level
+
+
+def test_config_defaults_and_actions():
+    cfg = PolicyConfig()
+    p = policy_from_config(cfg)
+    assert {r.signal for r in p.rules} == {"cpu_load", "gc_pause_s", "netrx_latency_p99_s", "turbo_wait_s"}
+    table = actions_table(cfg)
+    assert table[0] == Actions()
+    assert table[1].relax_ceil_pct == 50 and table[1].throttle == {"max_batch": 2}
+    assert table[3].throttle["shed_tiers"] == ["relax"]
+    for acts in table.values():
+        for key in ("paused_tiers", "shed_tiers", "step_caps"):
+            assert "turbo" not in (acts.throttle or {}).get(key, [])
+
+
+def test_config_overrides_one_level_and_names_bad_keys(tmp_path):
+    f = tmp_path / "t.toml"
+    f.write_text('[policy]\ncpu_load_enter = 0.9\n[policy.actions.pressured]\nmax_batch = 3\n')
+    cfg = load_config(str(f), env={})
+    table = actions_table(cfg.policy)
+    assert table[1] == Actions(None, {"max_batch": 3})
+    assert table[2].relax_ceil_pct == 25      # untouched levels keep their defaults
+    for text, key in [('[policy]\ncpu_load_enter = 1.5\n', "policy.cpu_load_enter"),
+                      ('[policy]\nbogus = 1\n', "policy.bogus"),
+                      ('[policy.actions.critical]\nshed_tiers = ["turbo"]\n', "policy.actions"),
+                      ('[policy.actions.panic]\nmax_batch = 1\n', "policy.actions")]:
+        f.write_text(text)
+        with pytest.raises(ConfigError) as exc:
+            load_config(str(f), env={})
+        assert exc.value.key == key
+    f.write_text('[policy.actions.critical]\nshed_tiers = ["turbo"]\n')
+    with pytest.raises(ConfigError, match="turbo is never throttled"):
+        load_config(str(f), env={})
+    with pytest.raises(ConfigError, match="policy.cpu_load_exit"):
+        rules_from_config(PolicyConfig(cpu_load_enter=0.5, cpu_load_exit=0.6))

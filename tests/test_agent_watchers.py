@@ -1,0 +1,213 @@
+"""Watchers on fake /proc trees (parsing edge cases) and on the real /proc of this machine."""
+
+import os
+import time
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from agent.metrics import WatcherCollector
+from agent.watchers.cpu import CpuWatcher, parse_stat
+from agent.watchers.gpu import GpuWatcher
+from agent.watchers.psi import PsiTriggers, PsiWatcher, parse_pressure
+from agent.watchers.softirq import SoftirqWatcher, quantile
+from agent.watchers.softirqs_proc import parse_softirqs
+from agent.watchers.softnet import SoftnetWatcher, parse_softnet
+
+
+def write(root, rel, text):
+    path = root / rel
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def scrape(watcher) -> str:
+    reg = CollectorRegistry()
+    reg.register(WatcherCollector(watcher))
+    return generate_latest(reg).decode()
+
+
+# ---- /proc/stat -------------------------------------------------------------------------
+
+STAT = "cpu  {u} 0 {s} {i} 0 0 {si} {st} 0 0\ncpu0 {u} 0 {s} {i} 0 0 {si} {st} 0 0\nintr 1 2 3\nctxt 5\n"
+
+
+def test_cpu_busy_share_includes_softirq_and_steal(tmp_path):
+    write(tmp_path, "stat", STAT.format(u=100, s=50, i=800, si=10, st=5))
+    w = CpuWatcher(str(tmp_path))
+    assert w.sample(0.0) == {"cpu_load": None}     # first sample: no rate yet
+    write(tmp_path, "stat", STAT.format(u=150, s=75, i=820, si=30, st=25))
+    sig = w.sample(1.0)
+    assert sig["cpu_load"] == pytest.approx(1 - 20 / 135)   # deltas: 50+25+20 idle+20 softirq+20 steal
+    assert sig["cpu_softirq"] == pytest.approx(20 / 135) and sig["cpu_steal"] == pytest.approx(20 / 135)
+    assert "cpu0" in w.detail["per_cpu"]
+
+
+def test_cpu_old_kernel_without_steal_column(tmp_path):
+    write(tmp_path, "stat", "cpu  10 0 10 80\n")
+    w = CpuWatcher(str(tmp_path))
+    w.sample(0)
+    write(tmp_path, "stat", "cpu  60 0 10 110\n")
+    assert w.sample(1)["cpu_load"] == pytest.approx(50 / 80)
+    assert "steal" not in parse_stat("cpu 1 2 3 4\n")["cpu"]
+
+
+def test_cpu_missing_file_is_reported_not_raised(tmp_path):
+    w = CpuWatcher(str(tmp_path))
+    assert w.sample(0) == {}
+    assert not w.ok and "stat" in w.error
+    assert "turbonode_cpu_collector_success 0.0" in scrape(w)
+
+
+# ---- softnet_stat -----------------------------------------------------------------------
+
+def softnet_row(processed, dropped, squeeze, ncols, cpu=None):
+    cols = [processed, dropped, squeeze] + [0] * (ncols - 3)
+    if cpu is not None and ncols > 12:
+        cols[12] = cpu
+    return " ".join(f"{c:08x}" for c in cols)
+
+
+@pytest.mark.parametrize("ncols", [10, 11, 13])
+def test_softnet_rates_for_each_column_layout(tmp_path, ncols):
+    rows = lambda d, s: "\n".join([softnet_row(100, d, s, ncols, cpu=0), softnet_row(50, 0, 0, ncols, cpu=2)]) + "\n"
+    write(tmp_path, "net/softnet_stat", rows(1, 2))
+    w = SoftnetWatcher(str(tmp_path))
+    w.sample(0)
+    write(tmp_path, "net/softnet_stat", rows(5, 10))
+    sig = w.sample(2.0)
+    assert sig == {"softnet_dropped_per_s": 2.0, "softnet_squeezed_per_s": 4.0}
+    # The CPU id column (5.10+) skips offline CPUs; older layouts number rows.
+    assert set(w.detail["per_cpu_per_s"]) == ({0, 2} if ncols == 13 else {0, 1})
+
+
+def test_softnet_rejects_truncated_row():
+    with pytest.raises(ValueError, match="columns"):
+        parse_softnet("0000000a 00000001\n")
+
+
+# ---- PSI --------------------------------------------------------------------------------
+
+PSI = "some avg10=1.50 avg60=0.20 avg300=0.00 total={some}\nfull avg10=0.00 avg60=0.00 avg300=0.00 total={full}\n"
+
+
+def test_psi_stall_fraction_from_total(tmp_path):
+    for res in ("cpu", "memory", "io"):
+        write(tmp_path, f"pressure/{res}", PSI.format(some=1_000_000, full=0))
+    w = PsiWatcher(str(tmp_path))
+    w.sample(0)
+    write(tmp_path, "pressure/cpu", PSI.format(some=1_250_000, full=0))
+    sig = w.sample(0.5)
+    assert sig["psi_cpu_some"] == pytest.approx(0.5) and sig["psi_memory_some"] == 0
+    assert w.detail["cpu"]["some"]["avg10"] == 1.5
+
+
+def test_psi_old_kernel_without_cpu_full_line(tmp_path):
+    write(tmp_path, "pressure/cpu", "some avg10=0.00 avg60=0.00 avg300=0.00 total=5\n")
+    w = PsiWatcher(str(tmp_path))
+    w.sample(0)
+    assert w.ok and "psi_cpu_full" not in w.signals and "psi_cpu_some" in w.signals
+    assert parse_pressure("some total=3\n") == {"some": {"total": 3.0}}
+
+
+def test_missing_psi_is_a_reported_state(tmp_path):
+    w = PsiWatcher(str(tmp_path))
+    assert w.sample(0) == {} and not w.ok and "without PSI" in w.error
+    trig = PsiTriggers(str(tmp_path))
+    assert trig.fds == {} and "cpu" in trig.error
+
+
+# ---- softirqs ---------------------------------------------------------------------------
+
+def test_proc_softirqs_fallback(tmp_path):
+    text = ("                    CPU0       CPU1\n          HI:          1          0\n"
+            "      NET_RX:        {a}        {b}\n BLOCK_IOPOLL:          0          0\n")
+    write(tmp_path, "softirqs", text.format(a=100, b=50))
+    assert parse_softirqs(text.format(a=1, b=2))["BLOCK_IOPOLL"] == {"cpu0": 0, "cpu1": 0}
+    w = SoftirqWatcher(str(tmp_path), use_bpf=False)
+    w.sample(0)
+    write(tmp_path, "softirqs", text.format(a=300, b=150))
+    assert w.sample(1.0) == {"netrx_per_s": 300.0, "netrx_latency_p99_s": None}
+    assert w.ok and w.mode == "procfs"
+    assert "turbonode_softirq_collector_success 0.0" in scrape(w)  # counts alone: node_exporter's job
+
+
+def test_log2_quantile_interpolates_inside_slot():
+    counts = [0] * 32
+    counts[10] = 99      # [512, 1024) ns
+    counts[18] = 1       # [131072, 262144) ns
+    assert 512e-9 <= quantile(counts, 0.5) < 1024e-9
+    assert quantile(counts, 0.99) == pytest.approx(1024e-9)
+    assert 131072e-9 < quantile(counts, 1.0) <= 262144e-9
+    assert quantile([0] * 32, 0.99) is None
+
+
+# ---- GPU (NVML cannot exist here: a fake stands in for the library) -----------------------
+
+class FakeNvml:
+    class NVMLError(Exception):
+        pass
+
+    def __init__(self, fail_init=False):
+        self.fail_init = fail_init
+
+    def nvmlInit(self):
+        if self.fail_init:
+            raise self.NVMLError("Driver Not Loaded")
+
+    def nvmlShutdown(self):
+        pass
+
+    def nvmlDeviceGetCount(self):
+        return 1
+
+    def nvmlDeviceGetHandleByIndex(self, i):
+        return i
+
+    def nvmlDeviceGetUtilizationRates(self, h):
+        return type("U", (), {"gpu": 87})
+
+    def nvmlDeviceGetMemoryInfo(self, h):
+        return type("M", (), {"used": 3 << 30, "total": 80 << 30})
+
+    def nvmlDeviceGetCurrentClocksThrottleReasons(self, h):
+        return 0x4 | 0x40
+
+
+def test_gpu_via_fake_nvml():
+    w = GpuWatcher(FakeNvml())
+    assert w.sample(0) == {"gpu_utilization": 0.87}
+    text = scrape(w)
+    assert 'turbonode_gpu_utilization_ratio{gpu="0"} 0.87' in text
+    assert 'turbonode_gpu_clocks_throttled{gpu="0",reason="hw_thermal_slowdown"} 1.0' in text
+    assert 'turbonode_gpu_clocks_throttled{gpu="0",reason="gpu_idle"} 0.0' in text
+    assert "turbonode_gpu_collector_success 1.0" in text
+
+
+def test_absent_nvml_is_reported():
+    w = GpuWatcher(FakeNvml(fail_init=True))
+    assert w.sample(0) == {} and not w.ok and "Driver Not Loaded" in w.error
+    assert "turbonode_gpu_collector_success 0.0" in scrape(w)
+
+
+# ---- the real /proc of this machine -------------------------------------------------------
+
+def test_real_proc_stat_softnet_and_psi():
+    watchers = [CpuWatcher(), SoftnetWatcher(), PsiWatcher()]
+    for w in watchers:
+        w.sample(time.monotonic())
+    time.sleep(0.3)
+    sig = {}
+    for w in watchers:
+        sig.update(w.sample(time.monotonic()))
+    assert watchers[0].ok and 0 <= sig["cpu_load"] <= 1
+    assert watchers[1].ok and sig["softnet_dropped_per_s"] >= 0
+    assert set(watchers[1].detail["per_cpu_per_s"]) >= {0}
+    if not os.path.isdir("/proc/pressure"):
+        pytest.skip("this kernel has no PSI")
+    assert watchers[2].ok and 0 <= sig["psi_cpu_some"] <= 1
+    trig = PsiTriggers()
+    try:   # either armed or, where the kernel refuses triggers, reported
+        assert trig.fds or trig.error
+    finally:
+        trig.close()
