@@ -46,21 +46,27 @@ def toml_value(v) -> str:
     raise TypeError(f"no TOML form for {type(v).__name__}")
 
 
+def _is_table_of_tables(v) -> bool:
+    return isinstance(v, dict) and bool(v) and all(isinstance(x, dict) for x in v.values())
+
+
 def _section(obj, name: str) -> list[str]:
     lines = ["", f"[{name}]"]
-    nested = []
+    later = []  # nested sections and tables of tables follow the plain keys, as TOML requires
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
-            nested.append((value, f"{name}.{f.name}"))
+            later += _section(value, f"{name}.{f.name}")
             continue
-        help_text = f.metadata.get("help")
-        if help_text:
-            lines.append(f"# {help_text}")
-        lines.append(f"{_key(f.name)} = {toml_value(value)}")
-    for value, sub in nested:
-        lines += _section(value, sub)
-    return lines
+        comment = [f"# {f.metadata['help']}"] if f.metadata.get("help") else []
+        if _is_table_of_tables(value):
+            later += [""] + comment
+            for k, table in value.items():
+                later.append(f"[{name}.{_key(f.name)}.{_key(k)}]")
+                later += [f"{_key(x)} = {toml_value(v)}" for x, v in table.items()]
+            continue
+        lines += comment + [f"{_key(f.name)} = {toml_value(value)}"]
+    return lines + later
 
 
 def render_example(cfg=None) -> str:
