@@ -47,7 +47,8 @@ class StatusServer:
             raise TurbonodeError(f"cannot listen on {path}: {exc.strerror or exc}") from None
         os.chmod(path, mode)
         self.server.handlers = handlers
-        self.thread = threading.Thread(target=self.server.serve_forever, name="agent-status", daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1},
+                                       name="agent-status", daemon=True)
 
     def start(self) -> "StatusServer":
         self.thread.start()

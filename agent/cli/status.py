@@ -10,6 +10,7 @@ import click
 from turbonode.config import load_config
 from turbonode.errors import ConfigError, ControlError
 from turbonode.jsonrpc import ControlClient
+from turbonode.rates import format_rate
 from turbonode.tiers import TIER_NAMES
 
 
@@ -27,6 +28,10 @@ def _table(headers: list[str], rows: list[list]) -> list[str]:
 
 def _secs(v) -> str | None:
     return None if v is None else f"{v * 1000:.1f} ms"
+
+
+def _rate(bps) -> str | None:
+    return None if bps is None else format_rate(bps)
 
 
 def render(st: dict, now: float | None = None) -> str:
@@ -48,9 +53,9 @@ def render(st: dict, now: float | None = None) -> str:
     qos = st.get("qos") or {}
     if qos:
         out += ["", "QoS"] + _table(
-            ["tier", "packets", "bytes", "drops", "backlog", "ceil"],
-            [[t, q.get("packets"), q.get("bytes"), q.get("drops"), q.get("backlog"), q.get("ceil")]
-             for t, q in qos.items()])
+            ["tier", "packets", "bytes", "drops", "backlog", "rate", "ceil"],
+            [[t, q.get("packets"), q.get("bytes"), q.get("drops"), q.get("backlog_bytes"),
+              _rate(q.get("rate_bps")), _rate(q.get("ceil_bps"))] for t, q in qos.items()])
     worker = st.get("worker", {})
     out += ["", f"worker:   {worker.get('state')}" + (f" ({worker['error']})" if worker.get("error") else "")]
     tiers = worker.get("tiers") or {}

@@ -76,7 +76,7 @@ class SoftirqBpf:
             self.bpf = BPF(src_file=bpf.source("softirq.c"))
         except Exception as exc:
             raise BpfUnavailable(f"loading bpf/softirq.c failed: {exc}") from None
-        self._time, self._runs, self._lat = self.bpf["time_ns"], self.bpf["runs"], self.bpf["latency"]
+        self._time, self._runs, self._lat = self.bpf[b"time_ns"], self.bpf[b"runs"], self.bpf[b"latency"]
 
     @staticmethod
     def _per_cpu(table, key: int) -> list[int]:

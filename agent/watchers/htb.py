@@ -1,0 +1,51 @@
+"""The QoS datapath per tier: classifier packets/bytes (eBPF) and HTB drops/backlog.
+
+Reads through tc.datapath.Datapath.show(); the per-tier families are what the eBPF
+classifier and the tree add over node_exporter.
+"""
+
+from __future__ import annotations
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from turbonode.tiers import TIER_NAMES
+
+from .base import Rate, Watcher
+
+
+class HtbWatcher(Watcher):
+    name = "htb"
+
+    def __init__(self, datapath):
+        super().__init__()
+        self.datapath = datapath
+        self._rate = Rate()
+
+    def read(self, now):
+        shown = self.datapath.show()
+        tiers = {t: shown["tiers"][t] for t in TIER_NAMES if t in shown["tiers"]}
+        rates = self._rate.update(now, {t: row.get("drops") or 0 for t, row in tiers.items()}) or {}
+        signals = {f"{t}_drops_per_s": rates.get(t) for t in tiers}
+        signals["turbo_backlog_bytes"] = tiers.get("turbo", {}).get("backlog_bytes")
+        return signals, {"tiers": tiers, "rate_bps": shown.get("rate_bps"), "unparsed": shown["tiers"].get("unparsed")}
+
+    def families(self):
+        if not self.ok:
+            return []
+        tiers = self.detail["tiers"]
+        specs = [
+            (CounterMetricFamily, "turbonode_tier_packets", "Packets the eBPF classifier put in each tier", "packets"),
+            (CounterMetricFamily, "turbonode_tier_bytes", "Bytes the eBPF classifier put in each tier", "bytes"),
+            (CounterMetricFamily, "turbonode_tier_drops", "Packets the tier's HTB class dropped", "drops"),
+            (GaugeMetricFamily, "turbonode_tier_backlog_bytes", "Bytes queued in the tier's HTB class", "backlog_bytes"),
+            (GaugeMetricFamily, "turbonode_tier_ceil_bytes_per_second", "The tier's HTB ceil", "ceil_bps"),
+        ]
+        out = []
+        for cls, name, doc, key in specs:
+            fam = cls(name, doc, labels=["tier"])
+            for t, row in tiers.items():
+                v = row.get(key)
+                if v is not None:
+                    fam.add_metric([t], v / 8 if key == "ceil_bps" else v)
+            out.append(fam)
+        return out
