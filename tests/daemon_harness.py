@@ -7,11 +7,13 @@ for systemd's, and promtool checks what the daemons serve on /metrics.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -52,6 +54,40 @@ class NotifyListener:
         self.sock.close()
 
 
+class Output:
+    """Collects a process's output lines in a thread, so the test can wait for one."""
+
+    def __init__(self, stream):
+        self.lines: list[str] = []
+        self._thread = threading.Thread(target=self._read, args=(stream,), daemon=True)
+        self._thread.start()
+
+    def _read(self, stream):
+        for line in stream:
+            self.lines.append(line.rstrip("\n"))
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match | None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for line in self.lines:
+                m = re.search(pattern, line)
+                if m:
+                    return m
+            time.sleep(0.05)
+        return None
+
+    @property
+    def text(self) -> str:
+        self._thread.join(0.5)
+        return "\n".join(self.lines)
+
+
+def start(argv: list[str], env: dict, cwd: Path = ROOT) -> tuple[subprocess.Popen, Output]:
+    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    return proc, Output(proc.stdout)
+
+
 def daemon_env(notify: NotifyListener | None = None, watchdog_usec: int | None = None, **extra) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith(("TURBONODE_", "NOTIFY_", "WATCHDOG_"))}
     env["PYTHONPATH"] = str(ROOT)
@@ -79,6 +115,13 @@ def stop(proc: subprocess.Popen, timeout: float = 30) -> int:
             proc.wait(10)
             raise AssertionError(f"pid {proc.pid} ignored SIGTERM for {timeout}s") from None
     return proc.returncode
+
+
+def scrape(url: str, timeout: float = 10) -> str:
+    from urllib.request import urlopen
+
+    with urlopen(url, timeout=timeout) as resp:
+        return resp.read().decode()
 
 
 def promtool_check(text: str) -> subprocess.CompletedProcess:

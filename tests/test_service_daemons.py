@@ -1,0 +1,85 @@
+"""The daemons as systemd runs them: real subprocesses, a test NOTIFY_SOCKET and WATCHDOG_USEC,
+SIGTERM, and a bad configuration refused at start with the key named."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+
+import pytest
+from conftest import needs_bcc
+from daemon_harness import (PROMTOOL_SKIP, NotifyListener, daemon_env, promtool_check, scrape, start, stop,
+                            turboctl_argv)
+
+WATCHDOG_USEC = 400_000  # the daemon must ping every 0.2 s
+
+
+@pytest.fixture
+def notify(tmp_path):
+    listener = NotifyListener(tmp_path)
+    yield listener
+    listener.close()
+
+
+def root_qdisc(sandbox) -> str:
+    return sandbox.run(sandbox.server, "tc", "qdisc", "show", "dev", sandbox.dev, "root").stdout
+
+
+@pytest.mark.parametrize("daemon,bad,key", [("agent", "[agent]\nsample_period = -1\n", "agent.sample_period"),
+                                            ("agent", "[qos]\nrate = \"fast\"\n", "qos.rate")])
+def test_bad_config_refused_at_start(tmp_path, notify, daemon, bad, key):
+    cfg = tmp_path / "bad.toml"
+    cfg.write_text(bad)
+    proc, out = start(turboctl_argv(daemon, "run", "--config", str(cfg)), daemon_env(notify))
+    rc = proc.wait(60)
+    assert rc != 0 and key in out.text, out.text
+    assert not notify.wait_for("READY=1", 0.1)
+
+
+def _agent_config(tmp_path, sandbox, keep_on_stop: bool):
+    cfg = tmp_path / f"agent-{keep_on_stop}.toml"
+    cfg.write_text(f"""
+[qos]
+dev = "{sandbox.dev}"
+netns = "{sandbox.server}"
+rate = "100mbit"
+keep_on_stop = {str(keep_on_stop).lower()}
+[agent]
+socket = "{tmp_path}/agent.sock"
+worker_socket = "{tmp_path}/no-worker.sock"
+metrics = "127.0.0.1:0"
+sample_period = 0.1
+""")
+    return cfg
+
+
+@needs_bcc
+@pytest.mark.slow
+def test_agent_daemon_notify_metrics_and_fail_static(sandbox, tmp_path, notify):
+    try:
+        for round_, keep in enumerate((True, False), 1):
+            cfg = _agent_config(tmp_path, sandbox, keep)
+            proc, out = start(turboctl_argv("-v", "agent", "run", "--config", str(cfg)),
+                              daemon_env(notify, WATCHDOG_USEC))
+            try:
+                ready = notify.wait_for("READY=1", 90, count=round_, proc=proc)
+                assert ready, out.text
+                assert notify.wait_for("WATCHDOG=1", 5, count=notify.messages.count("WATCHDOG=1") + 3, proc=proc)
+                assert "htb" in root_qdisc(sandbox)
+                m = out.wait_for(r"metrics on [\d.]+:(\d+)/metrics", 5)
+                assert m, out.text
+                text = scrape(f"http://127.0.0.1:{m.group(1)}/metrics")
+                assert re.search(r"^turbonode_degradation_level [0-3]\.0$", text, re.M), text
+                assert re.search(r'^turbonode_tier_packets_total\{tier="turbo"\} ', text, re.M), text
+                if keep and not PROMTOOL_SKIP:
+                    res = promtool_check(text)
+                    assert res.returncode == 0, res.stdout + res.stderr
+            finally:
+                rc = stop(proc, 30)
+            assert rc == 0, out.text
+            assert notify.wait_for("STOPPING=1", 1, count=round_), notify.messages
+            # fail-static: the datapath stays unless qos.keep_on_stop = false
+            assert ("htb" in root_qdisc(sandbox)) is keep, root_qdisc(sandbox)
+    finally:
+        subprocess.run(turboctl_argv("qos", "remove", "--dev", sandbox.dev, "--netns", sandbox.server),
+                       env=daemon_env(), capture_output=True, timeout=60)
