@@ -19,6 +19,8 @@ from .rates import parse_rate
 from .tiers import TIER_NAMES
 
 DEFAULT_PATH = "/etc/turbonode/turbonode.toml"
+# Samplers the worker can build per job (render/samplers.py maps them to diffusers classes).
+SAMPLER_NAMES = ("euler_a", "euler", "dpmpp_2m", "ddim", "lcm")
 ENV_PREFIX = "TURBONODE_"
 
 
@@ -32,6 +34,11 @@ def positive(v):
 def fraction(v):
     if not 0 <= v <= 1:
         raise ValueError(f"must be between 0 and 1, got {v}")
+
+
+def guidance_scale(v):
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 50:
+        raise ValueError(f"must be a number between 0 and 50, got {v!r}")
 
 
 def rate(v):
@@ -120,6 +127,11 @@ class WorkerConfig:
     min_share: float = opt(0.1, fraction, "minimum share of steps each waiting lower tier gets")
     text_cache_size: int = opt(256, positive, "entries in the text-embedding LRU cache")
     engine_cache_dir: str = opt("/var/cache/turbonode/engines", help="TensorRT engine cache")
+    sampler: dict = opt({"turbo": "euler_a", "fast": "dpmpp_2m", "other": "dpmpp_2m", "relax": "dpmpp_2m"},
+                        per_tier(one_of(*SAMPLER_NAMES)), "diffusers scheduler per tier (few-step turbo: euler_a)")
+    guidance: dict = opt({"turbo": 0.0, "fast": 7.5, "other": 7.5, "relax": 7.5}, per_tier(guidance_scale),
+                         "default classifier-free guidance per tier (<= 1 disables it)")
+    drain_timeout: float = opt(30.0, positive, "seconds SIGTERM waits for in-flight jobs before failing them")
 
 
 @dataclass

@@ -1,0 +1,155 @@
+"""Jobs and their images ('samples'): the state the engine moves from queued to done.
+
+A job is one request (prompt, n images, tier, steps, seed, guidance). Each of its images
+is a sample with its own diffusers scheduler, latents and noise generator (seed + index),
+so samples batch with any other job's samples and the same seed gives the same image.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import enum
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from turbonode.errors import TurbonodeError
+
+
+class JobState(str, enum.Enum):
+    QUEUED = "queued"        # waiting for its first step
+    RUNNING = "running"      # denoising
+    DECODING = "decoding"    # every sample denoised, VAE decode pending
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def terminal(self) -> bool:
+        return self in (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
+
+
+class JobFailed(TurbonodeError):
+    """The job failed (batch error, out of memory, shutdown); the message says why."""
+
+
+class JobCancelled(TurbonodeError):
+    """The job was cancelled by its client."""
+
+
+class Rejected(TurbonodeError):
+    """A submission the worker cannot take now; `status` is the HTTP status to answer."""
+
+    status = 429
+
+    def __init__(self, message: str, retry_after: float | None = None):
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueFull(Rejected):
+    pass
+
+
+class TierShed(Rejected):
+    pass
+
+
+class Draining(Rejected):
+    status = 503
+
+
+@dataclass(frozen=True)
+class JobRequest:
+    prompt: str
+    tier: str
+    steps: int
+    seed: int
+    guidance: float
+    width: int
+    height: int
+    n: int = 1
+    negative_prompt: str = ""
+
+    @property
+    def cfg(self) -> bool:
+        """Classifier-free guidance runs an unconditional row too; guidance <= 1 skips it."""
+        return self.guidance > 1.0
+
+
+@dataclass(eq=False)
+class Sample:
+    job: "Job"
+    index: int
+    scheduler: Any = None     # built at the sample's first step (step caps apply then)
+    latents: Any = None
+    generator: Any = None
+    step: int = 0
+    total_steps: int = 0
+    image: Any = None         # uint8 HxWx3 numpy array once decoded
+
+    @property
+    def key(self) -> tuple[str, int]:
+        return (self.job.id, self.index)
+
+    @property
+    def seed(self) -> int:
+        return self.job.request.seed + self.index
+
+    @property
+    def denoised(self) -> bool:
+        return self.scheduler is not None and self.step >= self.total_steps
+
+
+@dataclass(eq=False)
+class Job:
+    request: JobRequest
+    seq: int
+    submitted: float                       # monotonic
+    created: float                         # wall clock, for API answers
+    id: str = field(default_factory=lambda: "job-" + uuid.uuid4().hex[:16])
+    state: JobState = JobState.QUEUED
+    error: str | None = None
+    started: float | None = None
+    finished: float | None = None
+    embeddings: Any = None                 # [rows, L, D]: (uncond, cond) with CFG, else (cond,)
+    cancel_requested: bool = False
+    future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
+    samples: list[Sample] = field(default_factory=list)
+
+    def __post_init__(self):
+        self.samples = [Sample(self, i, total_steps=self.request.steps) for i in range(self.request.n)]
+
+    @property
+    def tier(self) -> str:
+        return self.request.tier
+
+    @property
+    def progress(self) -> float:
+        """Fraction of denoising steps and decodes done (decode counts as one step per image)."""
+        total = sum(s.total_steps + 1 for s in self.samples)
+        done = sum(s.step + (s.image is not None) for s in self.samples)
+        return 1.0 if self.state is JobState.DONE else round(done / total, 4)
+
+    def describe(self, now: float) -> dict:
+        out = {
+            "id": self.id,
+            "object": "image.generation.job",
+            "state": self.state.value,
+            "tier": self.tier,
+            "progress": self.progress,
+            "created": int(self.created),
+            "steps": max((s.total_steps for s in self.samples), default=self.request.steps),
+            "seed": self.request.seed,
+            "n": self.request.n,
+            "size": f"{self.request.width}x{self.request.height}",
+        }
+        if self.started is not None:
+            out["queue_wait_s"] = round(self.started - self.submitted, 4)
+        if self.finished is not None:
+            out["elapsed_s"] = round(self.finished - self.submitted, 4)
+        else:
+            out["age_s"] = round(now - self.submitted, 4)
+        if self.error:
+            out["error"] = self.error
+        return out

@@ -1,0 +1,174 @@
+"""Scheduling policy as pure functions: which samples step next, and when to decode.
+
+The engine calls these at every denoising-step boundary with plain values (no tensors, no
+clocks), so the policy is testable on its own. A *candidate* is one image of one job that
+is ready for its next UNet step. Three policies share the engine so benchmarks compare
+like with like:
+
+- STEP_PRIORITY (the worker's): the batch is composed anew at every step, highest tier
+  first, so a turbo job that arrives while relax jobs denoise waits at most one step.
+  Waiting lower tiers earn credit toward a minimum share of batch slots (no starvation).
+- JOB_FIFO: whole-job, no preemption: a started job stays in the batch until done; free
+  slots go to the oldest waiting job of any tier (what webui queues do).
+- JOB_PRIORITY: whole-job, no preemption, free slots go to the highest tier first (what
+  priority levels in a request queue do).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable
+
+from turbonode.tiers import PRIORITY_ORDER
+
+RANK: dict[str, int] = {t: i for i, t in enumerate(PRIORITY_ORDER)}
+
+
+class Policy(str, enum.Enum):
+    STEP_PRIORITY = "step_priority"
+    JOB_FIFO = "job_fifo"
+    JOB_PRIORITY = "job_priority"
+
+
+@dataclass(frozen=True)
+class Candidate:
+    key: Hashable          # identifies the sample, e.g. (job_id, index)
+    tier: str
+    shape: tuple           # samples batch together only when shapes match
+    seq: int               # arrival order of the job (FIFO within a tier)
+    started: bool = False  # has taken at least one step
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_batch: int
+    paused: frozenset[str] = frozenset()
+    min_share: float = 0.0
+
+
+@dataclass(frozen=True)
+class Composition:
+    keys: tuple             # the samples to step, in batch order
+    credits: dict[str, float] = field(default_factory=dict)
+
+
+def _priority_key(c: Candidate):
+    return (RANK[c.tier], c.seq, str(c.key))
+
+
+def _fifo_key(c: Candidate):
+    return (c.seq, str(c.key))
+
+
+def _fill(ordered: list[Candidate], chosen: list[Candidate], shape, capacity: int) -> None:
+    taken = {c.key for c in chosen}
+    for c in ordered:
+        if len(chosen) >= capacity:
+            return
+        if c.shape == shape and c.key not in taken:
+            chosen.append(c)
+            taken.add(c.key)
+
+
+def _whole_job(cands: list[Candidate], limits: Limits, order) -> Composition:
+    running = sorted((c for c in cands if c.started), key=order)
+    waiting = sorted((c for c in cands if not c.started), key=order)
+    if not running and not waiting:
+        return Composition(())
+    shape = (running or waiting)[0].shape
+    # Started samples are never preempted, even when the throttle lowers max_batch below
+    # their number: stopping them would hold their memory without making progress.
+    chosen = list(running)
+    _fill(waiting, chosen, shape, max(limits.max_batch, len(running)))
+    return Composition(tuple(c.key for c in chosen))
+
+
+def _step_priority(cands: list[Candidate], limits: Limits, credits: dict[str, float]) -> Composition:
+    ordered = sorted(cands, key=_priority_key)
+    if not ordered:
+        return Composition((), {})
+    capacity = limits.max_batch
+    waiting_tiers = {c.tier for c in ordered}
+    # Tiers below the best waiting one earn min_share of the slots per batch as credit;
+    # credit is capped at one full batch, and lost when the tier has nothing waiting.
+    best = ordered[0].tier
+    credits = {t: v for t, v in credits.items() if t in waiting_tiers and t != best}
+    starved = [t for t in PRIORITY_ORDER if t in credits and credits[t] >= capacity]
+    anchor = next(c for c in ordered if c.tier == starved[0]) if starved else ordered[0]
+    shape = anchor.shape
+    chosen = [anchor]
+    for t in sorted(credits, key=RANK.get):  # reserved slots first, higher tiers first
+        own = [c for c in ordered if c.tier == t]
+        _fill(own, chosen, shape, min(capacity, len(chosen) + int(credits[t]) - (anchor.tier == t)))
+    _fill(ordered, chosen, shape, capacity)
+    granted = {t: sum(c.tier == t for c in chosen) for t in waiting_tiers}
+    new_credits = {}
+    for t in waiting_tiers:
+        if RANK[t] <= RANK[best]:
+            continue
+        earned = credits.get(t, 0.0) + limits.min_share * capacity - granted[t]
+        new_credits[t] = min(float(capacity), max(0.0, earned))
+    return Composition(tuple(c.key for c in chosen), new_credits)
+
+
+def compose_batch(candidates: Iterable[Candidate], limits: Limits, credits: dict[str, float] | None = None,
+                  policy: Policy = Policy.STEP_PRIORITY) -> Composition:
+    """The samples to run in the next UNet call (all of one shape, at most max_batch).
+
+    Candidates of paused tiers are left out (they keep their state and wait). `credits`
+    is the min-share state the previous call returned; pass it back unchanged.
+    """
+    cands = [c for c in candidates if c.tier not in limits.paused]
+    if policy is Policy.JOB_FIFO:
+        return _whole_job(cands, limits, _fifo_key)
+    if policy is Policy.JOB_PRIORITY:
+        return _whole_job(cands, limits, _priority_key)
+    return _step_priority(cands, limits, credits or {})
+
+
+# ---- decoding ------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Finished:
+    key: Hashable
+    tier: str
+    shape: tuple
+    seq: int
+
+
+def should_decode(finished_tiers: Iterable[str], runnable_tiers: Iterable[str], deferred: int,
+                  min_share: float) -> bool:
+    """Decode now, or take another step first?
+
+    Finished latents of a tier at least as high as every runnable one decode at once.
+    Otherwise a step of the higher tier goes first; after 1/min_share deferrals the decode
+    goes anyway, so a flood of turbo steps never parks finished relax images forever.
+    """
+    finished = [RANK[t] for t in finished_tiers]
+    if not finished:
+        return False
+    runnable = [RANK[t] for t in runnable_tiers]
+    if not runnable or min(finished) <= min(runnable):
+        return True
+    patience = math.ceil(1 / min_share) if min_share > 0 else math.inf
+    return deferred + 1 >= patience
+
+
+def decode_chunk(finished: Iterable[Finished], max_batch: int, step_budget_s: float | None,
+                 decode_s_per_image: float | None) -> tuple:
+    """Keys of the next decode batch: best tier first, one shape, at most max_batch.
+
+    A decode cannot be interrupted, so below the top tier a chunk is kept to about one
+    step's time (a turbo job that arrives meanwhile then waits no longer than a step).
+    """
+    ordered = sorted(finished, key=lambda f: (RANK[f.tier], f.seq, str(f.key)))
+    if not ordered:
+        return ()
+    head = ordered[0]
+    limit = max_batch
+    if RANK[head.tier] > 0 and step_budget_s and decode_s_per_image:
+        limit = max(1, min(max_batch, int(step_budget_s / decode_s_per_image)))
+    same = [f for f in ordered if f.shape == head.shape]
+    return tuple(f.key for f in same[:limit])
