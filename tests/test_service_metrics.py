@@ -16,3 +16,95 @@ def test_promtool_check_can_fail():
     bad = good.replace("_total", "")  # a counter without _total
     res = promtool_check(bad)
     assert res.returncode != 0 and "_total" in res.stdout + res.stderr
+
+
+# ---- the Grafana dashboard queries only metrics the code defines -----------------------------
+
+import ast  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "deploy/grafana/turbonode.json"
+SOURCES = ("agent", "render", "tc", "turbonode")
+SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")
+
+
+def defined_metric_patterns(roots=SOURCES) -> set[str]:
+    """Regexes of every `turbonode_*` metric name the source can build: string literals,
+    PREFIX + "literal" with a module constant PREFIX, and f-strings (a {field} is any word).
+    An f-string ending in a field (f"turbonode_{digest}", a program name) would match
+    anything, so it does not count."""
+    patterns = set()
+    for root in roots:
+        for path in (ROOT / root).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                      and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                      for t in n.targets if isinstance(t, ast.Name)}
+            for node in ast.walk(tree):
+                text = None
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    text = re.escape(node.value)
+                elif (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.left, ast.Name)
+                      and node.left.id in consts and isinstance(node.right, ast.Constant)):
+                    text = re.escape(consts[node.left.id] + str(node.right.value))
+                elif isinstance(node, ast.JoinedStr):
+                    text = "".join(re.escape(v.value) if isinstance(v, ast.Constant) else r"\w+" for v in node.values)
+                if text and re.fullmatch(r"turbonode_[\w\\+]+", text) and not text.endswith(r"\w+"):
+                    patterns.add(text)
+    return patterns
+
+
+def dashboard_metric_names(dashboard: dict) -> set[str]:
+    """Metric names in every panel's PromQL: bare names and __name__ regex matchers."""
+    names = set()
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            names |= {f"re:{m}" for m in re.findall(r'__name__=~"([^"]+)"', expr)}
+            expr = re.sub(r'__name__=~"[^"]+"', "", expr)
+            names |= set(re.findall(r"\bturbonode_\w+", expr))
+    return names
+
+
+def undefined(names: set[str], patterns: set[str]) -> list[str]:
+    def known(name: str) -> bool:
+        candidates = [name] + [name[: -len(s)] for s in SUFFIXES if name.endswith(s)]
+        return any(re.fullmatch(p, c) for p in patterns for c in candidates)
+
+    missing = []
+    for name in sorted(names):
+        if name.startswith("re:"):  # a regex over names: some defined name must match it
+            examples = [p.replace(r"\w+", "x").replace("\\", "") for p in patterns]
+            if not any(re.fullmatch(name[3:], e) for e in examples):
+                missing.append(name)
+        elif not known(name):
+            missing.append(name)
+    return missing
+
+
+def test_dashboard_queries_only_defined_metrics():
+    dashboard = json.loads(DASHBOARD.read_text())
+    names = dashboard_metric_names(dashboard)
+    assert len(names) >= 15
+    patterns = defined_metric_patterns()
+    assert undefined(names, patterns) == []
+    # the check can fail: a misspelt name and a regex that matches nothing are reported
+    assert undefined({"turbonode_tier_byte_total", "re:turbonode_nothing_.+"}, patterns) == \
+        ["re:turbonode_nothing_.+", "turbonode_tier_byte_total"]
+
+
+def test_dashboard_covers_the_issue():
+    """Per-tier latency and traffic, degradation level and reasons, throttling, GC, GPU."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    names = dashboard_metric_names(dashboard)
+    for needed in ("turbonode_tier_bytes_total", "turbonode_worker_queue_wait_seconds_bucket",
+                   "turbonode_degradation_level", "turbonode_throttle_actions_total",
+                   "turbonode_worker_gc_pause_seconds_bucket", "turbonode_gpu_utilization_ratio"):
+        assert needed in names
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) and dashboard["uid"] and dashboard["templating"]["list"]
+    for panel in dashboard["panels"]:
+        assert panel["type"] == "row" or panel["datasource"]["uid"] == "${datasource}", panel["title"]
