@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import http.client
 import json
-import math
 import socket
 import threading
 import time
@@ -19,6 +18,7 @@ from urllib.parse import urlsplit
 
 import click
 
+from turbonode.stats import percentile
 from turbonode.tiers import TIER_NAMES, tos_byte
 
 PATH = "/v1/images/generations"
@@ -88,14 +88,6 @@ def run_load(url: str, clients: dict[str, int], duration: float, size: int = 64,
     for th in threads:
         th.join(duration + timeout + 5)
     return outcomes
-
-
-def percentile(values: list[float], q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100); None for no values."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
 
 
 def summarize(outcomes: list[Outcome]) -> dict[str, dict]:

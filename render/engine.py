@@ -24,6 +24,7 @@ from typing import Callable
 
 import torch
 
+from turbonode.stats import percentile
 from turbonode.tiers import PRIORITY_ORDER
 
 from . import scheduler as policy
@@ -36,14 +37,6 @@ log = logging.getLogger(__name__)
 
 RECENT = 512          # samples kept for p50/p99 figures
 KEEP_FINISHED = 1024  # terminal jobs kept for GET /v1/jobs/{id}
-
-
-def percentile(values, q: float) -> float | None:
-    """Nearest-rank percentile (q in 0..100) of a small sample; None when empty."""
-    data = sorted(values)
-    if not data:
-        return None
-    return data[min(len(data) - 1, max(0, math.ceil(q / 100 * len(data)) - 1))]
 
 
 @dataclass

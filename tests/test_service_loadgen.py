@@ -12,6 +12,7 @@ import pytest
 from click.testing import CliRunner
 
 from agent import loadgen
+from turbonode.stats import percentile
 
 
 @pytest.fixture
@@ -65,9 +66,9 @@ def test_run_load_and_summary(server):
 
 
 def test_percentile():
-    assert loadgen.percentile([], 50) is None
-    assert loadgen.percentile([3, 1, 2], 50) == 2
-    assert loadgen.percentile(list(range(1, 101)), 99) == 99
+    assert percentile([], 50) is None
+    assert percentile([3, 1, 2], 50) == 2
+    assert percentile(list(range(1, 101)), 99) == 99
 
 
 def test_cli(server):
