@@ -62,15 +62,24 @@ def config_problems(docs) -> list[str]:
     return problems
 
 
-def agent_problems(docs, cfg: Config) -> list[str]:
-    ds = docs[("DaemonSet", "turbonode-agent")]
-    meta, pod = ds["spec"]["template"]["metadata"], ds["spec"]["template"]["spec"]
+def _common_problems(docs, role: str, port: int) -> tuple[dict, dict, list[str]]:
+    """The pod spec and container of turbonode-<role>, and what is wrong with its command and port."""
+    template = docs[("DaemonSet", f"turbonode-{role}")]["spec"]["template"]
+    pod = template["spec"]
     c = pod["containers"][0]
     problems = []
+    if c["command"][:3] != ["turboctl", role, "run"]:
+        problems.append(f"{role}: command {c['command']}")
+    if [p["containerPort"] for p in c["ports"]] != [port] or \
+            template["metadata"]["annotations"].get("prometheus.io/port") != str(port):
+        problems.append(f"{role}: port is not {port}")
+    return pod, c, problems
+
+
+def agent_problems(docs, cfg: Config) -> list[str]:
+    pod, c, problems = _common_problems(docs, "agent", _port(cfg.agent.metrics))
     if not pod.get("hostNetwork"):
         problems.append("agent: hostNetwork must be true (it shapes the host's interface)")
-    if c["command"][:3] != ["turboctl", "agent", "run"]:
-        problems.append(f"agent: command {c['command']}")
     sc = c["securityContext"]
     caps = sc.get("capabilities", {})
     if set(caps.get("add", [])) != AGENT_CAPS or caps.get("drop") != ["ALL"] or sc.get("privileged"):
@@ -86,28 +95,17 @@ def agent_problems(docs, cfg: Config) -> list[str]:
     run_dir = os.path.dirname(cfg.agent.worker_socket)
     if _host_path(mounts.get(run_dir, {})) != run_dir:
         problems.append(f"agent: {run_dir} is not the host's shared directory")
-    metrics = _port(cfg.agent.metrics)
-    if [p["containerPort"] for p in c["ports"]] != [metrics] or meta["annotations"].get("prometheus.io/port") != str(metrics):
-        problems.append(f"agent: metrics port is not {metrics}")
     return problems
 
 
 def worker_problems(docs, cfg: Config) -> list[str]:
-    ds = docs[("DaemonSet", "turbonode-worker")]
-    meta, pod = ds["spec"]["template"]["metadata"], ds["spec"]["template"]["spec"]
-    c = pod["containers"][0]
+    pod, c, problems = _common_problems(docs, "worker", _port(cfg.worker.listen))
     agent_pod = docs[("DaemonSet", "turbonode-agent")]["spec"]["template"]["spec"]
-    problems = []
-    if c["command"][:3] != ["turboctl", "worker", "run"]:
-        problems.append(f"worker: command {c['command']}")
     run_dir = os.path.dirname(cfg.worker.control_socket)
     if _host_path(_mounts(c, pod).get(run_dir, {})) != run_dir:
         problems.append(f"worker: {run_dir} is not shared with the agent through the host")
-    api = _port(cfg.worker.listen)
-    if [p["containerPort"] for p in c["ports"]] != [api] or meta["annotations"].get("prometheus.io/port") != str(api):
-        problems.append(f"worker: API/metrics port is not {api}")
     svc = docs[("Service", "turbonode-worker")]
-    if svc["spec"]["selector"] != ds["spec"]["selector"]["matchLabels"]:
+    if svc["spec"]["selector"] != docs[("DaemonSet", "turbonode-worker")]["spec"]["selector"]["matchLabels"]:
         problems.append("worker: the Service does not select the worker pods")
     if "nvidia.com/gpu" not in c["resources"]["limits"]:
         problems.append("worker: no GPU requested")
@@ -159,7 +157,7 @@ def test_checks_catch_broken_manifests():
     worker["containers"][0]["command"][-1] = "/etc/other.toml"
     problems = agent_problems(broken, cfg) + worker_problems(broken, cfg) + config_problems(broken)
     for expected in ("hostNetwork", "capabilities", "procfs root", "/run/turbonode is not shared",
-                     "port is not 8460", "--config /etc/other.toml"):
+                     "worker: port is not 8460", "--config /etc/other.toml"):
         assert any(expected in p for p in problems), (expected, problems)
 
 
