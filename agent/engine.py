@@ -43,7 +43,8 @@ class Engine:
                     "level %s", decision.describe())
         else:
             log.debug("level %s", decision.describe())
-        cause = self.last_change.reasons[0].signal if self.last_change and self.last_change.reasons else "none"
+        up = self.last_change is not None and self.last_change.level > self.last_change.previous
+        cause = self.last_change.reasons[0].signal if up else "recovery"   # metrics label
         reason = self.last_change.describe() if self.last_change else "normal"
         self.actuator.apply(self.actions[decision.level], reason, cause, now)
         self._publish(decision, signals)

@@ -146,6 +146,7 @@ SIGNALS = {
     "cpu_load": "cpu_load",
     "gc_pause_s": "gc_pause",
     "netrx_latency_p99_s": "netrx_latency",
+    "netrx_cpu_share": "netrx_share",
     "turbo_wait_s": "turbo_wait",
 }
 

@@ -1,5 +1,5 @@
-"""Worker watcher and actuator against a small real AF_UNIX JSON-RPC server (the agreed
-control methods), plus the relax-ceil action against a recording datapath stand-in."""
+"""Worker watcher and actuator against a small real AF_UNIX JSON-RPC server (tests/mini_worker.py),
+plus the relax-ceil action against a recording datapath stand-in."""
 
 import time
 
@@ -7,55 +7,15 @@ import pytest
 
 from agent.actuator import Actuator
 from agent.policy import Actions
-from agent.status_server import StatusServer
 from agent.watchers.worker import WorkerWatcher
-from turbonode.jsonrpc import INVALID_PARAMS, ControlClient, RpcError
-
-
-class MiniWorker:
-    """Just enough of the worker's control contract: status with GC seq, throttle with TTL."""
-
-    def __init__(self):
-        self.pauses = []
-        self.throttle_state = None
-        self.calls = []
-        self.turbo_wait = 0.0
-
-    def status(self, since_gc_seq=None):
-        t = self.throttle_state
-        if t and time.monotonic() > t["expires"]:
-            self.throttle_state = t = None
-        pauses = [p for p in self.pauses if since_gc_seq is None or p["seq"] > since_gc_seq]
-        return {"tiers": {"turbo": {"queued": 0, "in_flight": 0, "oldest_wait_s": self.turbo_wait,
-                                    "queue_wait_p99_s": 0.0}},
-                "step_time_s": {"last": 0.04, "p50": 0.04, "p99": 0.05}, "max_batch": 4,
-                "gc": {"last_seq": self.pauses[-1]["seq"] if self.pauses else 0, "pauses": pauses},
-                "throttle": t and {k: v for k, v in t.items() if k != "expires"}}
-
-    def throttle(self, reason, ttl_s, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=()):
-        if "turbo" in list(paused_tiers) + list(shed_tiers) + list(step_caps or {}):
-            raise RpcError(INVALID_PARAMS, "turbo is never throttled")
-        self.calls.append(("throttle", reason))
-        self.throttle_state = {"max_batch": max_batch, "paused_tiers": list(paused_tiers), "reason": reason,
-                               "expires": time.monotonic() + ttl_s}
-        return {"ok": True}
-
-    def release(self, reason=""):
-        self.calls.append(("release", reason))
-        self.throttle_state = None
-        return {"ok": True}
-
-    def gc(self, pause_s):
-        self.pauses.append({"seq": len(self.pauses) + 1, "generation": 2, "pause_s": pause_s, "at": time.time()})
+from tests.mini_worker import MiniWorker
+from turbonode.jsonrpc import ControlClient
 
 
 @pytest.fixture
 def worker(tmp_path):
     w = MiniWorker()
-    path = str(tmp_path / "worker.sock")
-    srv = StatusServer(path, {"status": w.status, "throttle": w.throttle, "release": w.release,
-                              "ping": lambda: "pong"}).start()
-    w.client = ControlClient(path, timeout=1.0)
+    srv = w.serve(str(tmp_path / "worker.sock"))
     yield w
     srv.close()
 

@@ -112,7 +112,8 @@ def test_any_active_signal_holds_level():
 def test_config_defaults_and_actions():
     cfg = PolicyConfig()
     p = policy_from_config(cfg)
-    assert {r.signal for r in p.rules} == {"cpu_load", "gc_pause_s", "netrx_latency_p99_s", "turbo_wait_s"}
+    assert {r.signal for r in p.rules} == {"cpu_load", "gc_pause_s", "netrx_latency_p99_s", "netrx_cpu_share",
+                                        "turbo_wait_s"}
     table = actions_table(cfg)
     assert table[0] == Actions()
     assert table[1].relax_ceil_pct == 50 and table[1].throttle == {"max_batch": 2}

@@ -190,6 +190,8 @@ class PolicyConfig:
     gc_pause_exit: float = opt(0.001, positive, "worker GC pause (s) counted as healthy")
     netrx_latency_enter: float = opt(200e-6, positive, "NET_RX softirq raise-to-run p99 (s) that escalates")
     netrx_latency_exit: float = opt(50e-6, positive, "NET_RX softirq latency p99 (s) counted as healthy")
+    netrx_share_enter: float = opt(0.25, fraction, "busiest CPU's share of time in NET_RX softirq that escalates")
+    netrx_share_exit: float = opt(0.10, fraction, "busiest CPU's NET_RX share counted as healthy")
     turbo_wait_enter: float = opt(0.5, positive, "turbo queue wait budget (s); above it escalates")
     turbo_wait_exit: float = opt(0.25, positive, "turbo queue wait (s) counted as healthy")
     psi_trigger_us: int = opt(100000, positive, "PSI trigger: stall microseconds per 1 s window that wakes the sampler")

@@ -1,7 +1,8 @@
 """Softirq time and latency per vector from eBPF tracepoints (bpf/softirq.c).
 
-Signals: NET_RX raise-to-entry latency p99 over the last sample and the share of one CPU
-spent in NET_RX. Where BPF cannot be used (no bcc, no tracepoints, no headers) the watcher
+Signals: NET_RX raise-to-entry latency p99 over the last sample, and the busiest CPU's share
+of time spent in NET_RX (on veth and other software paths the raise is served within
+microseconds even during a flood, so the time share is what shows a storm there). Where BPF cannot be used (no bcc, no tracepoints, no headers) the watcher
 falls back to /proc/softirqs counts and says so; its collector then reports failure because
 the counts alone are node_exporter's business.
 """
@@ -125,18 +126,22 @@ class SoftirqWatcher(Watcher):
             signals = {"netrx_per_s": rates and rates["netrx"], "netrx_latency_p99_s": None}
             return signals, {"mode": "procfs", "bpf_error": self.bpf_error}
         hist = self.probe.latency(NET_RX)
-        rates = self._rate.update(now, {"time": sum(self.probe.time_ns(NET_RX)) / 1e9,
-                                        "runs": sum(self.probe.runs(NET_RX))})
+        per_cpu = self.probe.time_ns(NET_RX)
+        counters = {cpu: ns / 1e9 for cpu, ns in enumerate(per_cpu)}
+        counters["runs"] = sum(self.probe.runs(NET_RX))
+        rates = self._rate.update(now, counters)
         last, self._last_hist = self._last_hist, hist
         p99 = None
         if last is not None:
             delta = [max(0, a - b) for a, b in zip(hist, last)]
             if sum(delta) >= MIN_EVENTS_FOR_P99:
                 p99 = quantile(delta, 0.99)
+        shares = [rates[cpu] for cpu in range(len(per_cpu))] if rates else None
         signals = {"netrx_latency_p99_s": p99,
-                   "netrx_time_ratio": rates and rates["time"],   # CPU-seconds per second
+                   # A storm pins one CPU's NET_RX: the busiest CPU's share of time in the handler.
+                   "netrx_cpu_share": max(shares) if shares else None,
                    "netrx_per_s": rates and rates["runs"]}
-        return signals, {"mode": "bpf"}
+        return signals, {"mode": "bpf", "netrx_cpu_share_per_cpu": shares}
 
     def state(self) -> dict:
         return {**super().state(), "mode": self.mode, "bpf_error": self.bpf_error}

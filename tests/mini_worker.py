@@ -1,0 +1,49 @@
+"""A small stand-in for the worker's control server (the agreed JSON-RPC methods), served on
+a real AF_UNIX socket. For agent tests that must not depend on a diffusion model."""
+
+import time
+
+from agent.status_server import StatusServer
+from turbonode.jsonrpc import INVALID_PARAMS, ControlClient, RpcError
+
+
+class MiniWorker:
+    """Just enough of the worker's control contract: status with GC seq, throttle with TTL."""
+
+    def __init__(self):
+        self.pauses = []
+        self.throttle_state = None
+        self.calls = []
+        self.turbo_wait = 0.0
+
+    def status(self, since_gc_seq=None):
+        t = self.throttle_state
+        if t and time.monotonic() > t["expires"]:
+            self.throttle_state = t = None
+        pauses = [p for p in self.pauses if since_gc_seq is None or p["seq"] > since_gc_seq]
+        return {"tiers": {"turbo": {"queued": 0, "in_flight": 0, "oldest_wait_s": self.turbo_wait,
+                                    "queue_wait_p99_s": 0.0}},
+                "step_time_s": {"last": 0.04, "p50": 0.04, "p99": 0.05}, "max_batch": 4,
+                "gc": {"last_seq": self.pauses[-1]["seq"] if self.pauses else 0, "pauses": pauses},
+                "throttle": t and {k: v for k, v in t.items() if k != "expires"}}
+
+    def throttle(self, reason, ttl_s, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=()):
+        if "turbo" in list(paused_tiers) + list(shed_tiers) + list(step_caps or {}):
+            raise RpcError(INVALID_PARAMS, "turbo is never throttled")
+        self.calls.append(("throttle", reason))
+        self.throttle_state = {"max_batch": max_batch, "paused_tiers": list(paused_tiers), "reason": reason,
+                               "expires": time.monotonic() + ttl_s}
+        return {"ok": True}
+
+    def release(self, reason=""):
+        self.calls.append(("release", reason))
+        self.throttle_state = None
+        return {"ok": True}
+
+    def gc(self, pause_s):
+        self.pauses.append({"seq": len(self.pauses) + 1, "generation": 2, "pause_s": pause_s, "at": time.time()})
+
+    def serve(self, path: str) -> StatusServer:
+        self.client = ControlClient(path, timeout=1.0)
+        return StatusServer(path, {"status": self.status, "throttle": self.throttle, "release": self.release,
+                                   "ping": lambda: "pong"}).start()
