@@ -95,18 +95,20 @@ class Datapath:
 
     def show(self) -> dict:
         """Per-tier counters and class statistics, plus "unparsed" and the applied link rate."""
-        state, tree = self._applied()
+        with Link(self.dev, self.netns) as link:  # first: names a missing device or namespace
+            state, tree = self._applied()
+            classes = link.classes()
         paths = classifier.pin_paths(self.places.pin_dir)
         counters = bpfobj.read_counters(paths["counters"], classifier.COUNTER_SLOTS)
         dscp_table = bpfobj.read_u32_array(paths["dscp_map"], 64)
-        with Link(self.dev, self.netns) as link:
-            classes = link.classes()
         return {"dev": self.dev, "netns": self.netns, "rate_bps": tree.rate_bps, "leaf_kind": state.get("leaf_kind"),
                 "prog_id": state.get("prog_id"), "tiers": tier_rows(counters, classes, dscp_table)}
 
     def set_map(self, mapping: dict[int, str]) -> None:
-        """Change DSCP -> tier entries in the live map (the program is not reloaded)."""
-        state, _ = self._applied()
+        """Change DSCP -> tier entries in the live map (the program is not reloaded). Until
+        the next apply: apply is declarative and writes the configured map."""
+        with Link(self.dev, self.netns):
+            self._applied()
         entries = {}
         for dscp, name in mapping.items():
             if not 0 <= int(dscp) < 64:
@@ -119,19 +121,16 @@ class Datapath:
         with bpfobj.PinnedMap(path) as m:
             for dscp, index in entries.items():
                 m.update(dscp, struct.pack("=I", index))
-        # Remember it, so a re-apply of the same config keeps the operator's change.
-        state["inputs"]["dscp"] = {**state["inputs"]["dscp"], **{int(k): v for k, v in mapping.items()}}
-        reconcile.save_state(self.places.state_file, state)
 
     def set_rate(self, tier: str, rate_bps: int, ceil_bps: int | None = None) -> dict:
         """Change one tier's HTB rate/ceil in place (no reload, queued packets stay queued)."""
-        _, tree = self._applied()
-        try:
-            tier_by_name(tier)
-            new = with_rate(tree, tier, rate_bps, ceil_bps)
-        except ValueError as exc:
-            raise DatapathError(f"set-rate {tier}: {exc}") from None
         with Link(self.dev, self.netns) as link:
+            _, tree = self._applied()
+            try:
+                tier_by_name(tier)
+                new = with_rate(tree, tier, rate_bps, ceil_bps)
+            except ValueError as exc:
+                raise DatapathError(f"set-rate {tier}: {exc}") from None
             link.replace_class(new)
             got = {c.handle: c for c in link.classes()}.get(new.handle)
         if got is None or got.rate_bps != new.rate_bps // 8 * 8 or got.ceil_bps != new.ceil_bps // 8 * 8:

@@ -1,0 +1,130 @@
+"""`turboctl qos ...` through click's CliRunner, against a real sandbox interface."""
+
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from agent.cli import main
+from conftest import needs_bcc
+
+
+def run(*args):
+    res = CliRunner().invoke(main, ["qos", *args])
+    assert "Traceback" not in res.output
+    return res
+
+
+@pytest.fixture
+def target(sandbox):
+    yield ["--dev", sandbox.dev, "--netns", sandbox.server]
+    run("remove", "--dev", sandbox.dev, "--netns", sandbox.server)
+
+
+@needs_bcc
+def test_qos_commands_end_to_end(sandbox, target, tmp_path):
+    res = run("apply", *target, "--rate", "100mbit")
+    assert res.exit_code == 0, res.output
+    assert "10 change(s); classifier compiled and attached" in res.output
+    res = run("apply", *target, "--rate", "100mbit")
+    assert res.exit_code == 0 and "0 change(s); classifier already current" in res.output
+
+    sandbox.run(sandbox.server, "ping", "-c", "3", "-i", "0.05", "-Q", "0xb8", sandbox.client_ip)
+    res = run("show", *target)
+    assert res.exit_code == 0, res.output
+    lines = {line.split()[0]: line.split() for line in res.output.splitlines() if line}
+    assert lines["tier"][:5] == ["tier", "class", "dscp", "packets", "bytes"]
+    assert lines["turbo"][1:4] == ["1:10", "46", "3"] and lines["turbo"][-2:] == ["40mbit", "100mbit"]
+    assert lines["fast"][2] == "34,36,38" and lines["relax"][2] == "1,8"
+
+    view = json.loads(run("show", *target, "--json").output)
+    assert view["rate_bps"] == 100_000_000 and view["tiers"]["turbo"]["packets"] == 3
+    assert set(view["tiers"]) == {"turbo", "fast", "other", "relax", "unparsed"}
+    assert {"htb_sent_bytes", "drops", "backlog_bytes", "borrowed"} <= set(view["tiers"]["turbo"])
+
+    res = run("set-map", *target, "10=fast", "0=relax")
+    assert res.exit_code == 0 and "DSCP 10 -> fast, DSCP 0 -> relax" in res.output
+    view = json.loads(run("show", *target, "--json").output)
+    assert view["tiers"]["relax"]["dscp"] == [0, 1, 8] and 10 in view["tiers"]["fast"]["dscp"]
+
+    res = run("set-rate", *target, "relax", "5mbit", "20mbit")
+    assert res.exit_code == 0 and "relax rate 5mbit ceil 20mbit" in res.output
+    view = json.loads(run("show", *target, "--json").output)
+    assert (view["tiers"]["relax"]["rate_bps"], view["tiers"]["relax"]["ceil_bps"]) == (5_000_000, 20_000_000)
+
+    cfg = tmp_path / "t.toml"
+    cfg.write_text('[qos]\nrate = "50mbit"\nleaf_limit = 200\n[qos.dscp]\n10 = "turbo"\n')
+    res = run("apply", *target, "--config", str(cfg))
+    assert res.exit_code == 0, res.output
+    view = json.loads(run("show", *target, "--json").output)
+    assert view["rate_bps"] == 50_000_000 and 10 in view["tiers"]["turbo"]["dscp"]
+
+    res = run("remove", *target)
+    assert res.exit_code == 0 and "removed; root qdisc is noqueue again" in res.output
+    res = run("show", *target)
+    assert res.exit_code == 1 and "no turbonode QoS on" in res.output and "qos apply" in res.output
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["apply", "--rate", "10furlong"], 2, "bad rate '10furlong': unknown unit 'furlong'"),
+    (["apply", "--rate", "0mbit"], 2, "must be positive"),
+    (["set-map", "64=turbo"], 2, "expected DSCP=TIER with DSCP 0..63"),
+    (["set-map", "46=gold"], 2, "unknown tier 'gold'"),
+    (["set-map", "46"], 2, "expected DSCP=TIER"),
+    (["set-rate", "gold", "1mbit"], 2, "'gold' is not one of"),
+    (["set-rate", "relax", "fast"], 2, "bad rate 'fast'"),
+])
+def test_bad_arguments_are_named(args, code, message):
+    res = run(*args, "--dev", "eth-unused")
+    assert res.exit_code == code and message in res.output, res.output
+
+
+def test_missing_dev_and_bad_config(tmp_path):
+    res = run("show", "--config", str(tmp_path / "none.toml"))
+    assert res.exit_code == 1 and "file not found" in res.output
+    empty = tmp_path / "empty.toml"
+    empty.write_text("")
+    res = run("show", "--config", str(empty))
+    assert res.exit_code == 2 and "no interface: pass --dev" in res.output
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[qos]\nrate = "fast"\n')
+    res = run("apply", "--dev", "x", "--config", str(bad))
+    assert res.exit_code == 1 and "qos.rate" in res.output
+
+
+def test_unknown_device_and_namespace(sandbox):
+    res = run("apply", "--dev", "nosuchdev0", "--netns", sandbox.server)
+    assert res.exit_code == 1 and f"unknown device nosuchdev0 in netns {sandbox.server}" in res.output
+    res = run("show", "--dev", sandbox.dev, "--netns", "tn-no-such-ns")
+    assert res.exit_code == 1 and "unknown network namespace 'tn-no-such-ns'" in res.output
+    assert not os.path.exists("/run/netns/tn-no-such-ns")  # opening it must not create it
+
+
+def test_not_root_is_named(sandbox, monkeypatch):
+    # Reproduce a non-root caller (tests run as root): the check happens before any kernel call.
+    monkeypatch.setattr("tc.netlink.os.geteuid", lambda: 1000)
+    res = run("apply", "--dev", sandbox.dev, "--netns", sandbox.server)
+    assert res.exit_code == 1 and "needs root" in res.output
+
+
+FAKE_BCC = {
+    "missing": "raise ImportError('No module named bcc')\n",
+    "headers": ("import sys\nclass BPF:\n    SCHED_CLS = 3\n    def __init__(self, **kw):\n"
+                "        print('Unable to find kernel headers. Try rebuilding kernel with CONFIG_IKHEADERS=m',"
+                " file=sys.stderr)\n        raise Exception('Failed to compile BPF module')\n"),
+}
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "bcc Python bindings not importable: install python3-bpfcc"),
+    ("headers", "no kernel headers for bcc: install linux-headers-$(uname -r)"),
+])
+def test_no_bcc_and_no_headers_are_named(sandbox, tmp_path, monkeypatch, case, message):
+    # A stand-in bcc package on the loader child's path reproduces a host without bcc or headers.
+    (tmp_path / "bcc").mkdir()
+    (tmp_path / "bcc" / "__init__.py").write_text(FAKE_BCC[case])
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    res = run("apply", "--dev", sandbox.dev, "--netns", sandbox.server)
+    run("remove", "--dev", sandbox.dev, "--netns", sandbox.server)
+    assert res.exit_code == 1 and message in res.output, res.output
