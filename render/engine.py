@@ -163,7 +163,9 @@ class Engine:
         self._finished.append(job.id)
         while len(self._finished) > KEEP_FINISHED:
             self._jobs.pop(self._finished.popleft(), None)
-        if state is JobState.DONE:
+        if job.future.done():  # a waiter cancelled the future itself; nobody listens any more
+            pass
+        elif state is JobState.DONE:
             job.future.set_result(job)
         elif state is JobState.CANCELLED:
             job.future.set_exception(JobCancelled(error or "cancelled"))

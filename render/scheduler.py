@@ -91,8 +91,9 @@ def _step_priority(cands: list[Candidate], limits: Limits, credits: dict[str, fl
         return Composition((), {})
     capacity = limits.max_batch
     waiting_tiers = {c.tier for c in ordered}
-    # Tiers below the best waiting one earn min_share of the slots per batch as credit;
-    # credit is capped at one full batch, and lost when the tier has nothing waiting.
+    # Tiers below the best waiting one earn min_share of the slots per batch as credit while
+    # some of their samples are left waiting; credit is capped at one full batch, and lost
+    # once the tier has nothing left waiting.
     best = ordered[0].tier
     credits = {t: v for t, v in credits.items() if t in waiting_tiers and t != best}
     starved = [t for t in PRIORITY_ORDER if t in credits and credits[t] >= capacity]
@@ -104,8 +105,9 @@ def _step_priority(cands: list[Candidate], limits: Limits, credits: dict[str, fl
         _fill(own, chosen, shape, min(capacity, len(chosen) + int(credits[t]) - (anchor.tier == t)))
     _fill(ordered, chosen, shape, capacity)
     granted = {t: sum(c.tier == t for c in chosen) for t in waiting_tiers}
+    left_waiting = {t for t in waiting_tiers if granted[t] < sum(c.tier == t for c in ordered)}
     new_credits = {}
-    for t in waiting_tiers:
+    for t in left_waiting:
         if RANK[t] <= RANK[best]:
             continue
         earned = credits.get(t, 0.0) + limits.min_share * capacity - granted[t]

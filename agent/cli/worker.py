@@ -1,0 +1,225 @@
+"""`turboctl worker run|status|ping`, `turboctl render`, `turboctl throttle`, `turboctl release`.
+
+`worker run` imports torch (through render.daemon) only when it runs, so importing the CLI
+never loads it. The control commands talk to the worker's socket through a ControlClient
+kept in the click context object (`--socket` or a caller-provided obj chooses it).
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+import urllib.error
+import urllib.request
+
+import click
+
+from turbonode.config import load_config
+from turbonode.errors import ConfigError, ControlError, TurbonodeError
+from turbonode.jsonrpc import DEFAULT_SOCKET, ControlClient
+from turbonode.tiers import TIER_NAMES
+
+from .params import TIER
+
+DEFAULT_URL = "http://127.0.0.1:8460"
+
+
+class TierStepsType(click.ParamType):
+    """TIER=STEPS, e.g. relax=10 (a per-tier step cap)."""
+
+    name = "tier=steps"
+
+    def convert(self, value, param, ctx):
+        if isinstance(value, tuple):
+            return value
+        tier, sep, steps = value.partition("=")
+        if not sep or tier not in TIER_NAMES or not steps.isdigit() or int(steps) < 1:
+            self.fail(f"expected TIER=STEPS with TIER one of {', '.join(TIER_NAMES)} and STEPS >= 1, got {value!r}",
+                      param, ctx)
+        return tier, int(steps)
+
+
+TIER_STEPS = TierStepsType()
+
+
+def _set_client(ctx: click.Context, param, value):
+    if value is not None or not isinstance(ctx.obj, ControlClient):
+        ctx.obj = ControlClient(value or DEFAULT_SOCKET)
+    return value
+
+
+def control_socket_option(f):
+    return click.option("--socket", "socket_path", callback=_set_client, expose_value=False,
+                        envvar="TURBONODE_WORKER_SOCKET", metavar="PATH",
+                        help=f"worker control socket (default {DEFAULT_SOCKET})")(f)
+
+
+def json_option(f):
+    return click.option("--json", "as_json", is_flag=True, help="print the answer as JSON")(f)
+
+
+def _call(client: ControlClient, method: str, **params):
+    try:
+        return client.call(method, **params)
+    except ControlError as exc:
+        raise click.ClickException(str(exc)) from None
+
+
+# ---- worker ----------------------------------------------------------------------------
+
+@click.group("worker")
+def command():
+    """Run and inspect the diffusion worker."""
+
+
+@command.command("run")
+@click.option("--model", help="'tiny' (embedded) or a local diffusers directory")
+@click.option("--listen", metavar="HOST:PORT", help="HTTP API address (default 0.0.0.0:8460)")
+@click.option("--control", metavar="PATH", help="control socket path")
+@click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML configuration file")
+@click.option("--backend", type=click.Choice(["auto", "torch", "tensorrt"]), help="UNet/VAE backend")
+@click.option("--device", help="torch device: auto, cpu, cuda, cuda:N")
+def run(model, listen, control, config_file, backend, device):
+    """Serve the OpenAI-compatible image API and the control socket until SIGTERM."""
+    overrides = {"worker.model": model, "worker.listen": listen, "worker.control_socket": control,
+                 "worker.backend": backend, "worker.device": device}
+    try:
+        cfg = load_config(config_file, overrides=overrides).worker
+    except ConfigError as exc:
+        raise click.ClickException(f"invalid configuration: {exc}") from None
+    from render import daemon  # imports torch: only here, never when the CLI loads
+
+    def ready(url):
+        click.echo(f"turbonode worker serving {url} (control {cfg.control_socket})", err=True)
+
+    try:
+        rc = daemon.run(cfg, on_ready=ready)
+    except TurbonodeError as exc:
+        raise click.ClickException(str(exc)) from None
+    sys.exit(rc)
+
+
+@command.command("ping")
+@control_socket_option
+@json_option
+@click.pass_obj
+def ping(client, as_json):
+    """Check that the worker answers on its control socket."""
+    result = _call(client, "ping")
+    click.echo(json.dumps(result) if as_json else f"pong from pid {result.get('pid')}")
+
+
+def _fmt_s(v):
+    return "-" if v is None else f"{v * 1000:.1f} ms"
+
+
+@command.command("status")
+@control_socket_option
+@json_option
+@click.pass_obj
+def status(client, as_json):
+    """Queues, step times, GC pauses, memory and the throttle in force."""
+    st = _call(client, "status")
+    if as_json:
+        click.echo(json.dumps(st, indent=2))
+        return
+    click.echo(f"backend {st['backend'].get('name')} on {st['backend'].get('device')}, "
+               f"max batch {st['max_batch']}, up {st['uptime_s']:.0f} s")
+    click.echo(f"{'tier':<6} {'queued':>6} {'running':>7} {'oldest wait':>12} {'wait p99':>10}")
+    for tier, t in st["tiers"].items():
+        click.echo(f"{tier:<6} {t['queued']:>6} {t['in_flight']:>7} {_fmt_s(t['oldest_wait_s']):>12} "
+                   f"{_fmt_s(t['queue_wait_p99_s']):>10}")
+    s = st["step_time_s"]
+    click.echo(f"step: last {_fmt_s(s['last'])}, p50 {_fmt_s(s['p50'])}, p99 {_fmt_s(s['p99'])}")
+    gc = st["gc"]
+    click.echo(f"gc: {gc['collections_total']} collections, {gc['pause_seconds_total'] * 1000:.1f} ms paused")
+    click.echo(f"memory: rss {st['memory']['rss_bytes'] / 2**20:.0f} MiB")
+    t = st["throttle"]
+    click.echo("throttle: none" if t is None else
+               f"throttle: {t['reason']} (max batch {t['max_batch']}, paused {t['paused_tiers']}, "
+               f"caps {t['step_caps']}, shed {t['shed_tiers']}; expires in {t['expires_in_s']:.1f} s)")
+
+
+# ---- throttle / release ----------------------------------------------------------------
+
+@click.command("throttle")
+@click.option("--max-batch", type=click.IntRange(min=1), help="largest UNet batch")
+@click.option("--pause", "paused", type=TIER, multiple=True, help="tier whose jobs wait (repeatable)")
+@click.option("--step-cap", "caps", type=TIER_STEPS, multiple=True, help="TIER=STEPS cap for new jobs (repeatable)")
+@click.option("--shed", "shed", type=TIER, multiple=True, help="tier whose new jobs get 429 (repeatable)")
+@click.option("--reason", required=True, help="why (logged, shown in status)")
+@click.option("--ttl", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
+              help="seconds until the throttle expires unless set again")
+@control_socket_option
+@json_option
+@click.pass_obj
+def throttle(client, max_batch, paused, caps, shed, reason, ttl, as_json):
+    """Throttle the worker's lower tiers (turbo cannot be throttled); it expires after --ttl."""
+    result = _call(client, "throttle", max_batch=max_batch, paused_tiers=list(paused), step_caps=dict(caps),
+                   shed_tiers=list(shed), reason=reason, ttl_s=ttl)
+    click.echo(json.dumps(result) if as_json else f"throttled ({reason}); expires in {result['expires_in_s']:.1f} s")
+
+
+@click.command("release")
+@click.option("--reason", default="", help="why (logged)")
+@control_socket_option
+@json_option
+@click.pass_obj
+def release(client, reason, as_json):
+    """Lift the worker's throttle now."""
+    result = _call(client, "release", reason=reason)
+    click.echo(json.dumps(result) if as_json else ("released" if result["released"] else "no throttle was set"))
+
+
+# ---- render ----------------------------------------------------------------------------
+
+@click.command("render")
+@click.argument("prompt")
+@click.option("--tier", type=TIER, help="job tier (default: the worker's, 'other')")
+@click.option("--out", type=click.Path(dir_okay=False, writable=True), default="render.png", show_default=True,
+              help="PNG to write (with -n > 1: name-1.png, name-2.png ...)")
+@click.option("--url", default=DEFAULT_URL, show_default=True, envvar="TURBONODE_WORKER_URL", help="worker API")
+@click.option("--size", help="WIDTHxHEIGHT")
+@click.option("--steps", type=click.IntRange(min=1))
+@click.option("--seed", type=click.IntRange(min=0))
+@click.option("--guidance", type=click.FloatRange(min=0))
+@click.option("-n", "n", type=click.IntRange(1, 10), default=1, show_default=True, help="images")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="seconds to wait")
+@json_option
+def render(prompt, tier, out, url, size, steps, seed, guidance, n, timeout, as_json):
+    """Render PROMPT on a worker and write the PNG."""
+    body = {"prompt": prompt, "n": n, "response_format": "b64_json"}
+    for key, value in (("tier", tier), ("size", size), ("steps", steps), ("seed", seed), ("guidance", guidance)):
+        if value is not None:
+            body[key] = value
+    req = urllib.request.Request(url.rstrip("/") + "/v1/images/generations", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            answer = json.loads(resp.read())
+    except urllib.error.HTTPError as exc:
+        try:
+            message = json.loads(exc.read())["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = exc.reason
+        retry = exc.headers.get("Retry-After")
+        raise click.ClickException(f"worker answered {exc.code}: {message}"
+                                   + (f" (retry after {retry} s)" if retry else "")) from None
+    except (urllib.error.URLError, OSError) as exc:
+        raise click.ClickException(f"cannot reach the worker at {url}: {getattr(exc, 'reason', exc)}") from None
+    stem, ext = os.path.splitext(out)
+    paths = [out] if n == 1 else [f"{stem}-{i + 1}{ext or '.png'}" for i in range(n)]
+    for path, item in zip(paths, answer["data"]):
+        with open(path, "wb") as f:
+            f.write(base64.b64decode(item["b64_json"]))
+    meta = {**answer.get("turbonode", {}), "files": paths}
+    if as_json:
+        click.echo(json.dumps(meta))
+    else:
+        click.echo(f"wrote {', '.join(paths)} ({meta.get('tier')}, {meta.get('steps')} steps, seed {meta.get('seed')}, "
+                   f"{meta.get('elapsed_s', 0):.2f} s)")
+
+
+commands = (command, render, throttle, release)

@@ -1,0 +1,276 @@
+"""The worker's HTTP API (aiohttp): OpenAI-compatible image generation plus job control.
+
+POST /v1/images/generations takes OpenAI's fields (prompt, n, size, response_format
+b64_json) and turbonode's (tier, steps, seed, guidance, negative_prompt, async); the tier
+may also come from the X-Turbonode-Tier header. Synchronous requests wait for the images;
+a client that disconnects cancels its job. `"async": true` answers 202 with a job id to
+poll at GET /v1/jobs/{id} and cancel with DELETE. Bad input answers 4xx with a message,
+full queues and shed tiers 429 with Retry-After. Every response of a job leaves on a
+socket marked with its tier's DSCP, so the node's QoS classifies the images end to end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import io
+import logging
+import math
+import secrets
+import socket
+from dataclasses import dataclass
+
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from turbonode.tiers import DEFAULT_TIER, TIER_NAMES, tos_byte
+
+from .jobs import JobCancelled, JobFailed, JobRequest, Rejected
+
+log = logging.getLogger(__name__)
+
+TIER_HEADER = "X-Turbonode-Tier"
+MAX_PROMPT_CHARS = 4000
+MAX_IMAGES = 10
+MAX_STEPS = 200
+MIN_PIXELS = 64
+MAX_PIXELS = 2048
+# OpenAI request fields that do not change what this worker renders; accepted and ignored.
+IGNORED_OPENAI_FIELDS = {"model", "quality", "style", "user", "background", "moderation",
+                         "output_compression", "output_format"}
+TURBONODE_FIELDS = {"prompt", "negative_prompt", "n", "size", "response_format", "tier", "steps",
+                    "seed", "guidance", "async", "stream"}
+
+
+class BadRequest(Exception):
+    def __init__(self, message: str, param: str | None = None, status: int = 400):
+        super().__init__(message)
+        self.message, self.param, self.status = message, param, status
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    size: int
+    size_multiple: int
+    steps: dict
+    guidance: dict
+
+
+def _int(body: dict, key: str, default, lo: int, hi: int) -> int:
+    value = body.get(key, default)
+    if value is None:
+        value = default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BadRequest(f"'{key}' must be an integer, got {value!r}", key)
+    if not lo <= value <= hi:
+        raise BadRequest(f"'{key}' must be between {lo} and {hi}, got {value}", key)
+    return value
+
+
+def _size(value, defaults: RequestDefaults) -> tuple[int, int]:
+    if value is None or value == "auto":
+        return defaults.size, defaults.size
+    if not isinstance(value, str) or "x" not in value:
+        raise BadRequest(f"'size' must be 'WIDTHxHEIGHT' (e.g. '{defaults.size}x{defaults.size}'), got {value!r}", "size")
+    w, _, h = value.partition("x")
+    if not (w.isdigit() and h.isdigit()):
+        raise BadRequest(f"'size' must be 'WIDTHxHEIGHT' with integer pixels, got {value!r}", "size")
+    width, height = int(w), int(h)
+    m = defaults.size_multiple
+    for side in (width, height):
+        if not max(m, MIN_PIXELS) <= side <= MAX_PIXELS or side % m:
+            raise BadRequest(f"'size' sides must be multiples of {m} between {max(m, MIN_PIXELS)} and {MAX_PIXELS}, "
+                             f"got {value!r}",
+                             "size")
+    return width, height
+
+
+def parse_generation(body, header_tier: str | None, defaults: RequestDefaults) -> tuple[JobRequest, bool]:
+    """Validate a generation request body; returns (request, async?) or raises BadRequest."""
+    if not isinstance(body, dict):
+        raise BadRequest("request body must be a JSON object")
+    unknown = set(body) - TURBONODE_FIELDS - IGNORED_OPENAI_FIELDS
+    if unknown:
+        raise BadRequest(f"unknown field(s): {', '.join(sorted(unknown))}", sorted(unknown)[0])
+    prompt = body.get("prompt")
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise BadRequest("'prompt' is required and must be a non-empty string", "prompt")
+    if len(prompt) > MAX_PROMPT_CHARS:
+        raise BadRequest(f"'prompt' is longer than {MAX_PROMPT_CHARS} characters", "prompt")
+    negative = body.get("negative_prompt") or ""
+    if not isinstance(negative, str) or len(negative) > MAX_PROMPT_CHARS:
+        raise BadRequest(f"'negative_prompt' must be a string of at most {MAX_PROMPT_CHARS} characters",
+                         "negative_prompt")
+    fmt = body.get("response_format") or "b64_json"
+    if fmt != "b64_json":
+        raise BadRequest(f"'response_format' {fmt!r} is not supported; this worker answers b64_json only",
+                         "response_format")
+    if body.get("stream"):
+        raise BadRequest("'stream' is not supported", "stream")
+    tier = body.get("tier") or header_tier or DEFAULT_TIER
+    if tier not in TIER_NAMES:
+        source = "'tier'" if body.get("tier") else f"header {TIER_HEADER}"
+        raise BadRequest(f"{source}: unknown tier {tier!r} (expected one of {', '.join(TIER_NAMES)})", "tier")
+    width, height = _size(body.get("size"), defaults)
+    guidance = body.get("guidance", defaults.guidance[tier])
+    if guidance is None:
+        guidance = defaults.guidance[tier]
+    if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not 0 <= guidance <= 50:
+        raise BadRequest(f"'guidance' must be a number between 0 and 50, got {guidance!r}", "guidance")
+    run_async = body.get("async", False)
+    if not isinstance(run_async, bool):
+        raise BadRequest("'async' must be true or false", "async")
+    request = JobRequest(
+        prompt=prompt,
+        negative_prompt=negative,
+        tier=tier,
+        n=_int(body, "n", 1, 1, MAX_IMAGES),
+        steps=_int(body, "steps", defaults.steps[tier], 1, MAX_STEPS),
+        seed=_int(body, "seed", secrets.randbelow(2**31), 0, 2**63 - 1),
+        guidance=float(guidance),
+        width=width,
+        height=height,
+    )
+    return request, run_async
+
+
+def mark_socket(sock, tier: str) -> bool:
+    """Set the socket's DSCP (IP_TOS, and IPV6_TCLASS on IPv6) to the tier's; False if not possible."""
+    if sock is None:
+        return False
+    tos = tos_byte(tier)
+    try:
+        if sock.family == socket.AF_INET6:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_TCLASS, tos)
+            try:  # an IPv4-mapped peer on a dual-stack socket uses the IPv4 header
+                sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+            except OSError:
+                pass
+        elif sock.family == socket.AF_INET:
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, tos)
+        else:
+            return False
+    except OSError as exc:
+        log.debug("cannot set DSCP for tier %s: %s", tier, exc)
+        return False
+    return True
+
+
+def _mark(request: web.Request, tier: str) -> None:
+    if request.transport is not None:
+        mark_socket(request.transport.get_extra_info("socket"), tier)
+
+
+def encode_png(array) -> str:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, format="PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+@web.middleware
+async def json_errors(request, handler):
+    """Answer aiohttp's own 4xx/5xx (404, 405, 413 ...) with an OpenAI-style JSON error body."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        return web.json_response(error_body(exc.reason or exc.text or "error", "invalid_request_error"
+                                            if exc.status < 500 else "server_error"),
+                                 status=exc.status, headers={k: v for k, v in exc.headers.items()
+                                                             if k.lower() in ("allow", "retry-after")})
+
+
+class Api:
+    def __init__(self, engine, registry, defaults: RequestDefaults, model_id: str):
+        self.engine = engine
+        self.registry = registry
+        self.defaults = defaults
+        self.model_id = model_id
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[json_errors])
+        app.add_routes([
+            web.post("/v1/images/generations", self.generate),
+            web.get("/v1/jobs/{id}", self.get_job),
+            web.delete("/v1/jobs/{id}", self.delete_job),
+            web.get("/healthz", self.healthz),
+            web.get("/metrics", self.metrics),
+        ])
+        return app
+
+    async def _images(self, job) -> list[dict]:
+        loop = asyncio.get_running_loop()
+        encoded = await asyncio.gather(*(loop.run_in_executor(None, encode_png, s.image) for s in job.samples))
+        return [{"b64_json": b64, "revised_prompt": job.request.prompt} for b64 in encoded]
+
+    async def generate(self, request: web.Request) -> web.Response:
+        header_tier = request.headers.get(TIER_HEADER)
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            return web.json_response(error_body(f"body is not valid JSON: {exc}", "invalid_request_error"), status=400)
+        try:
+            job_request, run_async = parse_generation(body, header_tier, self.defaults)
+        except BadRequest as exc:
+            return web.json_response(error_body(exc.message, "invalid_request_error", exc.param), status=exc.status)
+        _mark(request, job_request.tier)
+        try:
+            job = self.engine.submit(job_request)
+        except Rejected as exc:
+            headers = {}
+            if exc.retry_after is not None:
+                headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
+            code = type(exc).__name__.lower()
+            return web.json_response(error_body(str(exc), "rate_limit_error" if exc.status == 429 else "server_error",
+                                                "tier", code), status=exc.status, headers=headers)
+        if run_async:
+            return web.json_response(job.describe(self.engine.clock()), status=202,
+                                     headers={"Location": f"/v1/jobs/{job.id}"})
+        try:
+            await asyncio.shield(asyncio.wrap_future(job.future))
+        except asyncio.CancelledError:
+            # the client went away (aiohttp cancels the handler): free the job's slot
+            self.engine.cancel(job.id)
+            raise
+        except JobCancelled as exc:
+            return web.json_response(error_body(str(exc), "invalid_request_error", None, "cancelled"), status=409)
+        except JobFailed as exc:
+            status = 503 if not self.engine.accepting else 500
+            return web.json_response(error_body(f"job failed: {exc}", "server_error", None, "job_failed"),
+                                     status=status)
+        return web.json_response({"created": int(job.created), "data": await self._images(job),
+                                  "turbonode": job.describe(self.engine.clock())})
+
+    def _job(self, request: web.Request):
+        job = self.engine.get(request.match_info["id"])
+        if job is None:
+            raise web.HTTPNotFound(reason=f"no job {request.match_info['id']!r} (unknown or expired)")
+        _mark(request, job.tier)
+        return job
+
+    async def get_job(self, request: web.Request) -> web.Response:
+        job = self._job(request)
+        out = job.describe(self.engine.clock())
+        if job.state.value == "done":
+            out["data"] = await self._images(job)
+        return web.json_response(out)
+
+    async def delete_job(self, request: web.Request) -> web.Response:
+        job = self.engine.cancel(self._job(request).id)
+        return web.json_response(job.describe(self.engine.clock()))
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        ok = self.engine.alive and self.engine.accepting
+        body = {"status": "ok" if ok else ("draining" if self.engine.alive else "engine stopped"),
+                "model": self.model_id, "backend": self.engine.backend.describe()}
+        return web.json_response(body, status=200 if ok else 503)
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

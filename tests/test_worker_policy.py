@@ -1,0 +1,165 @@
+"""The pure scheduling policy and the throttle lease (no model, no threads)."""
+
+from __future__ import annotations
+
+import pytest
+
+from render.scheduler import (Candidate, Finished, Limits, Policy, compose_batch, decode_chunk,
+                              should_decode)
+from render.throttle import ThrottleState, make_throttle
+
+
+def cands(*specs):
+    """specs: (name, tier, seq[, shape, started])"""
+    out = []
+    for spec in specs:
+        name, tier, seq, *rest = spec
+        shape = rest[0] if rest else (256, 256)
+        started = rest[1] if len(rest) > 1 else False
+        out.append(Candidate(name, tier, shape, seq, started))
+    return out
+
+
+def test_highest_tier_first_then_arrival_order_up_to_max_batch():
+    c = cands(("r1", "relax", 0), ("o1", "other", 1), ("t1", "turbo", 5), ("f1", "fast", 3),
+              ("t2", "turbo", 4), ("r2", "relax", 2))
+    assert compose_batch(c, Limits(4)).keys == ("t2", "t1", "f1", "o1")
+    assert compose_batch(c, Limits(1)).keys == ("t2",)
+    assert compose_batch(c, Limits(10)).keys == ("t2", "t1", "f1", "o1", "r1", "r2")
+    assert compose_batch([], Limits(4)).keys == ()
+
+
+def test_only_same_shape_batches_together():
+    c = cands(("t1", "turbo", 0, (512, 512)), ("r1", "relax", 1), ("f1", "fast", 2, (512, 512)),
+              ("r2", "relax", 3))
+    assert compose_batch(c, Limits(4)).keys == ("t1", "f1")
+
+
+def test_paused_tiers_wait():
+    c = cands(("r1", "relax", 0), ("o1", "other", 1), ("t1", "turbo", 2))
+    assert compose_batch(c, Limits(4, paused=frozenset({"relax", "other"}))).keys == ("t1",)
+    assert compose_batch(c[:2], Limits(4, paused=frozenset({"relax", "other"}))).keys == ()
+
+
+def test_step_priority_preempts_started_lower_tiers():
+    c = cands(("r1", "relax", 0, (256, 256), True), ("r2", "relax", 1, (256, 256), True), ("t1", "turbo", 9))
+    assert compose_batch(c, Limits(2)).keys == ("t1", "r1")
+    assert compose_batch(c, Limits(1)).keys == ("t1",)
+
+
+def _share_of(tier, min_share, rounds=200, max_batch=4):
+    """Run `rounds` boundaries with a turbo flood and relax waiting; relax's share of slots."""
+    c = cands(*[(f"t{i}", "turbo", i) for i in range(8)], ("r1", "relax", 100), ("r2", "relax", 101))
+    credits, got = {}, 0
+    for _ in range(rounds):
+        comp = compose_batch(c, Limits(max_batch, min_share=min_share), credits)
+        credits = comp.credits
+        got += sum(k.startswith(tier[0]) for k in comp.keys)
+    return got / (rounds * max_batch)
+
+
+def test_min_share_keeps_lower_tiers_moving():
+    assert _share_of("relax", 0.0) == 0.0
+    assert 0.09 <= _share_of("relax", 0.1) <= 0.11
+    assert 0.24 <= _share_of("relax", 0.25) <= 0.26
+
+
+def test_min_share_credit_is_dropped_when_the_tier_is_served_or_gone():
+    c = cands(("t1", "turbo", 0), ("r1", "relax", 1))
+    comp = compose_batch(c, Limits(4, min_share=0.5), {"relax": 3.0})
+    assert comp.keys == ("t1", "r1") and comp.credits == {}
+    assert compose_batch(c[:1], Limits(4, min_share=0.5), {"relax": 3.0}).credits == {}
+
+
+def test_starved_tier_of_another_shape_gets_the_batch_eventually():
+    c = cands(*[(f"t{i}", "turbo", i) for i in range(8)], ("r1", "relax", 100, (512, 512)))
+    credits = {}
+    for n in range(100):
+        comp = compose_batch(c, Limits(4, min_share=0.1), credits)
+        credits = comp.credits
+        if "r1" in comp.keys:
+            break
+    assert comp.keys == ("r1",) and n < 20
+
+
+def test_whole_job_fifo_never_preempts_and_ignores_tier():
+    c = cands(("r1", "relax", 0, (256, 256), True), ("o1", "other", 1), ("t1", "turbo", 2))
+    assert compose_batch(c, Limits(2), policy=Policy.JOB_FIFO).keys == ("r1", "o1")
+    # started work stays even when the throttle lowers max_batch below it
+    c2 = cands(("r1", "relax", 0, (256, 256), True), ("r2", "relax", 1, (256, 256), True), ("t1", "turbo", 2))
+    assert compose_batch(c2, Limits(1), policy=Policy.JOB_FIFO).keys == ("r1", "r2")
+
+
+def test_whole_job_priority_fills_free_slots_by_tier_without_preempting():
+    c = cands(("r1", "relax", 0, (256, 256), True), ("o1", "other", 1), ("t1", "turbo", 2))
+    assert compose_batch(c, Limits(2), policy=Policy.JOB_PRIORITY).keys == ("r1", "t1")
+    assert compose_batch(c, Limits(1), policy=Policy.JOB_PRIORITY).keys == ("r1",)
+
+
+def test_decode_waits_for_higher_tier_steps_but_not_forever():
+    assert should_decode(["turbo"], ["relax"], 0, 0.1)
+    assert should_decode(["relax"], [], 0, 0.1)
+    assert should_decode(["fast"], ["fast", "relax"], 0, 0.1)
+    assert not should_decode([], ["relax"], 0, 0.1)
+    assert not should_decode(["relax"], ["turbo"], 0, 0.1)
+    assert not should_decode(["relax"], ["turbo"], 8, 0.1)
+    assert should_decode(["relax"], ["turbo"], 9, 0.1)
+    assert not should_decode(["relax"], ["turbo"], 10_000, 0.0)
+
+
+def test_decode_chunk_best_tier_first_and_bounded_below_turbo():
+    fin = [Finished("r1", "relax", (256, 256), 0), Finished("r2", "relax", (256, 256), 1),
+           Finished("r3", "relax", (256, 256), 2), Finished("f1", "fast", (128, 128), 3)]
+    assert decode_chunk(fin, 4, None, None) == ("f1",)
+    assert decode_chunk(fin[:3], 4, None, None) == ("r1", "r2", "r3")
+    # a relax decode is kept to about one step's time: 0.1 s step / 0.04 s per image -> 2
+    assert decode_chunk(fin[:3], 4, 0.1, 0.04) == ("r1", "r2")
+    assert decode_chunk(fin[:3], 4, 0.01, 0.04) == ("r1",)
+    turbo = [Finished(f"t{i}", "turbo", (256, 256), i) for i in range(5)]
+    assert decode_chunk(turbo, 4, 0.01, 0.04) == ("t0", "t1", "t2", "t3")
+
+
+class Clock:
+    def __init__(self):
+        self.t = 100.0
+
+    def __call__(self):
+        return self.t
+
+
+def test_throttle_expires_unless_renewed():
+    clock = Clock()
+    state = ThrottleState(clock=clock, wall=lambda: 1e9)
+    state.set(max_batch=2, paused_tiers=["relax"], reason="softirq", ttl_s=3)
+    clock.t += 2.9
+    assert state.current().max_batch == 2
+    state.set(max_batch=1, reason="softirq", ttl_s=3)  # renewal replaces it whole
+    clock.t += 2.9
+    t = state.current()
+    assert t.max_batch == 1 and t.paused_tiers == frozenset()
+    assert t.describe(clock())["expires_in_s"] == pytest.approx(0.1)
+    clock.t += 0.2
+    assert state.current() is None and state.expired_total == 1
+    state.set(reason="x", ttl_s=1)
+    assert state.release() is not None and state.current() is None
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"paused_tiers": ["turbo"]}, "turbo tier cannot be throttled"),
+    ({"shed_tiers": ["turbo"]}, "turbo tier cannot be throttled"),
+    ({"step_caps": {"turbo": 2}}, "turbo tier cannot be throttled"),
+    ({"paused_tiers": ["ultra"]}, "unknown tier 'ultra'"),
+    ({"paused_tiers": "relax"}, "must be a list"),
+    ({"max_batch": 0}, "max_batch"),
+    ({"max_batch": True}, "max_batch"),
+    ({"step_caps": {"relax": 0}}, "step_caps.relax"),
+    ({"step_caps": ["relax"]}, "step_caps must be an object"),
+    ({"reason": ""}, "reason"),
+    ({"ttl_s": 0}, "ttl_s"),
+    ({"ttl_s": 1e9}, "ttl_s"),
+    ({"ttl_s": None}, "ttl_s"),
+])
+def test_throttle_validation_names_the_bad_parameter(params, match):
+    full = {"reason": "load", "ttl_s": 3, **params}
+    with pytest.raises(ValueError, match=match):
+        make_throttle(now=0, now_wall=0, **full)
