@@ -21,36 +21,42 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 class NotifyListener:
-    """systemd's side of sd_notify: collects the datagrams a daemon sends to NOTIFY_SOCKET."""
+    """systemd's side of sd_notify: a thread reads NOTIFY_SOCKET promptly, as systemd does
+    (an unread socket fills after net.unix.max_dgram_qlen datagrams)."""
 
     def __init__(self, directory: Path):
         self.path = str(directory / "notify.sock")
         self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
         self.sock.bind(self.path)
+        self.sock.settimeout(0.1)
         self.messages: list[str] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
 
-    def _drain(self, timeout: float) -> None:
-        self.sock.settimeout(timeout)
-        try:
-            while True:
+    def _read(self) -> None:
+        while not self._closed:
+            try:
                 data = self.sock.recv(4096).decode()
-                self.messages.extend(line for line in data.split("\n") if line)
-                self.sock.settimeout(0.001)
-        except (socket.timeout, BlockingIOError):
-            pass
+            except socket.timeout:
+                continue
+            except OSError:
+                return
+            self.messages.extend(line for line in data.split("\n") if line)
 
     def wait_for(self, message: str, timeout: float, count: int = 1, proc: subprocess.Popen | None = None) -> bool:
         """True once `message` arrived `count` times; False on timeout or when `proc` exits first."""
         deadline = time.monotonic() + timeout
         while self.messages.count(message) < count:
-            left = deadline - time.monotonic()
-            if left <= 0 or (proc is not None and proc.poll() is not None):
-                self._drain(0.05)
+            if time.monotonic() > deadline or (proc is not None and proc.poll() is not None):
+                time.sleep(0.2)  # what was sent just before the exit
                 return self.messages.count(message) >= count
-            self._drain(min(left, 0.2))
+            time.sleep(0.05)
         return True
 
     def close(self) -> None:
+        self._closed = True
+        self._thread.join(1)
         self.sock.close()
 
 

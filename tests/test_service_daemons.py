@@ -3,11 +3,17 @@ SIGTERM, and a bad configuration refused at start with the key named."""
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 import subprocess
+import threading
 
 import pytest
 from conftest import needs_bcc
+
+from agent.loadgen import request_image
+from turbonode.jsonrpc import ControlClient
 from daemon_harness import (PROMTOOL_SKIP, NotifyListener, daemon_env, promtool_check, scrape, start, stop,
                             turboctl_argv)
 
@@ -26,7 +32,9 @@ def root_qdisc(sandbox) -> str:
 
 
 @pytest.mark.parametrize("daemon,bad,key", [("agent", "[agent]\nsample_period = -1\n", "agent.sample_period"),
-                                            ("agent", "[qos]\nrate = \"fast\"\n", "qos.rate")])
+                                            ("agent", "[qos]\nrate = \"fast\"\n", "qos.rate"),
+                                            ("worker", "[worker]\nmax_batch = 0\n", "worker.max_batch"),
+                                            ("worker", "[worker]\nlisten = \"nowhere\"\n", "worker.listen")])
 def test_bad_config_refused_at_start(tmp_path, notify, daemon, bad, key):
     cfg = tmp_path / "bad.toml"
     cfg.write_text(bad)
@@ -83,3 +91,51 @@ def test_agent_daemon_notify_metrics_and_fail_static(sandbox, tmp_path, notify):
     finally:
         subprocess.run(turboctl_argv("qos", "remove", "--dev", sandbox.dev, "--netns", sandbox.server),
                        env=daemon_env(), capture_output=True, timeout=60)
+
+
+@pytest.mark.slow
+def test_worker_daemon_notify_metrics_and_sigterm_drain(tmp_path, notify):
+    sock = tmp_path / "worker.sock"
+    cfg = tmp_path / "worker.toml"
+    # drain_timeout shorter than the long job below: SIGTERM must fail it with a clear error
+    cfg.write_text(f"""
+[worker]
+listen = "127.0.0.1:0"
+control_socket = "{sock}"
+model = "tiny"
+device = "cpu"
+size = 64
+drain_timeout = 1.0
+""")
+    proc, out = start(turboctl_argv("worker", "run", "--config", str(cfg)), daemon_env(notify, WATCHDOG_USEC))
+    try:
+        assert notify.wait_for("READY=1", 180, proc=proc), out.text
+        assert notify.wait_for("WATCHDOG=1", 5, count=3, proc=proc), notify.messages
+        url = out.wait_for(r"serving (http://\S+)", 5).group(1)
+        assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660  # the units' group access relies on it
+        assert ControlClient(str(sock)).call("ping")
+        assert request_image(url, "turbo", size=64, steps=2).status == 200
+        text = scrape(url + "/metrics")
+        assert re.search(r'^turbonode_worker_jobs_total\{outcome="\w+",tier="turbo"\} 1\.0$', text, re.M), text
+        if not PROMTOOL_SKIP:
+            res = promtool_check(text)
+            assert res.returncode == 0, res.stdout + res.stderr
+
+        long_job = []
+        t = threading.Thread(target=lambda: long_job.append(request_image(url, "relax", size=256, steps=200)))
+        t.start()
+        client = ControlClient(str(sock))
+        for _ in range(100):  # until the job is denoising
+            if client.call("status")["tiers"]["relax"]["in_flight"]:
+                break
+            threading.Event().wait(0.1)
+        else:
+            pytest.fail("the long job never started")
+    finally:
+        rc = stop(proc, 60)
+    t.join(30)
+    assert rc == 0, out.text
+    assert notify.wait_for("STOPPING=1", 1), notify.messages
+    assert long_job[0].status == 503 and "stopped before the job finished" in long_job[0].error, long_job
+    assert request_image(url, "turbo", timeout=5).status == 0  # nothing listens any more
+    assert not sock.exists()

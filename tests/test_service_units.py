@@ -119,7 +119,9 @@ def test_units_match_the_contracts():
     assert "mount -t bpf" in a["ExecStartPre"] and "mount -t tracefs" in a["ExecStartPre"]
     assert "ProtectKernelModules" not in a, "hides /lib/modules, where bcc finds kernel headers"
     w = worker["Service"]
-    assert w["User"] == "turbonode-worker" and w["KillSignal"] == "SIGTERM" and w["TimeoutStopSec"]
+    assert w["User"] == "turbonode-worker" and w["KillSignal"] == "SIGTERM"
+    # systemd must wait out the worker's own drain before it sends SIGKILL
+    assert float(w["TimeoutStopSec"].removesuffix("s")) > cfg.worker.drain_timeout
     assert w["CapabilityBoundingSet"] == "" and w["DevicePolicy"] == "closed"
     assert "char-nvidia-frontend rw" in w["DeviceAllow"].splitlines()
     assert "PrivateDevices" not in w, "would hide /dev/nvidia*"
