@@ -49,6 +49,7 @@ class EngineSettings:
     queue_limit: dict = field(default_factory=lambda: {"turbo": 32, "fast": 64, "other": 64, "relax": 256})
     min_share: float = 0.1
     policy: policy.Policy = policy.Policy.STEP_PRIORITY
+    co_batch_slack: float = 0.25
 
     @classmethod
     def from_config(cls, cfg, **overrides) -> "EngineSettings":
@@ -60,6 +61,8 @@ class EngineSettings:
 
 
 class Engine:
+    keep_images = 64  # of the finished jobs kept, the newest done ones whose images are still held
+
     def __init__(self, backend, encoder, components, settings: EngineSettings | None = None, *,
                  throttle: ThrottleState | None = None, metrics=None, clock=time.monotonic, wall=time.time,
                  on_event: Callable[[dict], None] | None = None):
@@ -78,6 +81,7 @@ class Engine:
         self._wake = threading.Condition(self._lock)
         self._jobs: dict[str, Job] = {}                          # every job, live and recent
         self._finished: collections.deque = collections.deque()  # terminal job ids, oldest first
+        self._holding_images: collections.deque = collections.deque()  # done jobs with images, oldest first
         self._active: dict[str, Job] = {}                        # not terminal yet
         self._seq = itertools.count()
         self._credits: dict[str, float] = {}
@@ -88,6 +92,7 @@ class Engine:
         self.step_times: collections.deque = collections.deque(maxlen=RECENT)
         self.queue_waits = {t: collections.deque(maxlen=RECENT) for t in PRIORITY_ORDER}
         self.decode_s_per_image: float | None = None
+        self.step_cost: dict[tuple, float] = {}  # (shape, UNet rows) -> smoothed step seconds
         self.steps_total = 0
         self.heartbeat = clock()
 
@@ -98,7 +103,10 @@ class Engine:
         max_batch = self.settings.max_batch
         if t is not None and t.max_batch is not None:
             max_batch = min(max_batch, t.max_batch)
-        return policy.Limits(max_batch, t.paused_tiers if t else frozenset(), self.settings.min_share)
+        # while draining, paused work runs too: shutdown must not wait on a throttle
+        paused = t.paused_tiers if t is not None and self._intake_open else frozenset()
+        return policy.Limits(max_batch, paused, self.settings.min_share,
+                             dict(self.step_cost), self.settings.co_batch_slack)
 
     def steps_for(self, tier: str, requested: int) -> int:
         t = self.throttle.current()
@@ -163,6 +171,10 @@ class Engine:
         self._finished.append(job.id)
         while len(self._finished) > KEEP_FINISHED:
             self._jobs.pop(self._finished.popleft(), None)
+        if state is JobState.DONE:
+            self._holding_images.append(job)
+            while len(self._holding_images) > self.keep_images:
+                self._holding_images.popleft().drop_images()
         if job.future.done():  # a waiter cancelled the future itself; nobody listens any more
             pass
         elif state is JobState.DONE:
@@ -254,6 +266,8 @@ class Engine:
             self._fail({s.job for s in samples}, self._describe_error("a denoising step", len(samples), exc))
             return
         seconds = self.clock() - t0
+        key = (self._shape(samples[0]), len(noise))
+        self.step_cost[key] = _smooth(self.step_cost.get(key), seconds)
         self.step_times.append(seconds)
         self.steps_total += 1
         if self.metrics is not None:
@@ -276,14 +290,12 @@ class Engine:
             self._fail({s.job for s in samples}, self._describe_error("decoding", len(samples), exc))
             return
         seconds = self.clock() - t0
-        per_image = seconds / len(samples)
-        self.decode_s_per_image = per_image if self.decode_s_per_image is None else \
-            0.8 * self.decode_s_per_image + 0.2 * per_image
+        self.decode_s_per_image = _smooth(self.decode_s_per_image, seconds / len(samples))
         with self._lock:
             for s, arr in zip(samples, arrays):
                 s.image = arr
                 s.latents = None
-            for job in {s.job for s in samples}:
+            for job in dict.fromkeys(s.job for s in samples):  # in batch order: oldest first
                 if all(x.image is not None for x in job.samples):
                     self._finish(job, JobState.DONE)
         self._emit("decode", samples, seconds)
@@ -341,8 +353,8 @@ class Engine:
 
     def _run_step(self, runnable: list[Sample], limits: policy.Limits) -> bool:
         by_key = {s.key: s for s in runnable}
-        cands = [policy.Candidate(s.key, s.job.tier, self._shape(s), s.job.seq, s.scheduler is not None)
-                 for s in runnable]
+        cands = [policy.Candidate(s.key, s.job.tier, self._shape(s), s.job.seq, s.scheduler is not None,
+                                  2 if s.job.request.cfg else 1) for s in runnable]
         comp = policy.compose_batch(cands, limits, self._credits, self.settings.policy)
         self._credits = comp.credits
         if not comp.keys:
@@ -462,3 +474,8 @@ class Engine:
             "steps_total": self.steps_total,
             "accepting": self._intake_open,
         }
+
+
+def _smooth(old: float | None, new: float) -> float:
+    """Exponential moving average that starts at the first value."""
+    return new if old is None else 0.8 * old + 0.2 * new

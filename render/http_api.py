@@ -245,8 +245,10 @@ class Api:
             status = 503 if not self.engine.accepting else 500
             return web.json_response(error_body(f"job failed: {exc}", "server_error", None, "job_failed"),
                                      status=status)
-        return web.json_response({"created": int(job.created), "data": await self._images(job),
-                                  "turbonode": job.describe(self.engine.clock())})
+        answer = {"created": int(job.created), "data": await self._images(job),
+                  "turbonode": job.describe(self.engine.clock())}
+        job.drop_images()  # delivered: a sync job's pixels are not kept
+        return web.json_response(answer)
 
     def _job(self, request: web.Request):
         job = self.engine.get(request.match_info["id"])
@@ -258,7 +260,7 @@ class Api:
     async def get_job(self, request: web.Request) -> web.Response:
         job = self._job(request)
         out = job.describe(self.engine.clock())
-        if job.state.value == "done":
+        if job.state.value == "done" and not job.images_dropped:
             out["data"] = await self._images(job)
         return web.json_response(out)
 

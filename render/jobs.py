@@ -114,11 +114,18 @@ class Job:
     finished: float | None = None
     embeddings: Any = None                 # [rows, L, D]: (uncond, cond) with CFG, else (cond,)
     cancel_requested: bool = False
+    images_dropped: bool = False
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     samples: list[Sample] = field(default_factory=list)
 
     def __post_init__(self):
         self.samples = [Sample(self, i, total_steps=self.request.steps) for i in range(self.request.n)]
+
+    def drop_images(self) -> None:
+        """Free the pixels once delivered (or too old to keep); the job's record stays."""
+        for s in self.samples:
+            s.image = None
+        self.images_dropped = True
 
     @property
     def tier(self) -> str:
@@ -152,4 +159,6 @@ class Job:
             out["age_s"] = round(now - self.submitted, 4)
         if self.error:
             out["error"] = self.error
+        if self.images_dropped:
+            out["images"] = "delivered or expired; no longer held"
         return out

@@ -7,7 +7,10 @@ like with like:
 
 - STEP_PRIORITY (the worker's): the batch is composed anew at every step, highest tier
   first, so a turbo job that arrives while relax jobs denoise waits at most one step.
-  Waiting lower tiers earn credit toward a minimum share of batch slots (no starvation).
+  Lower-tier samples ride along with turbo only while the measured step cost says they
+  are nearly free (a GPU with headroom: yes; a saturated CPU: no), so they never slow
+  turbo's own steps. Waiting lower tiers earn credit toward a minimum share of batch
+  slots (no starvation).
 - JOB_FIFO: whole-job, no preemption: a started job stays in the batch until done; free
   slots go to the oldest waiting job of any tier (what webui queues do).
 - JOB_PRIORITY: whole-job, no preemption, free slots go to the highest tier first (what
@@ -19,7 +22,7 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable
+from typing import Callable, Hashable, Iterable, Mapping
 
 from turbonode.tiers import PRIORITY_ORDER
 
@@ -32,6 +35,9 @@ class Policy(str, enum.Enum):
     JOB_PRIORITY = "job_priority"
 
 
+PROTECTED_TIER = PRIORITY_ORDER[0]
+
+
 @dataclass(frozen=True)
 class Candidate:
     key: Hashable          # identifies the sample, e.g. (job_id, index)
@@ -39,6 +45,7 @@ class Candidate:
     shape: tuple           # samples batch together only when shapes match
     seq: int               # arrival order of the job (FIFO within a tier)
     started: bool = False  # has taken at least one step
+    rows: int = 1          # UNet rows: 2 with classifier-free guidance
 
 
 @dataclass(frozen=True)
@@ -46,6 +53,25 @@ class Limits:
     max_batch: int
     paused: frozenset[str] = frozenset()
     min_share: float = 0.0
+    step_cost: Mapping[tuple, float] = field(default_factory=dict)  # (shape, UNet rows) -> measured seconds
+    co_batch_slack: float = 0.25  # lower tiers join turbo while its step gets at most this much slower
+
+
+def estimate_cost(rows: int, table: Mapping[int, float]) -> float | None:
+    """Step time for `rows` UNet rows from measured points; None when nothing is known.
+
+    Between two measured points: linear interpolation. Outside them: proportional to the
+    rows (the compute-bound case), which keeps turbo alone until its own cost is measured.
+    """
+    if rows in table:
+        return table[rows]
+    below = [r for r in table if r < rows]
+    above = [r for r in table if r > rows]
+    if below and above:
+        lo, hi = max(below), min(above)
+        return table[lo] + (table[hi] - table[lo]) * (rows - lo) / (hi - lo)
+    nearest = max(below) if below else min(above, default=None)
+    return None if nearest is None else table[nearest] * rows / nearest
 
 
 @dataclass(frozen=True)
@@ -62,14 +88,32 @@ def _fifo_key(c: Candidate):
     return (c.seq, str(c.key))
 
 
-def _fill(ordered: list[Candidate], chosen: list[Candidate], shape, capacity: int) -> None:
+def _fill(ordered: list[Candidate], chosen: list[Candidate], shape, capacity: int,
+          admit: Callable[[Candidate, list[Candidate]], bool] | None = None) -> None:
     taken = {c.key for c in chosen}
     for c in ordered:
         if len(chosen) >= capacity:
             return
-        if c.shape == shape and c.key not in taken:
+        if c.shape == shape and c.key not in taken and (admit is None or admit(c, chosen)):
             chosen.append(c)
             taken.add(c.key)
+
+
+def _cheap_for_turbo(limits: Limits):
+    """admit(): a lower-tier sample joins a turbo batch only if turbo's step stays nearly as fast."""
+    def admit(c: Candidate, chosen: list[Candidate]) -> bool:
+        if c.tier == PROTECTED_TIER:
+            return True
+        turbo_rows = sum(x.rows for x in chosen if x.tier == PROTECTED_TIER)
+        if not turbo_rows:
+            return True
+        table = {rows: t for (shape, rows), t in limits.step_cost.items() if shape == c.shape}
+        alone = estimate_cost(turbo_rows, table)
+        joined = estimate_cost(sum(x.rows for x in chosen) + c.rows, table)
+        if alone is None or joined is None:
+            return True  # nothing measured yet: batch, and learn the cost
+        return joined <= alone * (1 + limits.co_batch_slack)
+    return admit
 
 
 def _whole_job(cands: list[Candidate], limits: Limits, order) -> Composition:
@@ -103,7 +147,7 @@ def _step_priority(cands: list[Candidate], limits: Limits, credits: dict[str, fl
     for t in sorted(credits, key=RANK.get):  # reserved slots first, higher tiers first
         own = [c for c in ordered if c.tier == t]
         _fill(own, chosen, shape, min(capacity, len(chosen) + int(credits[t]) - (anchor.tier == t)))
-    _fill(ordered, chosen, shape, capacity)
+    _fill(ordered, chosen, shape, capacity, _cheap_for_turbo(limits))
     granted = {t: sum(c.tier == t for c in chosen) for t in waiting_tiers}
     left_waiting = {t for t in waiting_tiers if granted[t] < sum(c.tier == t for c in ordered)}
     new_credits = {}

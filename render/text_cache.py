@@ -60,7 +60,13 @@ class PromptEncoder:
 
     def encode(self, prompts: list[str]) -> list[torch.Tensor]:
         """One embedding [L, D] per prompt; misses are encoded together in one call."""
-        found = {p: self._lookup(p) for p in dict.fromkeys(prompts)}
+        found: dict = {}
+        for p in prompts:
+            if p in found:  # a repeat within this call is served by the same lookup or encode
+                with self._lock:
+                    self.hits += 1
+            else:
+                found[p] = self._lookup(p)
         missing = [p for p, emb in found.items() if emb is None]
         if missing:
             for p, emb in zip(missing, self._encode(missing)):

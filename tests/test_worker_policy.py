@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from render.scheduler import (Candidate, Finished, Limits, Policy, compose_batch, decode_chunk,
-                              should_decode)
+                              estimate_cost, should_decode)
 from render.throttle import ThrottleState, make_throttle
 
 
@@ -33,6 +33,31 @@ def test_only_same_shape_batches_together():
     c = cands(("t1", "turbo", 0, (512, 512)), ("r1", "relax", 1), ("f1", "fast", 2, (512, 512)),
               ("r2", "relax", 3))
     assert compose_batch(c, Limits(4)).keys == ("t1", "f1")
+
+
+def test_lower_tiers_join_turbo_only_while_it_costs_turbo_little():
+    c = [Candidate("t1", "turbo", (256, 256), 5, rows=1), Candidate("r1", "relax", (256, 256), 0, rows=2),
+         Candidate("r2", "relax", (256, 256), 1, rows=2)]
+    sh = (256, 256)
+    # compute-bound (a CPU): 1 row 40 ms, 8 rows 110 ms -> relax would slow turbo's step: turbo alone
+    assert compose_batch(c, Limits(4, step_cost={(sh, 1): 0.040, (sh, 8): 0.110})).keys == ("t1",)
+    # headroom (a GPU): 8 rows cost about what 1 row costs -> relax rides along for free
+    assert compose_batch(c, Limits(4, step_cost={(sh, 1): 0.040, (sh, 8): 0.044})).keys == ("t1", "r1", "r2")
+    # nothing measured for this shape yet: batch, and learn
+    assert compose_batch(c, Limits(4, step_cost={((512, 512), 1): 0.1})).keys == ("t1", "r1", "r2")
+    # only big batches measured: turbo's own cost is extrapolated proportionally, so it runs alone first
+    assert compose_batch(c, Limits(4, step_cost={(sh, 8): 0.110})).keys == ("t1",)
+    # without turbo, lower tiers batch as usual
+    assert compose_batch(c[1:], Limits(4, step_cost={(sh, 1): 0.040, (sh, 8): 0.110})).keys == ("r1", "r2")
+
+
+def test_estimate_cost():
+    table = {2: 0.05, 8: 0.11}
+    assert estimate_cost(2, table) == 0.05
+    assert estimate_cost(5, table) == pytest.approx(0.08)
+    assert estimate_cost(16, table) == pytest.approx(0.22)
+    assert estimate_cost(1, table) == pytest.approx(0.025)
+    assert estimate_cost(3, {}) is None
 
 
 def test_paused_tiers_wait():

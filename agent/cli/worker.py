@@ -60,6 +60,11 @@ def json_option(f):
     return click.option("--json", "as_json", is_flag=True, help="print the answer as JSON")(f)
 
 
+def control_command(f):
+    """--socket and --json; the command receives the ControlClient first."""
+    return control_socket_option(json_option(click.pass_obj(f)))
+
+
 def _call(client: ControlClient, method: str, **params):
     try:
         return client.call(method, **params)
@@ -102,9 +107,7 @@ def run(model, listen, control, config_file, backend, device):
 
 
 @command.command("ping")
-@control_socket_option
-@json_option
-@click.pass_obj
+@control_command
 def ping(client, as_json):
     """Check that the worker answers on its control socket."""
     result = _call(client, "ping")
@@ -116,9 +119,7 @@ def _fmt_s(v):
 
 
 @command.command("status")
-@control_socket_option
-@json_option
-@click.pass_obj
+@control_command
 def status(client, as_json):
     """Queues, step times, GC pauses, memory and the throttle in force."""
     st = _call(client, "status")
@@ -152,9 +153,7 @@ def status(client, as_json):
 @click.option("--reason", required=True, help="why (logged, shown in status)")
 @click.option("--ttl", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
               help="seconds until the throttle expires unless set again")
-@control_socket_option
-@json_option
-@click.pass_obj
+@control_command
 def throttle(client, max_batch, paused, caps, shed, reason, ttl, as_json):
     """Throttle the worker's lower tiers (turbo cannot be throttled); it expires after --ttl."""
     result = _call(client, "throttle", max_batch=max_batch, paused_tiers=list(paused), step_caps=dict(caps),
@@ -164,9 +163,7 @@ def throttle(client, max_batch, paused, caps, shed, reason, ttl, as_json):
 
 @click.command("release")
 @click.option("--reason", default="", help="why (logged)")
-@control_socket_option
-@json_option
-@click.pass_obj
+@control_command
 def release(client, reason, as_json):
     """Lift the worker's throttle now."""
     result = _call(client, "release", reason=reason)

@@ -1,0 +1,165 @@
+"""turboctl's worker commands: CliRunner against real servers, and `worker run` as a real daemon."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from PIL import Image
+
+from agent.cli import main
+from render.control_server import ControlHandlers, ControlServer
+from render.gc_telemetry import GcMonitor
+from turbonode.jsonrpc import ControlClient
+from tests.worker_support import make_engine, serve
+
+ROOT = Path(__file__).resolve().parents[1]
+TURBOCTL = [sys.executable, "-c", "from agent.cli import main; main()"]
+
+
+def test_importing_the_cli_does_not_import_torch():
+    code = "import sys, agent.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    assert subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT).returncode == 0
+
+
+@pytest.fixture
+def control_path(tmp_path):
+    engine = make_engine()
+    path = str(tmp_path / "w.sock")
+    server = ControlServer(path, ControlHandlers(engine, GcMonitor())).start()
+    yield path
+    server.stop()
+
+
+def test_ping_status_throttle_release(control_path):
+    runner = CliRunner()
+    obj = ControlClient(control_path)  # the context object the commands use
+    r = runner.invoke(main, ["worker", "ping", "--json"], obj=obj)
+    assert r.exit_code == 0 and json.loads(r.output)["pong"] is True
+    r = runner.invoke(main, ["throttle", "--max-batch", "2", "--pause", "relax", "--step-cap", "other=5",
+                             "--shed", "fast", "--reason", "cli test", "--ttl", "30", "--json"], obj=obj)
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.output)["step_caps"] == {"other": 5}
+    r = runner.invoke(main, ["worker", "status", "--socket", control_path])  # --socket instead of obj
+    assert r.exit_code == 0 and "throttle: cli test" in r.output and "relax" in r.output
+    r = runner.invoke(main, ["worker", "status", "--json"], obj=obj)
+    st = json.loads(r.output)
+    assert st["max_batch"] == 2 and st["throttle"]["paused_tiers"] == ["relax"]
+    r = runner.invoke(main, ["release", "--reason", "done"], obj=obj)
+    assert r.exit_code == 0 and r.output.strip() == "released"
+    r = runner.invoke(main, ["release", "--json"], obj=obj)
+    assert json.loads(r.output)["released"] is False
+
+
+def test_throttle_errors(control_path, tmp_path):
+    runner = CliRunner()
+    obj = ControlClient(control_path)
+    r = runner.invoke(main, ["throttle", "--pause", "turbo", "--reason", "x"], obj=obj)
+    assert r.exit_code == 1 and "turbo tier cannot be throttled" in r.output
+    r = runner.invoke(main, ["throttle", "--step-cap", "relax=none", "--reason", "x"], obj=obj)
+    assert r.exit_code == 2 and "TIER=STEPS" in r.output
+    r = runner.invoke(main, ["throttle", "--max-batch", "2"], obj=obj)
+    assert r.exit_code == 2 and "--reason" in r.output
+    r = runner.invoke(main, ["worker", "ping", "--socket", str(tmp_path / "absent.sock")])
+    assert r.exit_code == 1 and "does not exist" in r.output
+
+
+def test_render_writes_png(tmp_path):
+    runner = CliRunner()
+    with serve() as s:
+        out = tmp_path / "cat.png"
+        r = runner.invoke(main, ["render", "a cat", "--tier", "turbo", "--out", str(out), "--url", s.url,
+                                 "--size", "64x64", "--steps", "2", "--seed", "5", "--json"])
+        assert r.exit_code == 0, r.output
+        meta = json.loads(r.output)
+        assert meta["tier"] == "turbo" and meta["seed"] == 5 and meta["files"] == [str(out)]
+        assert Image.open(out).size == (64, 64)
+        r = runner.invoke(main, ["render", "two", "-n", "2", "--out", str(tmp_path / "two.png"), "--url", s.url,
+                                 "--size", "64x64", "--steps", "1"])
+        assert r.exit_code == 0 and (tmp_path / "two-1.png").exists() and (tmp_path / "two-2.png").exists()
+        r = runner.invoke(main, ["render", "bad", "--url", s.url, "--size", "65x64", "--out", str(out)])
+        assert r.exit_code == 1 and "worker answered 400" in r.output and "multiples of 16" in r.output
+    r = runner.invoke(main, ["render", "x", "--url", "http://127.0.0.1:9", "--out", str(out)])
+    assert r.exit_code == 1 and "cannot reach the worker" in r.output
+
+
+def test_worker_run_reports_bad_config_and_bad_model(tmp_path):
+    runner = CliRunner()
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[worker]\nmax_batch = 0\n")
+    r = runner.invoke(main, ["worker", "run", "--config", str(bad)])
+    assert r.exit_code == 1 and "worker.max_batch" in r.output
+    r = runner.invoke(main, ["worker", "run", "--listen", "nowhere"])
+    assert r.exit_code == 1 and "worker.listen" in r.output
+    r = runner.invoke(main, ["worker", "run", "--model", str(tmp_path / "no-model"),
+                             "--control", str(tmp_path / "c.sock"), "--listen", "127.0.0.1:0"])
+    assert r.exit_code == 1 and "neither 'tiny' nor a directory" in r.output
+
+
+def _post(url, body, results, key):
+    req = urllib.request.Request(url + "/v1/images/generations", data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as resp:
+            results[key] = (resp.status, json.loads(resp.read()))
+    except urllib.error.HTTPError as exc:
+        results[key] = (exc.code, json.loads(exc.read()))
+
+
+@pytest.mark.slow
+def test_daemon_ready_sigterm_finishes_running_and_fails_queued(tmp_path):
+    notify = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    notify.bind(str(tmp_path / "notify"))
+    notify.settimeout(120)
+    control = str(tmp_path / "run" / "worker.sock")
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "NOTIFY_SOCKET": str(tmp_path / "notify")}
+    proc = subprocess.Popen([*TURBOCTL, "worker", "run", "--model", "tiny", "--listen", "127.0.0.1:0",
+                             "--control", control], env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    try:
+        assert b"READY=1" in notify.recv(4096)
+        # log lines (e.g. backend auto's fallback notice) may come before the ready line
+        found = None
+        for line in iter(proc.stderr.readline, ""):
+            if found := re.search(r"http://[\d.]+:\d+", line):
+                break
+        url = found.group(0)
+        client = ControlClient(control)
+        client.call("throttle", paused_tiers=["relax"], reason="keep relax queued", ttl_s=120)
+        results = {}
+        queued = threading.Thread(target=_post, args=(url, {"prompt": "q", "size": "64x64", "tier": "relax"},
+                                                      results, "queued"))
+        running = threading.Thread(target=_post, args=(url, {"prompt": "r", "size": "64x64", "tier": "other",
+                                                             "steps": 80}, results, "running"))
+        queued.start()
+        running.start()
+        for _ in range(600):
+            tiers = client.call("status")["tiers"]
+            if tiers["other"]["in_flight"] == 1 and tiers["relax"]["queued"] == 1:
+                break
+            time.sleep(0.01)
+        proc.send_signal(signal.SIGTERM)
+        assert b"STOPPING=1" in notify.recv(4096)
+        queued.join(60)
+        running.join(60)
+        assert proc.wait(60) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        notify.close()
+    assert results["running"][0] == 200 and results["running"][1]["turbonode"]["steps"] == 80
+    status, body = results["queued"]
+    assert status == 503 and "shutting down" in body["error"]["message"]
+    assert not os.path.exists(control)

@@ -1,0 +1,150 @@
+"""The control socket: a real AF_UNIX server in front of a real engine."""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import socket
+import stat
+
+import pytest
+
+from render.control_server import ControlHandlers, ControlServer, SocketInUse
+from render.gc_telemetry import GcMonitor
+from turbonode import jsonrpc
+from turbonode.errors import ControlError
+from turbonode.jsonrpc import ControlClient
+from tests.worker_support import make_engine, req
+
+
+@pytest.fixture
+def control(tmp_path):
+    engine = make_engine()
+    monitor = GcMonitor().install()
+    path = str(tmp_path / "run" / "worker.sock")
+    server = ControlServer(path, ControlHandlers(engine, monitor), group="turbonode").start()
+    try:
+        yield engine, monitor, path
+    finally:
+        server.stop()
+        monitor.uninstall()
+    assert not os.path.exists(path)  # stop removes the socket
+
+
+def raw(path, payload: bytes, answers: int) -> list[dict]:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.settimeout(10)
+        sock.connect(path)
+        sock.sendall(payload)
+        f = sock.makefile("rb")
+        return [json.loads(f.readline()) for _ in range(answers)]
+
+
+def test_socket_mode_and_ping(control):
+    _, _, path = control
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o660
+    assert ControlClient(path).call("ping")["pong"] is True
+
+
+def test_status_shape(control):
+    engine, _, path = control
+    engine.submit(req("relax"))
+    st = ControlClient(path).call("status")
+    assert set(st["tiers"]) == {"turbo", "fast", "other", "relax"}
+    assert st["tiers"]["relax"] == {"queued": 1, "in_flight": 0, "oldest_wait_s": st["tiers"]["relax"]["oldest_wait_s"],
+                                    "queue_wait_p99_s": None}
+    assert set(st["step_time_s"]) == {"last", "p50", "p99"}
+    assert st["max_batch"] == 4 and st["throttle"] is None
+    assert st["memory"]["rss_bytes"] > 10**7 and st["memory"]["gpu_allocated_bytes"] is None
+    assert st["backend"]["name"] == "torch" and st["uptime_s"] >= 0
+    assert set(st["gc"]) == {"last_seq", "pauses", "collections_total", "pause_seconds_total"}
+
+
+def test_status_reports_gc_pauses_since_the_last_call_or_a_sequence(control):
+    _, monitor, path = control
+    client = ControlClient(path)
+    client.call("status")
+    gc.collect(2)
+    gc.collect(1)
+    first = client.call("status")["gc"]
+    gens = [p["generation"] for p in first["pauses"]]
+    assert gens[-2:] == [2, 1] and all(p["pause_s"] >= 0 for p in first["pauses"])
+    assert first["last_seq"] == first["pauses"][-1]["seq"]
+    assert client.call("status")["gc"]["pauses"] == []  # nothing new since the previous call
+    again = client.call("status", since_gc_seq=first["last_seq"] - 2)["gc"]["pauses"]
+    assert [p["seq"] for p in again] == [first["last_seq"] - 1, first["last_seq"]]
+
+
+def test_throttle_release_and_expiry_over_the_socket(control):
+    engine, _, path = control
+    client = ControlClient(path)
+    out = client.call("throttle", max_batch=2, paused_tiers=["relax"], step_caps={"other": 5},
+                      shed_tiers=["fast"], reason="softirq saturation", ttl_s=30)
+    assert out["expires_in_s"] == pytest.approx(30, abs=0.5) and out["expires_at"] > 0
+    st = client.call("status")
+    assert st["max_batch"] == 2 and st["throttle"]["reason"] == "softirq saturation"
+    assert st["throttle"]["paused_tiers"] == ["relax"] and st["throttle"]["step_caps"] == {"other": 5}
+    assert client.call("release", reason="recovered") == {"released": True, "reason": "recovered"}
+    assert client.call("status")["throttle"] is None
+    assert client.call("release")["released"] is False
+    # a throttle nobody renews expires (the real clock, a short lease)
+    client.call("throttle", max_batch=1, reason="short", ttl_s=0.2)
+    assert engine.limits().max_batch == 1
+    import time
+    time.sleep(0.3)
+    assert client.call("status")["throttle"] is None and engine.limits().max_batch == 4
+
+
+@pytest.mark.parametrize("params,match", [
+    ({"paused_tiers": ["turbo"], "reason": "x", "ttl_s": 1}, "turbo tier cannot be throttled"),
+    ({"reason": "x"}, "ttl_s"),
+    ({"ttl_s": 1}, "reason"),
+    ({"max_batch": "two", "reason": "x", "ttl_s": 1}, "max_batch"),
+    ({"reason": "x", "ttl_s": 1, "colour": "red"}, "unexpected keyword"),
+])
+def test_bad_throttle_params_are_invalid_params(control, params, match):
+    _, _, path = control
+    with pytest.raises(ControlError, match=match) as info:
+        ControlClient(path).call("throttle", **params)
+    assert info.value.code == jsonrpc.INVALID_PARAMS
+
+
+def test_malformed_oversized_and_unknown_requests_get_errors_and_the_server_goes_on(control):
+    _, _, path = control
+    payload = (b"{not json\n"
+               b"[1, 2]\n"
+               b'{"jsonrpc": "1.0", "id": 3, "method": "ping"}\n'
+               b'{"jsonrpc": "2.0", "id": 4, "method": "reboot"}\n'
+               b'{"jsonrpc": "2.0", "id": 5, "method": "status", "params": {"since_gc_seq": "x"}}\n'
+               + b"x" * (jsonrpc.MAX_REQUEST_BYTES + 10) + b"\n"
+               b'{"jsonrpc": "2.0", "id": 6, "method": "ping"}\n'
+               b'{"jsonrpc": "2.0", "method": "ping"}\n'  # a notification: no answer
+               b'{"jsonrpc": "2.0", "id": 7, "method": "ping"}\n')
+    answers = raw(path, payload, 8)
+    codes = [a.get("error", {}).get("code") for a in answers]
+    assert codes == [jsonrpc.PARSE_ERROR, jsonrpc.INVALID_REQUEST, jsonrpc.INVALID_REQUEST,
+                     jsonrpc.METHOD_NOT_FOUND, jsonrpc.INVALID_PARAMS, jsonrpc.INVALID_REQUEST, None, None]
+    assert "larger than" in answers[5]["error"]["message"]
+    assert answers[6]["id"] == 6 and answers[6]["result"]["pong"] is True
+    assert answers[7]["id"] == 7
+    assert ControlClient(path).call("ping")["pong"]  # a fresh client is served too
+
+
+def test_stale_socket_is_replaced_but_a_live_one_is_not(tmp_path, control):
+    _, _, live = control
+    with pytest.raises(SocketInUse, match="already serving"):
+        ControlServer(live, ControlHandlers(make_engine(), GcMonitor()))
+    stale = str(tmp_path / "stale.sock")
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.bind(stale)
+    s.close()  # bound, never listening: what a killed worker leaves behind
+    server = ControlServer(stale, ControlHandlers(make_engine(), GcMonitor())).start()
+    try:
+        assert ControlClient(stale).call("ping")["pong"]
+    finally:
+        server.stop()
+    regular = tmp_path / "file"
+    regular.write_text("not a socket")
+    with pytest.raises(SocketInUse, match="not a socket"):
+        ControlServer(str(regular), ControlHandlers(make_engine(), GcMonitor()))

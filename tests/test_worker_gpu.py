@@ -1,0 +1,31 @@
+"""The torch backend on a CUDA GPU (fp16). Skips where torch sees no GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch sees none)")]
+
+
+def test_engine_on_cuda_fp16_renders_and_reports_gpu_memory():
+    from render.backends.select import make_backend
+    from render.control_server import ControlHandlers
+    from render.engine import Engine
+    from render.gc_telemetry import GcMonitor
+    from render.model import load_components
+    from render.text_cache import PromptEncoder
+    from tests.worker_support import drain, req
+
+    comps = load_components("tiny")  # its own copy: the backend moves modules to the GPU in place
+    backend = make_backend("auto", comps, "auto")
+    assert backend.device.type == "cuda" and backend.describe()["dtype"] == "float16"
+    engine = Engine(backend, PromptEncoder(comps, backend.device, backend.dtype), comps)
+    jobs = [engine.submit(req("relax", seed=3)), engine.submit(req("turbo", seed=3)), engine.submit(req("relax", seed=3))]
+    drain(engine, jobs)
+    a, _, c = (j.samples[0].image for j in jobs)
+    assert a.shape == (64, 64, 3) and np.abs(a.astype(int) - c.astype(int)).max() <= 2
+    st = ControlHandlers(engine, GcMonitor()).status()
+    assert st["memory"]["gpu_allocated_bytes"] > 0

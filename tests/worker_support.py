@@ -1,0 +1,103 @@
+"""Helpers for the worker tests: one tiny model per process, engines, an in-process server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import functools
+import threading
+
+from render.backends.select import make_backend
+from render.engine import Engine, EngineSettings
+from render.http_api import Api, RequestDefaults
+from render.jobs import JobRequest
+from render.metrics import WorkerMetrics
+from render.model import load_components
+from render.text_cache import PromptEncoder
+
+SIZE = 64  # pixels: the smallest size the API takes keeps every test step ~10 ms
+
+
+@functools.lru_cache(maxsize=1)
+def components():
+    import torch
+
+    torch.set_num_threads(2)
+    return load_components("tiny")
+
+
+@functools.lru_cache(maxsize=1)
+def backend():
+    return make_backend("torch", components(), "cpu")
+
+
+def make_engine(*, clock=None, on_event=None, backend_=None, metrics=None, **settings) -> Engine:
+    kwargs = {"clock": clock} if clock is not None else {}
+    comps = components()
+    b = backend_ or backend()
+    encoder = PromptEncoder(comps, b.device, b.dtype, capacity=16)
+    return Engine(b, encoder, comps, EngineSettings(**settings), metrics=metrics, on_event=on_event, **kwargs)
+
+
+def req(tier="relax", steps=3, seed=1, prompt="a red cat", guidance=None, n=1, size=SIZE, **kw) -> JobRequest:
+    if guidance is None:
+        guidance = 0.0 if tier == "turbo" else 7.5
+    return JobRequest(prompt=prompt, tier=tier, steps=steps, seed=seed, guidance=guidance, width=size,
+                      height=size, n=n, **kw)
+
+
+def drain(engine: Engine, jobs, limit: int = 500) -> None:
+    """Run boundaries until every job is terminal (bounded)."""
+    for _ in range(limit):
+        if all(j.state.terminal for j in jobs):
+            return
+        engine.run_once()
+    raise AssertionError(f"jobs not finished after {limit} boundaries: {[j.state for j in jobs]}")
+
+
+class Served:
+    def __init__(self, engine, metrics, url, port):
+        self.engine, self.metrics, self.url, self.port = engine, metrics, url, port
+
+
+@contextlib.contextmanager
+def serve(engine: Engine | None = None, **settings):
+    """The real aiohttp app on 127.0.0.1:<ephemeral> in a background thread, engine thread running."""
+    from aiohttp import web
+
+    metrics = WorkerMetrics()
+    engine = engine or make_engine(metrics=metrics, **settings)
+    engine.metrics = metrics
+    metrics.watch(engine)
+    defaults = RequestDefaults(SIZE, engine.size_multiple, engine.settings.steps, engine.settings.guidance)
+    api = Api(engine, metrics.registry, defaults, "tiny")
+    loop = asyncio.new_event_loop()
+    started = threading.Event()
+    holder = {}
+
+    async def start():
+        runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        holder["runner"] = runner
+        holder["port"] = runner.addresses[0][1]
+
+    def run():
+        asyncio.set_event_loop(loop)
+        loop.run_until_complete(start())
+        started.set()
+        loop.run_forever()
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    assert started.wait(30), "server did not start"
+    engine.start()
+    try:
+        yield Served(engine, metrics, f"http://127.0.0.1:{holder['port']}", holder["port"])
+    finally:
+        engine.fail_all("test over")
+        asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(10)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        engine.stop()
