@@ -89,6 +89,7 @@ def run(cfg: Config, flags: Flags | None = None) -> int:
         stack.callback(status.close)
         server = metrics.serve(metrics.build_registry(engine.watchers, engine.metrics_state), a.metrics)
         log.info("metrics on %s:%d/metrics, status on %s", *server.server_address[:2], a.socket)
+        stack.callback(server.server_close)
         stack.callback(server.shutdown)
         triggers = PsiTriggers(a.procfs, cfg.policy.psi_trigger_us)
         stack.callback(triggers.close)
@@ -115,7 +116,9 @@ def _loop(engine: Engine, triggers: PsiTriggers, flags: Flags, period: float) ->
         due = time.monotonic()
         while not flags.stop:
             now = time.monotonic()
-            engine.step(now)
+            decision = engine.step(now)
+            if decision.changed:
+                sdnotify.notify(f"STATUS=level {decision.describe()}")
             if watchdog and now - last_ping >= watchdog:
                 sdnotify.notify("WATCHDOG=1")
                 last_ping = now

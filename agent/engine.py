@@ -33,10 +33,10 @@ class Engine:
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     def step(self, now: float) -> Decision:
-        signals: dict = {}
+        fresh: dict = {}
         for w in self.watchers:
-            signals.update(w.sample(now))
-        decision = self.policy.update(signals, now)
+            fresh.update(w.sample(now))
+        decision = self.policy.update(fresh, now)
         if decision.changed:
             self.last_change, self.last_change_wall = decision, time.time()
             log.log(logging.WARNING if decision.level > decision.previous else logging.INFO,
@@ -47,11 +47,12 @@ class Engine:
         cause = self.last_change.reasons[0].signal if up else "recovery"   # metrics label
         reason = self.last_change.describe() if self.last_change else "normal"
         self.actuator.apply(self.actions[decision.level], reason, cause, now)
-        self._publish(decision, signals)
+        self._publish(decision)
         return decision
 
-    def _publish(self, decision: Decision, signals: dict) -> None:
+    def _publish(self, decision: Decision) -> None:
         by_name = {w.name: w for w in self.watchers}
+        signals = {k: v for w in self.watchers for k, v in w.signals.items()}   # slow watchers: last read
         snap = {
             "level": decision.level_name,
             "level_index": decision.level,
@@ -61,7 +62,7 @@ class Engine:
                 "to": self.last_change.level_name, "reasons": [r.as_dict() for r in self.last_change.reasons]},
             "signals": signals,
             "rules": self.policy.snapshot(),
-            "watchers": {w.name: {"ok": w.ok, "error": w.error} for w in self.watchers},
+            "watchers": {w.name: w.summary() for w in self.watchers},
             "actions": self.actuator.state(),
             "qos": by_name["htb"].detail.get("tiers", {}) if "htb" in by_name else {},
             "worker": self._worker_view(by_name.get("worker")),

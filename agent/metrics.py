@@ -21,7 +21,7 @@ class WatcherCollector:
 
     def collect(self):
         w = self.watcher
-        ok = w.collector_ok() if hasattr(w, "collector_ok") else w.ok
+        ok = w.collector_ok()
         success = GaugeMetricFamily(f"turbonode_{w.name}_collector_success",
                                     f"1 if the {w.name} watcher's last sample succeeded")
         success.add_metric([], 1.0 if ok else 0.0)

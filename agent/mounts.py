@@ -19,7 +19,11 @@ def mounted_types(procfs: str = "/proc") -> dict[str, str]:
 
 def ensure_mounts(procfs: str = "/proc", sysfs: str = "/sys") -> dict[str, str | None]:
     """Mount what is missing; fstype -> None if present/mounted, else the reason it is not."""
-    have = mounted_types(procfs)
+    try:
+        have = mounted_types(procfs)
+    except OSError as exc:
+        log.warning("cannot read %s/self/mounts (%s); not mounting bpffs/tracefs", procfs, exc.strerror)
+        return {fstype: f"mount table unreadable: {exc.strerror}" for fstype, _, _ in MOUNTS}
     out = {}
     for fstype, source, rel in MOUNTS:
         target = os.path.join(sysfs, rel)

@@ -141,7 +141,7 @@ class Policy:
 
 # ---- configuration ---------------------------------------------------------------------
 
-# signal name -> PolicyConfig field prefix
+# signal name (turbonode.config.POLICY_SIGNALS) -> PolicyConfig field prefix
 SIGNALS = {
     "cpu_load": "cpu_load",
     "gc_pause_s": "gc_pause",
@@ -154,6 +154,8 @@ SIGNALS = {
 def rules_from_config(cfg: PolicyConfig) -> tuple[Rule, ...]:
     rules = []
     for signal, prefix in SIGNALS.items():
+        if signal in cfg.disabled:
+            continue
         enter, exit_ = getattr(cfg, f"{prefix}_enter"), getattr(cfg, f"{prefix}_exit")
         if exit_ > enter:
             raise ConfigError(f"policy.{prefix}_exit", f"must not exceed policy.{prefix}_enter ({enter}), got {exit_}")

@@ -1,4 +1,4 @@
-"""Worker watcher and actuator against a small real AF_UNIX JSON-RPC server (tests/mini_worker.py),
+"""Worker watcher and actuator against a small real AF_UNIX JSON-RPC server (tests/agent_helpers.py),
 plus the relax-ceil action against a recording datapath stand-in."""
 
 import time
@@ -8,16 +8,8 @@ import pytest
 from agent.actuator import Actuator
 from agent.policy import Actions
 from agent.watchers.worker import WorkerWatcher
-from tests.mini_worker import MiniWorker
+from tests.agent_helpers import mini_worker as worker  # noqa: F401  (fixture)
 from turbonode.jsonrpc import ControlClient
-
-
-@pytest.fixture
-def worker(tmp_path):
-    w = MiniWorker()
-    srv = w.serve(str(tmp_path / "worker.sock"))
-    yield w
-    srv.close()
 
 
 def test_worker_watcher_reports_new_gc_pauses_only(worker):

@@ -1,14 +1,11 @@
 """HTB watcher and the relax-ceil action on a real datapath in a sandbox namespace."""
 
-import time
-
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
 from agent.actuator import Actuator
-from agent.metrics import WatcherCollector
 from agent.policy import Actions
 from agent.watchers.htb import HtbWatcher
+from tests.agent_helpers import scrape
 from tests.conftest import needs_bcc
 from turbonode.config import QosConfig
 
@@ -27,11 +24,11 @@ def datapath(sandbox, tmp_path):
 
 def test_htb_watcher_counts_tiers_and_relax_ceil_moves(sandbox, datapath):
     w = HtbWatcher(datapath)
-    w.sample(time.monotonic())
+    w.sample(0.0)
     assert w.ok, w.error
     # EF (TOS 0xb8) echo requests from the node: classified turbo on its egress.
     sandbox.run(sandbox.server, "ping", "-Q", "0xb8", "-c", "20", "-i", "0.01", "-w", "5", sandbox.client_ip)
-    w.sample(time.monotonic())
+    w.sample(w.interval)
     assert w.detail["tiers"]["turbo"]["packets"] >= 20
     assert w.signals["turbo_drops_per_s"] == 0
 
@@ -43,9 +40,7 @@ def test_htb_watcher_counts_tiers_and_relax_ceil_moves(sandbox, datapath):
     act.apply(Actions(), "normal", "cpu_load", 1)
     assert datapath.show()["tiers"]["relax"]["ceil_bps"] == 100_000_000
 
-    reg = CollectorRegistry()
-    reg.register(WatcherCollector(w))
-    text = generate_latest(reg).decode()
+    text = scrape(w)
     assert "turbonode_htb_collector_success 1.0" in text
     assert 'turbonode_tier_packets_total{tier="turbo"}' in text
     assert 'turbonode_tier_ceil_bytes_per_second{tier="relax"}' in text

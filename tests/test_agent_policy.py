@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from agent.policy import Actions, Policy, Rule, actions_table, policy_from_config, rules_from_config
-from turbonode.config import PolicyConfig, load_config
+from agent.policy import SIGNALS, Actions, Policy, Rule, actions_table, policy_from_config, rules_from_config
+from turbonode.config import POLICY_SIGNALS, PolicyConfig, load_config
 from turbonode.errors import ConfigError
 
 PERIOD = 0.25
@@ -111,6 +111,7 @@ def test_any_active_signal_holds_level():
 
 def test_config_defaults_and_actions():
     cfg = PolicyConfig()
+    assert set(SIGNALS) == set(POLICY_SIGNALS)   # config validates the names the policy knows
     p = policy_from_config(cfg)
     assert {r.signal for r in p.rules} == {"cpu_load", "gc_pause_s", "netrx_latency_p99_s", "netrx_cpu_share",
                                         "turbo_wait_s"}
@@ -141,5 +142,11 @@ def test_config_overrides_one_level_and_names_bad_keys(tmp_path):
     f.write_text('[policy.actions.critical]\nshed_tiers = ["turbo"]\n')
     with pytest.raises(ConfigError, match="turbo is never throttled"):
         load_config(str(f), env={})
+    f.write_text('[policy]\ndisabled = ["cpu_load", "psi"]\n')
+    with pytest.raises(ConfigError, match="unknown signal 'psi'") as exc:
+        load_config(str(f), env={})
+    assert exc.value.key == "policy.disabled"
+    f.write_text('[policy]\ndisabled = ["cpu_load"]\n')
+    assert "cpu_load" not in {r.signal for r in rules_from_config(load_config(str(f), env={}).policy)}
     with pytest.raises(ConfigError, match="policy.cpu_load_exit"):
         rules_from_config(PolicyConfig(cpu_load_enter=0.5, cpu_load_exit=0.6))

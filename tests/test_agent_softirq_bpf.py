@@ -3,10 +3,9 @@
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.metrics import WatcherCollector
 from agent.watchers.softirq import NET_RX, SoftirqWatcher, missing_tracepoints
+from tests.agent_helpers import scrape
 from tests.conftest import needs_bcc
 
 pytestmark = [needs_bcc, pytest.mark.root]
@@ -37,9 +36,7 @@ def test_probe_sees_net_rx_time_and_latency(watcher, sandbox):
     assert sig["netrx_per_s"] > 0 and 0 < sig["netrx_cpu_share"] <= 1
     assert sig["netrx_latency_p99_s"] is not None and 0 < sig["netrx_latency_p99_s"] < 1.0
 
-    reg = CollectorRegistry()
-    reg.register(WatcherCollector(watcher))
-    text = generate_latest(reg).decode()
+    text = scrape(watcher)
     assert "turbonode_softirq_collector_success 1.0" in text
     assert 'turbonode_softirq_seconds_total{cpu="0",vector="NET_RX"}' in text
     assert 'turbonode_softirq_latency_seconds_bucket{le="+Inf",vector="NET_RX"}' in text

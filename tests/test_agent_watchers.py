@@ -4,27 +4,20 @@ import os
 import time
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
 
-from agent.metrics import WatcherCollector
 from agent.watchers.cpu import CpuWatcher, parse_stat
 from agent.watchers.gpu import GpuWatcher
 from agent.watchers.psi import PsiTriggers, PsiWatcher, parse_pressure
 from agent.watchers.softirq import SoftirqWatcher, quantile
 from agent.watchers.softirqs_proc import parse_softirqs
 from agent.watchers.softnet import SoftnetWatcher, parse_softnet
+from tests.agent_helpers import scrape
 
 
 def write(root, rel, text):
     path = root / rel
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
-
-
-def scrape(watcher) -> str:
-    reg = CollectorRegistry()
-    reg.register(WatcherCollector(watcher))
-    return generate_latest(reg).decode()
 
 
 # ---- /proc/stat -------------------------------------------------------------------------
@@ -211,3 +204,28 @@ def test_real_proc_stat_softnet_and_psi():
         assert trig.fds or trig.error
     finally:
         trig.close()
+
+
+def _nvml_skip_reason():
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        n = pynvml.nvmlDeviceGetCount()
+        pynvml.nvmlShutdown()
+        return None if n else "NVML reports no GPU"
+    except Exception as exc:
+        return f"no NVIDIA GPU/driver here ({exc})"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(_nvml_skip_reason() is not None, reason=_nvml_skip_reason() or "")
+def test_real_nvml_gpu():
+    w = GpuWatcher()
+    sig = w.sample(0)
+    assert w.ok, w.error
+    assert 0 <= sig["gpu_utilization"] <= 1
+    gpu = w.detail["gpus"][0]
+    assert 0 < gpu["memory_total_bytes"] and 0 <= gpu["memory_used_bytes"] <= gpu["memory_total_bytes"]
+    assert 'turbonode_gpu_memory_total_bytes{gpu="0"}' in scrape(w)
+    w.close()

@@ -147,6 +147,13 @@ class AgentConfig:
 
 
 LEVELS = ("normal", "pressured", "degraded", "critical")
+POLICY_SIGNALS = ("cpu_load", "gc_pause_s", "netrx_latency_p99_s", "netrx_cpu_share", "turbo_wait_s")
+
+
+def policy_signals(v):
+    for name in v:
+        if name not in POLICY_SIGNALS:
+            raise ValueError(f"unknown signal {name!r} (known: {', '.join(POLICY_SIGNALS)})")
 _ACTION_KEYS = ("relax_ceil_pct", "max_batch", "paused_tiers", "step_caps", "shed_tiers")
 
 
@@ -194,6 +201,7 @@ class PolicyConfig:
     netrx_share_exit: float = opt(0.10, fraction, "busiest CPU's NET_RX share counted as healthy")
     turbo_wait_enter: float = opt(0.5, positive, "turbo queue wait budget (s); above it escalates")
     turbo_wait_exit: float = opt(0.25, positive, "turbo queue wait (s) counted as healthy")
+    disabled: list = opt([], policy_signals, "signals the policy ignores (still watched and shown)")
     psi_trigger_us: int = opt(100000, positive, "PSI trigger: stall microseconds per 1 s window that wakes the sampler")
     actions: dict = opt({
         "pressured": {"relax_ceil_pct": 50, "max_batch": 2},

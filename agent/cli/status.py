@@ -48,8 +48,12 @@ def render(st: dict, now: float | None = None) -> str:
     out.append(f"actions:  relax ceil {applied.get('relax_ceil_pct') or 'configured'}"
                f"{' %' if applied.get('relax_ceil_pct') else ''}, worker throttle {applied.get('throttle') or 'none'}"
                + ("  (dry-run)" if acts.get("dry_run") else ""))
-    bad = [f"{n}: {w['error']}" for n, w in st.get("watchers", {}).items() if not w["ok"]]
+    watchers = st.get("watchers", {})
+    bad = [f"{n}: {w['error']}" for n, w in watchers.items() if not w["ok"]]
     out.append("watchers: " + ("all ok" if not bad else "; ".join(bad)))
+    softirq = watchers.get("softirq", {})
+    if softirq.get("mode") == "procfs":
+        out.append(f"softirq:  /proc/softirqs fallback, no latency ({softirq.get('bpf_error')})")
     qos = st.get("qos") or {}
     if qos:
         out += ["", "QoS"] + _table(

@@ -15,17 +15,26 @@ class Watcher:
     """Subclasses implement read(now) -> (signals, detail) and optionally families()."""
 
     name = "watcher"
+    interval = 0.0   # seconds between reads; 0 = every sample. Costly sources read less often.
 
     def __init__(self):
         self.ok = False
         self.error: str | None = "not sampled yet"
         self.signals: Signals = {}
         self.detail: dict = {}
+        self._read_at: float | None = None
+
+    def due(self, now: float) -> bool:
+        return self._read_at is None or now - self._read_at >= self.interval
 
     def read(self, now: float) -> tuple[Signals, dict]:
         raise NotImplementedError
 
     def sample(self, now: float) -> Signals:
+        """Read the source and return its signals; between reads of a slow watcher, {}."""
+        if not self.due(now):
+            return {}
+        self._read_at = now
         try:
             self.signals, self.detail = self.read(now)
         except (TurbonodeError, OSError, ValueError) as exc:
@@ -42,8 +51,13 @@ class Watcher:
         """Prometheus metric families beyond `_collector_success` (fresh objects each call)."""
         return []
 
-    def state(self) -> dict:
-        return {"ok": self.ok, "error": self.error, "signals": self.signals, "detail": self.detail}
+    def summary(self) -> dict:
+        """What `turboctl status` shows about this watcher."""
+        return {"ok": self.ok, "error": self.error}
+
+    def collector_ok(self) -> bool:
+        """The `_collector_success` value: by default, whether the last read succeeded."""
+        return self.ok
 
     def close(self) -> None:
         pass

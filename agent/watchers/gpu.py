@@ -22,6 +22,7 @@ THROTTLE_REASONS = {
 
 class GpuWatcher(Watcher):
     name = "gpu"
+    interval = 1.0   # NVML queries take milliseconds each; GPU state is not a fast policy signal
 
     def __init__(self, nvml=None):
         super().__init__()
@@ -39,6 +40,8 @@ class GpuWatcher(Watcher):
         if self.nvml is None:
             raise TurbonodeError(self.init_error)
         nv = self.nvml
+        # NVML 12.x renamed "throttle" reasons to "clocks event" reasons; older drivers have only the first.
+        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
         try:
             gpus = []
             for i in range(nv.nvmlDeviceGetCount()):
@@ -47,7 +50,7 @@ class GpuWatcher(Watcher):
                 mem = nv.nvmlDeviceGetMemoryInfo(h)
                 gpus.append({"index": i, "utilization": util.gpu / 100.0,
                              "memory_used_bytes": mem.used, "memory_total_bytes": mem.total,
-                             "throttle_reasons": nv.nvmlDeviceGetCurrentClocksThrottleReasons(h)})
+                             "throttle_reasons": reasons(h)})
         except nv.NVMLError as exc:
             raise TurbonodeError(f"NVML query failed: {exc}") from None
         signals = {"gpu_utilization": max((g["utilization"] for g in gpus), default=None)}

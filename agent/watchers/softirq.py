@@ -143,8 +143,8 @@ class SoftirqWatcher(Watcher):
                    "netrx_per_s": rates and rates["runs"]}
         return signals, {"mode": "bpf", "netrx_cpu_share_per_cpu": shares}
 
-    def state(self) -> dict:
-        return {**super().state(), "mode": self.mode, "bpf_error": self.bpf_error}
+    def summary(self) -> dict:
+        return {**super().summary(), "mode": self.mode, "bpf_error": self.bpf_error}
 
     def collector_ok(self) -> bool:
         return self.ok and self.probe is not None

@@ -1,8 +1,13 @@
-"""A small stand-in for the worker's control server (the agreed JSON-RPC methods), served on
-a real AF_UNIX socket. For agent tests that must not depend on a diffusion model."""
+"""Helpers for the agent's tests: a small stand-in for the worker's control server (the agreed
+JSON-RPC methods) on a real AF_UNIX socket, for tests that must not depend on a diffusion
+model; and a scrape of one collector through a fresh registry."""
 
 import time
 
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from agent.metrics import WatcherCollector
 from agent.status_server import StatusServer
 from turbonode.jsonrpc import INVALID_PARAMS, ControlClient, RpcError
 
@@ -47,3 +52,18 @@ class MiniWorker:
         self.client = ControlClient(path, timeout=1.0)
         return StatusServer(path, {"status": self.status, "throttle": self.throttle, "release": self.release,
                                    "ping": lambda: "pong"}).start()
+
+
+@pytest.fixture
+def mini_worker(tmp_path):
+    w = MiniWorker()
+    srv = w.serve(str(tmp_path / "worker.sock"))
+    yield w
+    srv.close()
+
+
+def scrape(watcher) -> str:
+    """The text exposition of one watcher's collector, from a fresh registry."""
+    reg = CollectorRegistry()
+    reg.register(WatcherCollector(watcher))
+    return generate_latest(reg).decode()

@@ -1,0 +1,56 @@
+"""`turboctl status` rendering (CliRunner against a real status socket) and `agent run` options."""
+
+import json
+
+from click.testing import CliRunner
+
+from agent.cli import main
+from agent.status_server import StatusServer
+
+SNAPSHOT = {
+    "level": "degraded", "level_index": 2,
+    "active": [{"signal": "netrx_cpu_share", "value": 0.41, "threshold": 0.25, "crossed": "above enter"}],
+    "last_change": {"at": 1000.0, "from": "pressured", "to": "degraded",
+                    "reasons": [{"signal": "netrx_cpu_share", "value": 0.41, "threshold": 0.25,
+                                 "crossed": "above enter"}]},
+    "signals": {"netrx_cpu_share": 0.41},
+    "watchers": {"softirq": {"ok": True, "error": None, "mode": "procfs", "bpf_error": "tracepoints missing"},
+                 "gpu": {"ok": False, "error": "NVML unavailable: no driver"}},
+    "actions": {"applied": {"relax_ceil_pct": 25, "throttle": {"max_batch": 2, "paused_tiers": ["relax"]}},
+                "dry_run": False},
+    "qos": {"turbo": {"packets": 120, "bytes": 90000, "drops": 0, "backlog_bytes": 0,
+                      "rate_bps": 40_000_000, "ceil_bps": 100_000_000},
+            "relax": {"packets": 5, "bytes": 700, "drops": 3, "backlog_bytes": 1500,
+                      "rate_bps": 10_000_000, "ceil_bps": 25_000_000}},
+    "worker": {"state": "ok", "tiers": {"turbo": {"queued": 1, "in_flight": 2, "oldest_wait_s": 0.012,
+                                                  "queue_wait_p99_s": 0.03}},
+               "throttle": {"max_batch": 2, "paused_tiers": ["relax"], "step_caps": {}, "expires_in_s": 2.1}},
+}
+
+
+def test_status_table_shows_level_why_qos_worker(tmp_path):
+    path = str(tmp_path / "agent.sock")
+    srv = StatusServer(path, {"status": lambda: SNAPSHOT}).start()
+    try:
+        out = CliRunner().invoke(main, ["status", "--socket", path])
+        js = CliRunner().invoke(main, ["status", "--socket", path, "--json"])
+    finally:
+        srv.close()
+    assert out.exit_code == 0, out.output
+    text = out.output
+    assert "level:    degraded" in text
+    assert "pressured -> degraded" in text and "netrx_cpu_share=0.41 > 0.25" in text
+    assert "relax ceil 25 %" in text
+    assert "gpu: NVML unavailable: no driver" in text
+    assert "/proc/softirqs fallback" in text
+    relax = next(line for line in text.splitlines() if line.startswith("relax"))
+    assert relax.split() == ["relax", "5", "700", "3", "1500", "10mbit", "25mbit"]
+    assert ["turbo", "1", "2", "12.0", "ms", "30.0", "ms"] in [line.split() for line in text.splitlines()]
+    assert "throttle: max_batch=2, paused_tiers=['relax'], expires_in_s=2.1" in text
+    assert json.loads(js.output)["level"] == "degraded"
+
+
+def test_agent_run_help_lists_the_options():
+    out = CliRunner().invoke(main, ["agent", "run", "--help"])
+    for opt in ("--config", "--dev", "--netns", "--worker-socket", "--metrics", "--dry-run"):
+        assert opt in out.output
