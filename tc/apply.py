@@ -142,6 +142,11 @@ def remove(link: Link, state: dict | None, where: Places) -> dict:
         os.remove(where.state_file)
     except FileNotFoundError:
         pass
+    for d in (os.path.dirname(where.pin_dir), os.path.dirname(where.state_file)):
+        try:
+            os.rmdir(d)  # the per-namespace directory, once its last interface is gone
+        except OSError:
+            pass
     now = link.root_qdisc()
     previous = (state or {}).get("previous_root", {}).get("kind")
     return {"removed": removed, "root": now.kind if now else None, "previous_root": previous,

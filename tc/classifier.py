@@ -56,10 +56,11 @@ def _prog_id(fd: int) -> int:
 
 def load_and_attach(dev: str, netns: str | None, pin_dir: str, dscp_table, tier_minors) -> int:
     """In this process: compile, load, fill maps, replace the filter. Returns the program id."""
-    from .netlink import Link  # noqa: PLC0415 (open the device before spending 0.4 s compiling)
     from bpf import source
 
-    with Link(dev, netns) as link:
+    from .netlink import Link
+
+    with Link(dev, netns) as link:  # first: a missing device fails before 0.4 s of compiling
         try:
             from bcc import BPF
         except ImportError:
@@ -80,7 +81,7 @@ def load_and_attach(dev: str, netns: str | None, pin_dir: str, dscp_table, tier_
 
 
 def _headers_hint(stderr: str) -> str:
-    if "kernel headers" in stderr or "linux/" in stderr and "file not found" in stderr:
+    if "kernel headers" in stderr or ("linux/" in stderr and "file not found" in stderr):
         return ("no kernel headers for bcc: install linux-headers-$(uname -r) or run scripts/setup.sh "
                 "(links the generic headers)")
     return ""

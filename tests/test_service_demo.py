@@ -40,10 +40,10 @@ def test_preflight_names_what_is_missing(monkeypatch):
     monkeypatch.setattr(demo.shutil, "which", lambda name: None if name == "stress-ng" else "/usr/bin/" + name)
     if os.geteuid() != 0:
         pytest.skip("preflight refuses non-root first")
-    res = CliRunner().invoke(main, ["demo", "--duration", "3"])
+    res = CliRunner().invoke(main, ["demo", "--seconds", "4"])
     assert res.exit_code == 1 and "missing programs: stress-ng" in res.output
-    res = CliRunner().invoke(main, ["demo", "--duration", "1000"])
-    assert res.exit_code == 2 and "--duration" in res.output
+    res = CliRunner().invoke(main, ["demo", "--seconds", "1000"])
+    assert res.exit_code == 2 and "--seconds" in res.output
 
 
 def _netns() -> set[str]:
@@ -64,7 +64,7 @@ def _leftovers(tag: str) -> list[str]:
 @needs_bcc
 @pytest.mark.slow
 def test_demo_runs_both_phases_and_cleans_up():
-    res = CliRunner().invoke(main, ["demo", "--duration", "4", "--size", "64", "--json"])
+    res = CliRunner().invoke(main, ["demo", "--seconds", "4", "--size", "64", "--json"])
     assert res.exit_code == 0, res.output
     result = json.loads(res.stdout)
     for phase in ("without", "with"):
@@ -77,7 +77,7 @@ def test_demo_runs_both_phases_and_cleans_up():
 @needs_bcc
 @pytest.mark.slow
 def test_demo_ctrl_c_removes_everything():
-    proc, out = start(turboctl_argv("demo", "--duration", "30"), daemon_env())
+    proc, out = start(turboctl_argv("demo", "--seconds", "30"), daemon_env())
     try:
         assert out.wait_for(r"phase 1/2", 180), out.text
         m = re.search(r"netns (\S+) .*netns (\S+) .*logs in (\S+)", out.text)

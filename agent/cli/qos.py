@@ -48,7 +48,8 @@ def _target(func):
         from tc.datapath import Datapath  # pyroute2 only when a command runs
 
         try:
-            return func(cfg.qos, Datapath(cfg.qos.dev, cfg.qos.netns or None), **kw)
+            with Datapath(cfg.qos.dev, cfg.qos.netns or None) as dp:
+                return func(cfg.qos, dp, **kw)
         except TurbonodeError as exc:
             raise click.ClickException(str(exc)) from None
     return wrapper
@@ -71,7 +72,7 @@ def apply_cmd(qos, dp, rate):
 
 
 def _dscp_cell(codes: list[int]) -> str:
-    return ",".join(map(str, codes)) if len(codes) <= 6 else f"{len(codes)} others"
+    return ",".join(map(str, codes)) if len(codes) <= 6 else f"others({len(codes)})"
 
 
 def _num(v) -> str:

@@ -1,5 +1,5 @@
-"""Hand-built Ethernet frames for classifier tests, sent and counted with AF_PACKET sockets
-inside a sandbox namespace (no scapy here: struct is enough)."""
+"""Hand-built Ethernet frames for classifier tests and benchmarks, sent and counted with
+AF_PACKET sockets inside a sandbox namespace (no scapy here: struct is enough)."""
 
 from __future__ import annotations
 

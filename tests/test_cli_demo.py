@@ -1,0 +1,31 @@
+"""`turboctl demo` end to end on a real sandbox (bounded: a few seconds of traffic)."""
+
+import re
+import subprocess
+
+import pytest
+from click.testing import CliRunner
+
+from agent.cli import main
+from conftest import needs_bcc
+
+
+@needs_bcc
+@pytest.mark.slow
+def test_demo_shapes_mixed_traffic_and_cleans_up():
+    res = CliRunner().invoke(main, ["demo", "--qos-only", "--seconds", "4"])
+    assert res.exit_code == 0, res.output
+    out = res.output
+    assert "EF ping under that load: p50" in out and "turboctl qos show:" in out
+    rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
+    for tier in ("turbo", "fast", "other", "relax"):
+        assert rows[tier][1] == f"1:{ {'turbo': 10, 'fast': 20, 'other': 30, 'relax': 40}[tier] }"
+        assert int(rows[tier][3]) > 100, f"{tier} classified almost nothing: {rows[tier]}"
+    # Every tier got traffic through and the borrowing tiers stayed above their guarantee.
+    shares = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()
+              if line.startswith("  ") and "Mbit/s" in line}
+    assert shares["relax"] >= 5 and shares["other"] >= 10 and shares["turbo"] >= 15
+    # Its own namespaces are gone (other tests may be creating theirs meanwhile).
+    created = re.search(r"netns (\S+) \(\S+\) <-> netns (\S+);", out).groups()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()
+    assert not set(created) & set(listed)
