@@ -8,13 +8,14 @@ import re
 import stat
 import subprocess
 import threading
+from pathlib import Path
 
 import pytest
 from conftest import needs_bcc
 
 from agent.loadgen import request_image
 from turbonode.jsonrpc import ControlClient
-from daemon_harness import (PROMTOOL_SKIP, NotifyListener, daemon_env, promtool_check, scrape, start, stop,
+from daemon_harness import (PROMTOOL_SKIP, ROOT, NotifyListener, daemon_env, promtool_check, scrape, start, stop,
                             turboctl_argv)
 
 WATCHDOG_USEC = 400_000  # the daemon must ping every 0.2 s
@@ -139,3 +140,48 @@ drain_timeout = 1.0
     assert long_job[0].status == 503 and "stopped before the job finished" in long_job[0].error, long_job
     assert request_image(url, "turbo", timeout=5).status == 0  # nothing listens any more
     assert not sock.exists()
+
+
+# Bit numbers of the capabilities turbonode-agent.service grants (linux/capability.h).
+CAP_BITS = {"CAP_NET_ADMIN": 12, "CAP_SYS_RESOURCE": 24, "CAP_PERFMON": 38, "CAP_BPF": 39}
+
+
+def _unit_caps() -> list[str]:
+    text = (ROOT / "systemd/turbonode-agent.service").read_text()
+    return re.search(r"^AmbientCapabilities=(.*)$", text, re.M).group(1).split()
+
+
+@needs_bcc
+@pytest.mark.slow
+def test_agent_runs_with_only_the_units_capabilities(sandbox, tmp_path, notify):
+    """What systemd does, done by hand: mount bpffs/tracefs with full privileges (ExecStartPre=+),
+    then start the agent with the unit's capability bounding set and nothing else: no
+    CAP_SYS_ADMIN, no CAP_DAC_OVERRIDE. It must load its eBPF programs and shape the device."""
+    have = int(re.search(r"^CapBnd:\s*(\w+)", Path("/proc/self/status").read_text(), re.M).group(1), 16)
+    caps = [c for c in _unit_caps() if have >> CAP_BITS[c] & 1]  # this VM has no CAP_SYS_RESOURCE at all
+    if not {"CAP_BPF", "CAP_PERFMON"} <= set(caps):
+        pytest.skip("kernel without CAP_BPF/CAP_PERFMON (< 5.8): the unit needs the CAP_SYS_ADMIN drop-in there")
+    cfg = tmp_path / "agent.toml"
+    cfg.write_text(f'[qos]\ndev = "{sandbox.dev}"\nrate = "100mbit"\nkeep_on_stop = false\n'
+                   f'[agent]\nsocket = "{tmp_path}/agent.sock"\nworker_socket = "{tmp_path}/none.sock"\n'
+                   f'metrics = "127.0.0.1:0"\nsample_period = 0.1\n')
+    bounding = ",".join(["-all"] + ["+" + c.removeprefix("CAP_").lower() for c in caps])
+    # `ip netns exec` gives the agent the node's namespace and a fresh /sys without bpffs/tracefs:
+    # mounting them there is the unit's ExecStartPre.
+    script = ("mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf; "
+              "mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing; "
+              f'exec setpriv --bounding-set={bounding} --inh-caps=-all "$@"')
+    argv = sandbox.cmd(sandbox.server, "sh", "-c", script, "sh",
+                       *turboctl_argv("-v", "agent", "run", "--config", str(cfg)))
+    proc, out = start(argv, daemon_env(notify, WATCHDOG_USEC))
+    try:
+        assert notify.wait_for("READY=1", 90, proc=proc), out.text
+        status = ControlClient(f"{tmp_path}/agent.sock", peer="agent").call("status")
+        assert status["watchers"]["softirq"]["ok"] and status["watchers"]["htb"]["ok"], status["watchers"]
+        assert "htb" in root_qdisc(sandbox)
+        assert re.search(r"^CapBnd:\s*0*{:x}$".format(sum(1 << CAP_BITS[c] for c in caps)),
+                         Path(f"/proc/{proc.pid}/status").read_text(), re.M)
+    finally:
+        rc = stop(proc, 30)
+    assert rc == 0, out.text
+    assert "htb" not in root_qdisc(sandbox)  # keep_on_stop = false: removed, with only these capabilities
