@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import stat
 import subprocess
+import tempfile
 import threading
 from pathlib import Path
 
@@ -94,10 +96,24 @@ def test_agent_daemon_notify_metrics_and_fail_static(sandbox, tmp_path, notify):
                        env=daemon_env(), capture_output=True, timeout=60)
 
 
+NOBODY = 65534
+
+
+@pytest.fixture
+def worker_dir():
+    """A directory the worker can write as an unprivileged user (pytest's tmp_path is 0700 root)."""
+    path = Path(tempfile.mkdtemp(prefix="tn-worker-"))
+    if os.geteuid() == 0:
+        os.chown(path, NOBODY, NOBODY)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.slow
-def test_worker_daemon_notify_metrics_and_sigterm_drain(tmp_path, notify):
-    sock = tmp_path / "worker.sock"
-    cfg = tmp_path / "worker.toml"
+def test_worker_daemon_notify_metrics_and_sigterm_drain(worker_dir):
+    """As the unit runs it: its own unprivileged user, no capabilities, no new privileges."""
+    sock = worker_dir / "worker.sock"
+    cfg = worker_dir / "worker.toml"
     # drain_timeout shorter than the long job below: SIGTERM must fail it with a clear error
     cfg.write_text(f"""
 [worker]
@@ -108,11 +124,21 @@ device = "cpu"
 size = 64
 drain_timeout = 1.0
 """)
-    proc, out = start(turboctl_argv("worker", "run", "--config", str(cfg)), daemon_env(notify, WATCHDOG_USEC))
+    notify = NotifyListener(worker_dir)
+    os.chmod(notify.path, 0o666)  # systemd's socket accepts every service user
+    argv = turboctl_argv("worker", "run", "--config", str(cfg))
+    if os.geteuid() == 0:
+        argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
+                "--bounding-set=-all", "--no-new-privs", *argv]
+    env = daemon_env(notify, WATCHDOG_USEC, HOME=str(worker_dir), XDG_CACHE_HOME=str(worker_dir / "cache"))
+    proc, out = start(argv, env)
     try:
         assert notify.wait_for("READY=1", 180, proc=proc), out.text
         assert notify.wait_for("WATCHDOG=1", 5, count=3, proc=proc), notify.messages
         url = out.wait_for(r"serving (http://\S+)", 5).group(1)
+        if os.geteuid() == 0:
+            st = Path(f"/proc/{proc.pid}/status").read_text()
+            assert re.search(rf"^Uid:\s+{NOBODY}\s", st, re.M) and re.search(r"^CapBnd:\s+0+$", st, re.M), st
         assert stat.S_IMODE(os.stat(sock).st_mode) == 0o660  # the units' group access relies on it
         assert ControlClient(str(sock)).call("ping")
         assert request_image(url, "turbo", size=64, steps=2).status == 200
@@ -140,6 +166,7 @@ drain_timeout = 1.0
     assert long_job[0].status == 503 and "stopped before the job finished" in long_job[0].error, long_job
     assert request_image(url, "turbo", timeout=5).status == 0  # nothing listens any more
     assert not sock.exists()
+    notify.close()
 
 
 # Bit numbers of the capabilities turbonode-agent.service grants (linux/capability.h).
