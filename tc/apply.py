@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from turbonode.errors import DatapathError
 
 from .netlink import TC_H_ROOT, Link, UnsupportedKind
-from .tree import LEAF_KINDS, ROOT_HANDLE, HtbClass, Tree, fmt_handle
+from .tree import LEAF_KINDS, PROG_PREFIX, ROOT_HANDLE, HtbClass, Tree, fmt_handle
 
 
 @dataclass(frozen=True)
@@ -56,19 +56,29 @@ def _same_class(have, want: HtbClass) -> bool:
             and have.ceil_bps == want.ceil_bps // 8 * 8 and have.prio == want.prio and have.quantum == want.quantum)
 
 
+def owns_root(link: Link, state: dict | None) -> bool:
+    """Is the root qdisc turbonode's? Our HTB 1: recorded in the state file, or, when the state
+    is gone (a wiped /run), an HTB 1: whose filter carries our name (PROG_PREFIX)."""
+    root = link.root_qdisc()
+    if root is None or root.kind != "htb" or root.handle != ROOT_HANDLE:
+        return False
+    return state is not None or any(f.name and f.name.startswith(PROG_PREFIX) for f in link.filters())
+
+
 def claim_root(link: Link, tree: Tree, state: dict | None, state_file: str) -> dict:
     """Make sure 1: is our HTB; record what it replaces. Returns the (new) state."""
     root = link.root_qdisc()
-    ours = state is not None and root is not None and root.kind == "htb" and root.handle == ROOT_HANDLE
-    if not ours:
+    ours = owns_root(link, state)
+    if not ours and root is not None and root.handle != 0:
         # A handle of 0 means the kernel attached it (noqueue, pfifo_fast, mq...): deleting ours
         # brings it back. Anything else somebody configured; replacing it would lose their setup.
-        if root is not None and root.handle != 0 and not (state and root.handle == ROOT_HANDLE):
-            raise DatapathError(f"{link.where} has a root qdisc {root.kind} {fmt_handle(root.handle)} that "
-                                "turbonode did not create: remove it first (tc qdisc del dev ... root)")
-        if state is None:
-            state = {"dev": link.dev, "netns": link.netns,
-                     "previous_root": {"kind": root.kind if root else None, "handle": 0}}
+        raise DatapathError(f"{link.where} has a root qdisc {root.kind} {fmt_handle(root.handle)} that "
+                            "turbonode did not create: remove it first (tc qdisc del dev ... root)")
+    if state is None:
+        # Without a state file our own HTB may already be there: the kernel default comes back
+        # when it is deleted, and that default's kind is not known any more.
+        previous = None if ours else (root.kind if root else None)
+        state = {"dev": link.dev, "netns": link.netns, "previous_root": {"kind": previous, "handle": 0}}
         save_state(state_file, state)
     if not ours or root.defcls != tree.default_minor:
         link.replace_htb_root(tree.default_minor)
@@ -132,9 +142,8 @@ def read_back(link: Link, tree: Tree, prog_name: str) -> None:
 
 def remove(link: Link, state: dict | None, where: Places) -> dict:
     """Delete our root (and with it every class, leaf and filter), unpin the maps, forget state."""
-    root = link.root_qdisc()
     removed = False
-    if state is not None and root is not None and root.kind == "htb" and root.handle == ROOT_HANDLE:
+    if owns_root(link, state):
         link.delete_root()
         removed = True
     shutil.rmtree(where.pin_dir, ignore_errors=True)

@@ -18,7 +18,7 @@ from turbonode.errors import BpfUnavailableError, DatapathError, NoDeviceError, 
 from turbonode.tiers import BY_NAME, DEFAULT_TIER, TIERS
 
 from . import bpfobj
-from .tree import Tree
+from .tree import PROG_PREFIX, Tree
 
 NTIERS = len(TIERS)
 COUNTER_SLOTS = NTIERS + 1         # the last slot counts frames that could not be parsed
@@ -32,7 +32,7 @@ def prog_name() -> str:
 
     with open(source("classifier.c"), "rb") as f:
         digest = hashlib.sha256(f.read() + repr([(t.index, t.class_minor) for t in TIERS]).encode())
-    return f"turbonode_{digest.hexdigest()[:12]}"
+    return f"{PROG_PREFIX}{digest.hexdigest()[:12]}"
 
 
 def pin_paths(pin_dir: str) -> dict[str, str]:

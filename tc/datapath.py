@@ -9,13 +9,14 @@
 
 The datapath lives on in the kernel when the process exits. A Datapath object keeps one
 rtnetlink socket open for its frequent calls (show, set_map, set_rate: opening one inside a
-namespace forks, ~25 ms); close() or `with` releases it. Not thread-safe.
+namespace forks, ~25 ms); close() or `with` releases it. Calls on one object serialise on a lock.
 """
 
 from __future__ import annotations
 
 import os
 import struct
+import threading
 from contextlib import contextmanager
 
 from turbonode.config import QosConfig
@@ -39,11 +40,13 @@ class Datapath:
         self.netns = netns or None
         self.places = reconcile.places(dev, self.netns, bpffs, run_dir)
         self._cached: Link | None = None
+        self._lock = threading.RLock()
 
     def close(self) -> None:
-        if self._cached is not None:
-            self._cached.close()
-            self._cached = None
+        with self._lock:
+            if self._cached is not None:
+                self._cached.close()
+                self._cached = None
 
     def __enter__(self) -> "Datapath":
         return self
@@ -55,13 +58,14 @@ class Datapath:
     def _link(self):
         """The kept-open link; dropped on error so that the next call opens a fresh one (the
         device may have been re-created with a new index)."""
-        if self._cached is None:
-            self._cached = Link(self.dev, self.netns)
-        try:
-            yield self._cached
-        except DatapathError:
-            self.close()
-            raise
+        with self._lock:
+            if self._cached is None:
+                self._cached = Link(self.dev, self.netns)
+            try:
+                yield self._cached
+            except DatapathError:
+                self.close()
+                raise
 
     # ---- inputs ---------------------------------------------------------------------
 

@@ -19,6 +19,7 @@ ROOT_HANDLE = 0x10000        # qdisc 1:
 ROOT_CLASS = 0x10001         # class 1:1
 FILTER_PRIO = 1
 FILTER_HANDLE = 1
+PROG_PREFIX = "turbonode_"   # TCA_BPF_NAME prefix of our classifier filter: marks the tree as ours
 MTU = 1514                   # Ethernet frame without FCS
 HTB_QUANTUM_MIN = 1000       # HTB warns "quantum is small" below this
 HTB_QUANTUM_MAX = 200000     # ... and "quantum is big" above

@@ -269,3 +269,14 @@ def test_remove_restores_a_kernel_default_root_with_a_queue(sandbox):
     assert "qdisc htb 1: root" in tc_text(sandbox, "qdisc", "show", "dev", "tnifb0")
     assert dp.remove() == {"removed": True, "root": kind, "previous_root": kind, "restored": True}
     assert tc_text(sandbox, "qdisc", "show", "dev", "tnifb0") == before
+
+
+def test_a_lost_state_file_does_not_orphan_the_tree(sandbox, datapath):
+    """/run wiped (the tree and pins survive): the filter's name still marks the tree as ours."""
+    os.remove(datapath.places.state_file)
+    again = datapath.apply(rate_bps=RATE)
+    assert again["compiled"] and again["changes"] == 1  # only the program: its id was in the state
+    assert tc_text(sandbox, "filter", "show", "dev", sandbox.dev).count("direct-action") == 1
+    os.remove(datapath.places.state_file)
+    assert datapath.remove()["removed"] is True
+    assert "noqueue" in tc_text(sandbox, "qdisc", "show", "dev", sandbox.dev)
