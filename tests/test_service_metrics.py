@@ -3,7 +3,14 @@ and the Grafana dashboard only queries metrics the code defines."""
 
 from __future__ import annotations
 
+import ast
+import json
+import re
+import subprocess
+from pathlib import Path
+
 import pytest
+import yaml
 from daemon_harness import PROMTOOL_SKIP, promtool_check
 
 needs_promtool = pytest.mark.skipif(PROMTOOL_SKIP is not None, reason=PROMTOOL_SKIP or "")
@@ -20,10 +27,6 @@ def test_promtool_check_can_fail():
 
 # ---- the Grafana dashboard queries only metrics the code defines -----------------------------
 
-import ast  # noqa: E402
-import json  # noqa: E402
-import re  # noqa: E402
-from pathlib import Path  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARD = ROOT / "deploy/grafana/turbonode.json"
@@ -108,3 +111,46 @@ def test_dashboard_covers_the_issue():
     assert len(ids) == len(set(ids)) and dashboard["uid"] and dashboard["templating"]["list"]
     for panel in dashboard["panels"]:
         assert panel["type"] == "row" or panel["datasource"]["uid"] == "${datasource}", panel["title"]
+
+
+# ---- the scrape configurations documented in docs/service.md ------------------------------
+
+
+
+def _doc_yaml_blocks() -> list[str]:
+    return re.findall(r"```yaml\n(.*?)```", (ROOT / "docs/service.md").read_text(), re.S)
+
+
+def _annotation_label(key: str) -> str:
+    """Prometheus' meta label for a pod annotation (every non-alphanumeric becomes _)."""
+    return "__meta_kubernetes_pod_annotation_" + re.sub(r"\W", "_", key)
+
+
+@needs_promtool
+def test_documented_file_sd_config_passes_promtool(tmp_path):
+    configs = [yaml.safe_load(b) for b in _doc_yaml_blocks()]
+    file_sd = next(c for c in configs if isinstance(c, dict) and "file_sd_configs" in c["scrape_configs"][0])
+    targets = next(c for c in configs if isinstance(c, list))
+    (tmp_path / "turbonode-nodes.yaml").write_text(yaml.safe_dump(targets))
+    file_sd["scrape_configs"][0]["file_sd_configs"][0]["files"] = [str(tmp_path / "turbonode-*.yaml")]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(file_sd))
+    res = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0 and "WARNING" not in res.stdout + res.stderr, res.stdout + res.stderr
+    ports = {t.rsplit(":", 1)[1] for group in targets for t in group["targets"]}
+    assert ports == {"9465", "8460"}
+
+
+def test_documented_kubernetes_sd_matches_the_manifests():
+    """Debian's promtool is built without Kubernetes discovery, so this checks the structure:
+    the relabelling reads exactly the annotations the pod templates carry."""
+    configs = [yaml.safe_load(b) for b in _doc_yaml_blocks()]
+    job = next(c for c in configs if isinstance(c, dict) and "kubernetes_sd_configs" in c["scrape_configs"][0])
+    job = job["scrape_configs"][0]
+    assert job["kubernetes_sd_configs"][0]["role"] == "pod"
+    read = {label for rule in job["relabel_configs"] for label in rule["source_labels"]}
+    for rule in job["relabel_configs"]:
+        re.compile(rule.get("regex", "(.*)"))
+    for path in (ROOT / "deploy/kubernetes").glob("*-daemonset.yaml"):
+        annotations = yaml.safe_load(path.read_text())["spec"]["template"]["metadata"]["annotations"]
+        assert {_annotation_label(k) for k in annotations} <= read, path.name
