@@ -1,4 +1,4 @@
-"""`turboctl demo`: the report, the preflight, a real short run, and Ctrl-C cleaning up."""
+"""`turboctl demo`: the report, the preflight, a real short run, and Ctrl-C/SIGTERM cleaning up."""
 
 from __future__ import annotations
 
@@ -76,14 +76,15 @@ def test_demo_runs_both_phases_and_cleans_up():
 
 @needs_bcc
 @pytest.mark.slow
-def test_demo_ctrl_c_removes_everything():
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_demo_interrupted_removes_everything(sig):
     proc, out = start(turboctl_argv("demo", "--seconds", "30"), daemon_env())
     try:
         assert out.wait_for(r"phase 1/2", 180), out.text
         m = re.search(r"netns (\S+) .*netns (\S+) .*logs in (\S+)", out.text)
         server, client, tmp = m.groups()
         assert {server, client} <= _netns()
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         assert proc.wait(60) == 1
     finally:
         if proc.poll() is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 
@@ -114,9 +115,10 @@ def command(qos_only, rate, seconds, size, no_fault, as_json):
     """Build a sandbox node (two network namespaces) and its client, run the worker (tiny model)
     and a mixed-tier load - image requests of every tier, bulk flows, a stress-ng CPU fault - twice:
     as a plain FIFO node without the agent, then with turbonode; compare what each tier saw.
-    Needs root; takes about 2 x SECONDS + 40 s; cleans up after itself, also on Ctrl-C."""
+    Needs root; takes about 2 x SECONDS + 40 s; cleans up after itself, also on Ctrl-C or SIGTERM."""
     if os.geteuid() != 0:
         raise click.ClickException("the demo needs root (network namespaces, tc, bpf)")
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         if qos_only:
             qos_only_demo(rate or parse_rate("100mbit"), seconds or 8)
@@ -126,6 +128,12 @@ def command(qos_only, rate, seconds, size, no_fault, as_json):
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         raise click.ClickException("interrupted; everything the demo started was removed") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C: the demo's children run in their own sessions
 
 
 def full_demo(rate: int, seconds: int, size: int, fault: bool, as_json: bool) -> None:
