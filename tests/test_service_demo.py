@@ -7,6 +7,7 @@ import os
 import re
 import signal
 import subprocess
+import time
 
 import psutil
 import pytest
@@ -15,6 +16,7 @@ from conftest import needs_bcc
 from daemon_harness import daemon_env, start, turboctl_argv
 
 from agent import demo
+from agent.cli import demo as demo_cli
 from agent.cli import main
 
 RESULT = {
@@ -91,3 +93,21 @@ def test_demo_interrupted_removes_everything(sig):
             proc.kill()
     assert "interrupted" in out.text
     assert not ({server, client} & _netns()) and not os.path.exists(tmp) and not _leftovers(tmp)
+
+
+def test_sigterm_interrupts_only_the_demo_process():
+    """A forked child (pyroute2's netns helper) inherits the handler and must just die of SIGTERM,
+    not run the demo's cleanup: that once deleted the namespaces under the running demo."""
+    handler = demo_cli._interrupt_in(os.getpid())
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGTERM, None)
+    pid = os.fork()
+    if pid == 0:  # the child: as if it had inherited the handler
+        try:
+            signal.signal(signal.SIGTERM, handler)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            os._exit(3)  # reached only when the handler raised or returned
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM

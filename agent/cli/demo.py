@@ -118,7 +118,7 @@ def command(qos_only, rate, seconds, size, no_fault, as_json):
     Needs root; takes about 2 x SECONDS + 40 s; cleans up after itself, also on Ctrl-C or SIGTERM."""
     if os.geteuid() != 0:
         raise click.ClickException("the demo needs root (network namespaces, tc, bpf)")
-    previous = signal.signal(signal.SIGTERM, _interrupt)
+    previous = signal.signal(signal.SIGTERM, _interrupt_in(os.getpid()))
     try:
         if qos_only:
             qos_only_demo(rate or parse_rate("100mbit"), seconds or 8)
@@ -132,8 +132,17 @@ def command(qos_only, rate, seconds, size, no_fault, as_json):
         signal.signal(signal.SIGTERM, previous)
 
 
-def _interrupt(signum, frame):
-    raise KeyboardInterrupt  # SIGTERM cleans up like Ctrl-C: the demo's children run in their own sessions
+def _interrupt_in(owner: int):
+    """A SIGTERM handler that cleans up like Ctrl-C (the demo's children run in their own sessions)
+    in process `owner` only: a forked child (pyroute2's namespace helper) inherits Python's
+    handlers, and must die of SIGTERM rather than run the demo's cleanup a second time."""
+    def handler(signum, frame):
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt
+    return handler
 
 
 def full_demo(rate: int, seconds: int, size: int, fault: bool, as_json: bool) -> None:
