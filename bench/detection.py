@@ -66,7 +66,7 @@ FAULTS = {"netrx": fault_netrx, "cpu": fault_cpu, "gc": fault_gc}
 
 
 def measure(node: Node, name: str, repeats: int) -> dict:
-    times, causes, recoveries, first_pause = [], [], [], []
+    times, causes, recoveries = [], [], []
     for _ in range(repeats):
         if not wait_for(node.settled, RECOVER_TIMEOUT_S, 0.2):
             # Something else (another process on a shared machine) keeps the node degraded:
@@ -76,7 +76,6 @@ def measure(node: Node, name: str, repeats: int) -> dict:
             times.append(None)
             continue
         start = FAULTS[name]
-        gc_seq = ((call(node.worker_rpc, "status") or {}).get("gc") or {}).get("last_seq", 0)
         wall0 = time.time()
         if name == "netrx":   # iperf3's server must be up first: onset is the client's start
             procs = start(node)
@@ -91,10 +90,6 @@ def measure(node: Node, name: str, repeats: int) -> dict:
                                    and c["at"] >= wall0 and c), 2) or {}
         causes.append(",".join(r["signal"] for r in change.get("reasons", [])) if hit else "none")
         times.append(t1 - t0 if hit else None)
-        if name == "gc":   # how long the garbage took to cause the first long pause, for the breakdown
-            pauses = ((call(node.worker_rpc, "status", since_gc_seq=gc_seq) or {}).get("gc") or {}).get("pauses", [])
-            long = [p["at"] - wall0 for p in pauses if p["pause_s"] > 0.005]
-            first_pause.append(min(long) if long else None)
         for p in procs:
             try:
                 p.wait(timeout=FAULT_S + 5)
@@ -109,7 +104,7 @@ def measure(node: Node, name: str, repeats: int) -> dict:
     got = [t for t in times if t is not None]
     return {"fault": name, "runs": repeats, "detected": len(got),
             "p50_s": statistics.median(got) if got else None, "max_s": max(got) if got else None,
-            "times_s": times, "causes": causes, "first_long_gc_pause_s": first_pause,
+            "times_s": times, "causes": causes,
             "recovery_p50_s": statistics.median(recoveries) if recoveries else None}
 
 
@@ -176,10 +171,6 @@ def main() -> int:
     for r in results:
         print(f"{r['fault']:<7} {r['detected']:>4}/{r['runs']:<3} {fmt(r['p50_s']):>8} {fmt(r['max_s']):>8} "
               f"{fmt(r['recovery_p50_s']):>13}  {'; '.join(sorted(set(r['causes'])))}")
-    gc = next((r for r in results if r["fault"] == "gc"), None)
-    if gc and any(x is not None for x in gc["first_long_gc_pause_s"]):
-        print("gc: first pause > 5 ms came " + ", ".join(fmt(x) for x in gc["first_long_gc_pause_s"])
-              + " after onset; the rule then needs 3 samples with such a pause")
     if calm:
         print(f"\nhealthy noisy load for {calm['minutes']} min: {calm['level_changes']} level changes; "
               f"agent CPU {calm['agent_cpu_pct_of_core']:.2f} % of one core (target <= 2 %), "
