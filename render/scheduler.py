@@ -10,7 +10,7 @@ like with like:
   Lower-tier samples ride along with turbo only while the measured step cost says they
   are nearly free (a GPU with headroom: yes; a saturated CPU: no), so they never slow
   turbo's own steps. Waiting lower tiers earn credit toward a minimum share of batch
-  slots (no starvation).
+  slots, paid out as whole batches of their own (no starvation).
 - JOB_FIFO: whole-job, no preemption: a started job stays in the batch until done; free
   slots go to the oldest waiting job of any tier (what webui queues do).
 - JOB_PRIORITY: whole-job, no preemption, free slots go to the highest tier first (what
@@ -136,18 +136,21 @@ def _step_priority(cands: list[Candidate], limits: Limits, credits: dict[str, fl
     capacity = limits.max_batch
     waiting_tiers = {c.tier for c in ordered}
     # Tiers below the best waiting one earn min_share of the slots per batch as credit while
-    # some of their samples are left waiting; credit is capped at one full batch, and lost
-    # once the tier has nothing left waiting.
+    # some of their samples are left waiting; a full batch of credit buys a batch of their
+    # own. Credit is capped at one batch and lost once the tier has nothing left waiting.
     best = ordered[0].tier
     credits = {t: v for t, v in credits.items() if t in waiting_tiers and t != best}
-    starved = [t for t in PRIORITY_ORDER if t in credits and credits[t] >= capacity]
-    anchor = next(c for c in ordered if c.tier == starved[0]) if starved else ordered[0]
-    shape = anchor.shape
-    chosen = [anchor]
-    for t in sorted(credits, key=RANK.get):  # reserved slots first, higher tiers first
-        own = [c for c in ordered if c.tier == t]
-        _fill(own, chosen, shape, min(capacity, len(chosen) + int(credits[t]) - (anchor.tier == t)))
-    _fill(ordered, chosen, shape, capacity, _cheap_for_turbo(limits))
+    # starved: this batch's earning completes a batch of credit
+    starved = [t for t in PRIORITY_ORDER if credits.get(t, 0.0) + limits.min_share * capacity >= capacity - 1e-9]
+    if starved:
+        # A whole batch of the starved tier: it costs a turbo job at most one step's wait,
+        # where a slot inside every turbo batch would slow each of turbo's steps instead.
+        own = [c for c in ordered if c.tier == starved[0]]
+        chosen = [own[0]]
+        _fill(own, chosen, own[0].shape, capacity)
+    else:
+        chosen = [ordered[0]]
+        _fill(ordered, chosen, ordered[0].shape, capacity, _cheap_for_turbo(limits))
     granted = {t: sum(c.tier == t for c in chosen) for t in waiting_tiers}
     left_waiting = {t for t in waiting_tiers if granted[t] < sum(c.tier == t for c in ordered)}
     new_credits = {}
@@ -214,7 +217,9 @@ def decode_chunk(finished: Iterable[Finished], max_batch: int, step_budget_s: fl
         return ()
     head = ordered[0]
     limit = max_batch
-    if RANK[head.tier] > 0 and step_budget_s and decode_s_per_image:
+    if head.tier == PROTECTED_TIER:  # turbo's decode is not slowed by lower tiers' images
+        ordered = [f for f in ordered if f.tier == PROTECTED_TIER]
+    elif step_budget_s and decode_s_per_image:
         limit = max(1, min(max_batch, int(step_budget_s / decode_s_per_image)))
     same = [f for f in ordered if f.shape == head.shape]
     return tuple(f.key for f in same[:limit])
