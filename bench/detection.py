@@ -113,7 +113,7 @@ def healthy(node: Node, minutes: float) -> dict:
     pings through the sandbox. Counts level changes; measures the agent's CPU and RSS."""
     sb = node.sandbox
     agent = psutil.Process(node.agent.pid)
-    before, cpu0, t0 = node.level_changes(), agent.cpu_times(), time.monotonic()
+    before, cpu0, t0 = len(node.level_changes()), agent.cpu_times(), time.monotonic()
     end = t0 + minutes * 60
     server = sb.popen(sb.server, "iperf3", "-s", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     rss = []
@@ -138,7 +138,9 @@ def healthy(node: Node, minutes: float) -> dict:
         server.wait(timeout=5)
     cpu1, wall = agent.cpu_times(), time.monotonic() - t0
     used = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
-    return {"minutes": round(wall / 60, 2), "level_changes": node.level_changes() - before,
+    changes = node.level_changes()[before:]
+    ups = [f"{sig}={val}" for direction, _, _, sig, val in changes if direction == "escalate"]
+    return {"minutes": round(wall / 60, 2), "level_changes": len(changes), "escalations_by": ups,
             "agent_cpu_pct_of_core": 100 * used / wall, "agent_rss_mib": max(rss, default=agent.memory_info().rss) / 2**20}
 
 
@@ -172,7 +174,8 @@ def main() -> int:
         print(f"{r['fault']:<7} {r['detected']:>4}/{r['runs']:<3} {fmt(r['p50_s']):>8} {fmt(r['max_s']):>8} "
               f"{fmt(r['recovery_p50_s']):>13}  {'; '.join(sorted(set(r['causes'])))}")
     if calm:
-        print(f"\nhealthy noisy load for {calm['minutes']} min: {calm['level_changes']} level changes; "
+        why = f" (escalations: {', '.join(calm['escalations_by'])})" if calm["escalations_by"] else ""
+        print(f"\nhealthy noisy load for {calm['minutes']} min: {calm['level_changes']} level changes{why}; "
               f"agent CPU {calm['agent_cpu_pct_of_core']:.2f} % of one core (target <= 2 %), "
               f"RSS {calm['agent_rss_mib']:.0f} MiB")
     if args.json_out:

@@ -24,7 +24,7 @@ from turbonode.errors import ControlError, TurbonodeError  # noqa: E402
 from turbonode.jsonrpc import ControlClient  # noqa: E402
 
 POLL_S = 0.01
-LEVEL_LINE = re.compile(r"level (escalate|recover) ")
+LEVEL_LINE = re.compile(r"level (escalate|recover) (\w+) -> (\w+): (\w+)=([\d.e+-]+|n/a)")
 # The real worker CLI, with the garbage thread installed in the same process first.
 WORKER_PY = ("import sys; sys.argv[0] = 'turboctl'; from bench.garbage import Garbage; Garbage().install(); "
              "from agent.cli import main; main()")
@@ -126,8 +126,9 @@ class Node:
     def log(self, name: str) -> str:
         return Path(self.tmp, f"{name}.log").read_text()
 
-    def level_changes(self) -> int:
-        return len(LEVEL_LINE.findall(self.log("agent")))
+    def level_changes(self) -> list[tuple]:
+        """(direction, from, to, first signal, its value) for every level change logged so far."""
+        return LEVEL_LINE.findall(self.log("agent"))
 
     def throttle(self):
         st = call(self.worker_rpc, "status")

@@ -24,6 +24,6 @@ def main(verbose):
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-for _module in (config_cmd, qos, agent_cmd, status, worker, demo):
+for _module in (config_cmd, demo, qos, agent_cmd, status, worker):
     for _command in getattr(_module, "commands", (_module.command,)):
         main.add_command(_command)
