@@ -81,6 +81,8 @@ def run(cfg: Config, flags: Flags | None = None) -> int:
         if os.geteuid() == 0:
             ensure_mounts(a.procfs, a.sysfs)
         datapath = open_datapath(cfg)
+        if datapath is not None:
+            stack.callback(datapath.close)   # our netlink socket only: the datapath stays in the kernel
         engine = build_engine(cfg, datapath)
         for w in engine.watchers:
             stack.callback(w.close)

@@ -8,6 +8,7 @@ snapshot the main loop publishes.
 from __future__ import annotations
 
 import os
+import socket
 import socketserver
 import threading
 from typing import Any, Callable
@@ -35,12 +36,24 @@ class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
 
 
+def _answers(path: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+        probe.settimeout(1.0)
+        try:
+            probe.connect(path)
+        except OSError:
+            return False
+    return True
+
+
 class StatusServer:
     def __init__(self, path: str, handlers: dict[str, Callable[..., Any]], mode: int = 0o660):
         self.path = path
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         if os.path.exists(path):
-            os.unlink(path)   # a stale socket from a previous run
+            if _answers(path):
+                raise TurbonodeError(f"another agent is already serving {path}")
+            os.unlink(path)   # a stale socket a dead agent left
         try:
             self.server = _Server(path, _Handler)
         except OSError as exc:
@@ -55,7 +68,8 @@ class StatusServer:
         return self
 
     def close(self) -> None:
-        self.server.shutdown()
+        if self.thread.is_alive():   # shutdown() waits for serve_forever: only if it runs
+            self.server.shutdown()
         self.server.server_close()
         try:
             os.unlink(self.path)

@@ -2,10 +2,12 @@
 
 import json
 
+import pytest
 from click.testing import CliRunner
 
 from agent.cli import main
 from agent.status_server import StatusServer
+from turbonode.errors import TurbonodeError
 
 SNAPSHOT = {
     "level": "degraded", "level_index": 2,
@@ -48,6 +50,18 @@ def test_status_table_shows_level_why_qos_worker(tmp_path):
     assert ["turbo", "1", "2", "12.0", "ms", "30.0", "ms"] in [line.split() for line in text.splitlines()]
     assert "throttle: max_batch=2, paused_tiers=['relax'], expires_in_s=2.1" in text
     assert json.loads(js.output)["level"] == "degraded"
+
+
+def test_status_socket_is_not_stolen_from_a_live_agent(tmp_path):
+    path = str(tmp_path / "agent.sock")
+    srv = StatusServer(path, {"status": lambda: SNAPSHOT}).start()
+    try:
+        with pytest.raises(TurbonodeError, match="already serving"):
+            StatusServer(path, {})
+    finally:
+        srv.close()
+    (tmp_path / "stale.sock").write_bytes(b"")   # not a listening socket: replaced
+    StatusServer(str(tmp_path / "stale.sock"), {}).close()
 
 
 def test_agent_run_help_lists_the_options():

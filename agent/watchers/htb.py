@@ -15,7 +15,7 @@ from .base import Rate, Watcher
 
 class HtbWatcher(Watcher):
     name = "htb"
-    interval = 2.0   # a netlink dump plus map reads cost ~8 ms of CPU: not at 4 Hz (agent CPU budget 2 %)
+    interval = 2.0   # a netlink dump plus map reads cost milliseconds: not at 4 Hz (agent CPU budget 2 %)
 
     def __init__(self, datapath):
         super().__init__()
