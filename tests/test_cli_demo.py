@@ -13,7 +13,7 @@ from conftest import needs_bcc
 @needs_bcc
 @pytest.mark.slow
 def test_demo_shapes_mixed_traffic_and_cleans_up():
-    res = CliRunner().invoke(main, ["demo", "--seconds", "4"])
+    res = CliRunner().invoke(main, ["demo", "--qos-only", "--seconds", "4"])
     assert res.exit_code == 0, res.output
     out = res.output
     assert "EF ping under that load: p50" in out and "turboctl qos show:" in out

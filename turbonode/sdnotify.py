@@ -18,6 +18,9 @@ def notify(state: str, env: dict | None = None) -> bool:
         path = "\0" + path[1:]
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+            # Never block the daemon: a listener that is not reading (its queue holds only
+            # net.unix.max_dgram_qlen datagrams) makes this fail instead of stalling the caller.
+            sock.setblocking(False)
             sock.connect(path)
             sock.sendall(state.encode())
     except OSError:

@@ -1,4 +1,4 @@
-"""`turboctl config check`: validate the TOML file and name the bad key."""
+"""`turboctl config check|example`: validate the TOML file naming the bad key; print the defaults."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import json
 import click
 
 from turbonode.config import DEFAULT_PATH, as_dict, load_config
+from turbonode.config_example import render_example
 from turbonode.errors import ConfigError
 
 
@@ -28,3 +29,9 @@ def check(file, as_json):
         click.echo(json.dumps(as_dict(cfg), indent=2))
     else:
         click.echo(f"{file or DEFAULT_PATH}: OK")
+
+
+@command.command("example")
+def example():
+    """Print a configuration file with every key at its default, with help comments."""
+    click.echo(render_example(), nl=False)

@@ -1,6 +1,7 @@
-"""`turboctl demo`: a sandbox node shaped by turbonode, under mixed-tier traffic.
+"""`turboctl demo`: a sandbox node under mixed-tier load, without and with turbonode.
 
-Steps (each a function, so a fuller demo can reuse and extend them):
+The full demo (agent/demo.py) runs the worker, the agent, tiered image requests, bulk flows and
+a CPU fault twice and compares what each tier saw. `--qos-only` shows the datapath alone:
 build_node -> apply_qos -> run_mixed_traffic -> report -> teardown (also on failure).
 Traffic stays inside two network namespaces the demo creates and deletes.
 """
@@ -10,13 +11,14 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import time
 
 import click
 
 from turbonode.errors import TurbonodeError
-from turbonode.rates import format_rate
+from turbonode.rates import format_rate, parse_rate
 
 from .params import RATE
 from .qos import format_table
@@ -101,12 +103,57 @@ def teardown(sb, dp) -> None:
 
 
 @click.command("demo")
-@click.option("--rate", type=RATE, default="100mbit", show_default=True, help="link rate of the sandbox node")
-@click.option("--seconds", type=click.IntRange(4, 60), default=8, show_default=True, help="traffic duration")
-def command(rate, seconds):
-    """Shape a sandbox node with turbonode and show each tier's share under mixed traffic."""
+@click.option("--qos-only", is_flag=True,
+              help="the datapath alone: each tier's share of mixed iperf3 flows and an EF ping (no worker, no agent)")
+@click.option("--rate", type=RATE, help="link rate of the sandbox node  [default: 20mbit; 100mbit with --qos-only]")
+@click.option("--seconds", type=click.IntRange(4, 60),
+              help="seconds of traffic (per phase in the full demo)  [default: 20; 8 with --qos-only]")
+@click.option("--size", type=click.IntRange(32, 512), default=256, show_default=True, help="image size in pixels")
+@click.option("--no-fault", is_flag=True, help="skip the stress-ng CPU fault")
+@click.option("--json", "as_json", is_flag=True, help="print the full demo's results as JSON")
+def command(qos_only, rate, seconds, size, no_fault, as_json):
+    """Build a sandbox node (two network namespaces) and its client, run the worker (tiny model)
+    and a mixed-tier load - image requests of every tier, bulk flows, a stress-ng CPU fault - twice:
+    as a plain FIFO node without the agent, then with turbonode; compare what each tier saw.
+    Needs root; takes about 2 x SECONDS + 40 s; cleans up after itself, also on Ctrl-C or SIGTERM."""
     if os.geteuid() != 0:
         raise click.ClickException("the demo needs root (network namespaces, tc, bpf)")
+    previous = signal.signal(signal.SIGTERM, _interrupt_in(os.getpid()))
+    try:
+        if qos_only:
+            qos_only_demo(rate or parse_rate("100mbit"), seconds or 8)
+        else:
+            full_demo(rate or parse_rate("20mbit"), seconds or 20, size, not no_fault, as_json)
+    except TurbonodeError as exc:
+        raise click.ClickException(str(exc)) from None
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted; everything the demo started was removed") from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _interrupt_in(owner: int):
+    """A SIGTERM handler that cleans up like Ctrl-C (the demo's children run in their own sessions)
+    in process `owner` only: a forked child (pyroute2's namespace helper) inherits Python's
+    handlers, and must die of SIGTERM rather than run the demo's cleanup a second time."""
+    def handler(signum, frame):
+        if os.getpid() != owner:
+            signal.signal(signum, signal.SIG_DFL)
+            os.kill(os.getpid(), signum)
+            return
+        raise KeyboardInterrupt
+    return handler
+
+
+def full_demo(rate: int, seconds: int, size: int, fault: bool, as_json: bool) -> None:
+    from agent.demo import DemoSettings, report as demo_report, run_demo  # pyroute2, psutil: only when run
+
+    settings = DemoSettings(rate=format_rate(rate), duration=seconds, size=size, stress=fault)
+    result = run_demo(settings, (lambda msg: click.echo(msg, err=True)) if as_json else click.echo)
+    click.echo(json.dumps(result, indent=2) if as_json else "\n" + demo_report(result))
+
+
+def qos_only_demo(rate: int, seconds: int) -> None:
     sb = dp = None
     try:
         sb = build_node()
@@ -115,8 +162,6 @@ def command(rate, seconds):
         dp = apply_qos(sb, rate)
         traffic = run_mixed_traffic(sb, seconds, rate)
         click.echo(report(dp.show(), traffic, rate))
-    except TurbonodeError as exc:
-        raise click.ClickException(str(exc)) from None
     finally:
         if sb is not None:
             teardown(sb, dp)

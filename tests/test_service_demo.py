@@ -1,0 +1,113 @@
+"""`turboctl demo`: the report, the preflight, a real short run, and Ctrl-C/SIGTERM cleaning up."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import time
+
+import psutil
+import pytest
+from click.testing import CliRunner
+from conftest import needs_bcc
+from daemon_harness import daemon_env, start, turboctl_argv
+
+from agent import demo
+from agent.cli import demo as demo_cli
+from agent.cli import main
+
+RESULT = {
+    "without": {"tiers": {"turbo": {"requests": 2, "ok": 2, "rejected": 0, "failed": 0, "p50_s": 8.3, "p99_s": 10.1}},
+                "agent": None},
+    "with": {"tiers": {"turbo": {"requests": 5, "ok": 5, "rejected": 0, "failed": 0, "p50_s": 3.9, "p99_s": 5.8},
+                       "relax": {"requests": 2, "ok": 0, "rejected": 1, "failed": 1, "p50_s": None, "p99_s": None}},
+             "agent": {"max_level": "critical", "reasons": ["cpu_load"], "throttled_share": 0.5,
+                       "last_throttle": {"max_batch": 1}}},
+}
+
+
+def test_report_is_side_by_side():
+    lines = demo.report(RESULT).splitlines()
+    turbo = next(line for line in lines if line.startswith("turbo"))
+    assert re.search(r"2/2\s+0\s+8300\s+10100\s+5/5\s+0\s+3900\s+5800$", turbo), turbo
+    relax = next(line for line in lines if line.startswith("relax"))
+    assert re.search(r"0/0\s+0\s+-\s+-\s+0/2\s+2\s+-\s+-$", relax), relax
+    assert any("highest level critical (cpu_load)" in line and "50% of the time" in line for line in lines)
+
+
+def test_preflight_names_what_is_missing(monkeypatch):
+    monkeypatch.setattr(demo.shutil, "which", lambda name: None if name == "stress-ng" else "/usr/bin/" + name)
+    if os.geteuid() != 0:
+        pytest.skip("preflight refuses non-root first")
+    res = CliRunner().invoke(main, ["demo", "--seconds", "4"])
+    assert res.exit_code == 1 and "missing programs: stress-ng" in res.output
+    res = CliRunner().invoke(main, ["demo", "--seconds", "1000"])
+    assert res.exit_code == 2 and "--seconds" in res.output
+
+
+def _netns() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+def _leftovers(tag: str) -> list[str]:
+    """Processes whose command line mentions the demo's temp dir or namespaces."""
+    found = []
+    for p in psutil.process_iter(["pid", "cmdline"]):
+        cmd = " ".join(p.info["cmdline"] or [])
+        if tag in cmd and p.pid != os.getpid():
+            found.append(f"{p.pid}: {cmd}")
+    return found
+
+
+@needs_bcc
+@pytest.mark.slow
+def test_demo_runs_both_phases_and_cleans_up():
+    res = CliRunner().invoke(main, ["demo", "--seconds", "4", "--size", "64", "--json"])
+    assert res.exit_code == 0, res.output
+    result = json.loads(res.stdout)
+    for phase in ("without", "with"):
+        assert result[phase]["tiers"]["turbo"]["ok"] >= 1, result
+    assert result["without"]["agent"] is None and result["with"]["agent"]["max_level"]
+    server, client, tmp = re.search(r"netns (\S+) .*netns (\S+) .*logs in (\S+)", res.stderr).groups()
+    assert not ({server, client} & _netns()) and not os.path.exists(tmp) and not _leftovers(tmp)
+
+
+@needs_bcc
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
+def test_demo_interrupted_removes_everything(sig):
+    proc, out = start(turboctl_argv("demo", "--seconds", "30"), daemon_env())
+    try:
+        assert out.wait_for(r"phase 1/2", 180), out.text
+        m = re.search(r"netns (\S+) .*netns (\S+) .*logs in (\S+)", out.text)
+        server, client, tmp = m.groups()
+        assert {server, client} <= _netns()
+        proc.send_signal(sig)
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "interrupted" in out.text
+    assert not ({server, client} & _netns()) and not os.path.exists(tmp) and not _leftovers(tmp)
+
+
+def test_sigterm_interrupts_only_the_demo_process():
+    """A forked child (pyroute2's netns helper) inherits the handler and must just die of SIGTERM,
+    not run the demo's cleanup: that once deleted the namespaces under the running demo."""
+    handler = demo_cli._interrupt_in(os.getpid())
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGTERM, None)
+    pid = os.fork()
+    if pid == 0:  # the child: as if it had inherited the handler
+        try:
+            signal.signal(signal.SIGTERM, handler)
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)
+        finally:
+            os._exit(3)  # reached only when the handler raised or returned
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM

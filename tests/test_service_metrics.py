@@ -1,0 +1,156 @@
+"""Metrics: the agent's and the worker's real scrape output passes `promtool check metrics`,
+and the Grafana dashboard only queries metrics the code defines."""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import yaml
+from daemon_harness import PROMTOOL_SKIP, promtool_check
+
+needs_promtool = pytest.mark.skipif(PROMTOOL_SKIP is not None, reason=PROMTOOL_SKIP or "")
+
+
+@needs_promtool
+def test_promtool_check_can_fail():
+    good = "# HELP turbonode_x_total things\n# TYPE turbonode_x_total counter\nturbonode_x_total 3\n"
+    assert promtool_check(good).returncode == 0
+    bad = good.replace("_total", "")  # a counter without _total
+    res = promtool_check(bad)
+    assert res.returncode != 0 and "_total" in res.stdout + res.stderr
+
+
+# ---- the Grafana dashboard queries only metrics the code defines -----------------------------
+
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARD = ROOT / "deploy/grafana/turbonode.json"
+SOURCES = ("agent", "render", "tc", "turbonode")
+SUFFIXES = ("_bucket", "_sum", "_count", "_total", "_created")
+
+
+def defined_metric_patterns(roots=SOURCES) -> set[str]:
+    """Regexes of every `turbonode_*` metric name the source can build: string literals,
+    PREFIX + "literal" with a module constant PREFIX, and f-strings (a {field} is any word).
+    An f-string ending in a field (f"turbonode_{digest}", a program name) would match
+    anything, so it does not count."""
+    patterns = set()
+    for root in roots:
+        for path in (ROOT / root).rglob("*.py"):
+            tree = ast.parse(path.read_text())
+            consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
+                      and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                      for t in n.targets if isinstance(t, ast.Name)}
+            for node in ast.walk(tree):
+                text = None
+                if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                    text = re.escape(node.value)
+                elif (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.left, ast.Name)
+                      and node.left.id in consts and isinstance(node.right, ast.Constant)):
+                    text = re.escape(consts[node.left.id] + str(node.right.value))
+                elif isinstance(node, ast.JoinedStr):
+                    text = "".join(re.escape(v.value) if isinstance(v, ast.Constant) else r"\w+" for v in node.values)
+                if text and re.fullmatch(r"turbonode_[\w\\+]+", text) and not text.endswith(r"\w+"):
+                    patterns.add(text)
+    return patterns
+
+
+def dashboard_metric_names(dashboard: dict) -> set[str]:
+    """Metric names in every panel's PromQL: bare names and __name__ regex matchers."""
+    names = set()
+    for panel in dashboard["panels"]:
+        for target in panel.get("targets", []):
+            expr = target["expr"]
+            names |= {f"re:{m}" for m in re.findall(r'__name__=~"([^"]+)"', expr)}
+            expr = re.sub(r'__name__=~"[^"]+"', "", expr)
+            names |= set(re.findall(r"\bturbonode_\w+", expr))
+    return names
+
+
+def undefined(names: set[str], patterns: set[str]) -> list[str]:
+    def known(name: str) -> bool:
+        candidates = [name] + [name[: -len(s)] for s in SUFFIXES if name.endswith(s)]
+        return any(re.fullmatch(p, c) for p in patterns for c in candidates)
+
+    missing = []
+    for name in sorted(names):
+        if name.startswith("re:"):  # a regex over names: some defined name must match it
+            examples = [p.replace(r"\w+", "x").replace("\\", "") for p in patterns]
+            if not any(re.fullmatch(name[3:], e) for e in examples):
+                missing.append(name)
+        elif not known(name):
+            missing.append(name)
+    return missing
+
+
+def test_dashboard_queries_only_defined_metrics():
+    dashboard = json.loads(DASHBOARD.read_text())
+    names = dashboard_metric_names(dashboard)
+    assert len(names) >= 15
+    patterns = defined_metric_patterns()
+    assert undefined(names, patterns) == []
+    # the check can fail: a misspelt name and a regex that matches nothing are reported
+    assert undefined({"turbonode_tier_byte_total", "re:turbonode_nothing_.+"}, patterns) == \
+        ["re:turbonode_nothing_.+", "turbonode_tier_byte_total"]
+
+
+def test_dashboard_covers_the_issue():
+    """Per-tier latency and traffic, degradation level and reasons, throttling, GC, GPU."""
+    dashboard = json.loads(DASHBOARD.read_text())
+    names = dashboard_metric_names(dashboard)
+    for needed in ("turbonode_tier_bytes_total", "turbonode_worker_queue_wait_seconds_bucket",
+                   "turbonode_degradation_level", "turbonode_throttle_actions_total",
+                   "turbonode_worker_gc_pause_seconds_bucket", "turbonode_gpu_utilization_ratio"):
+        assert needed in names
+    ids = [p["id"] for p in dashboard["panels"]]
+    assert len(ids) == len(set(ids)) and dashboard["uid"] and dashboard["templating"]["list"]
+    for panel in dashboard["panels"]:
+        assert panel["type"] == "row" or panel["datasource"]["uid"] == "${datasource}", panel["title"]
+
+
+# ---- the scrape configurations documented in docs/service.md ------------------------------
+
+
+
+def _doc_yaml_blocks() -> list[str]:
+    return re.findall(r"```yaml\n(.*?)```", (ROOT / "docs/service.md").read_text(), re.S)
+
+
+def _annotation_label(key: str) -> str:
+    """Prometheus' meta label for a pod annotation (every non-alphanumeric becomes _)."""
+    return "__meta_kubernetes_pod_annotation_" + re.sub(r"\W", "_", key)
+
+
+@needs_promtool
+def test_documented_file_sd_config_passes_promtool(tmp_path):
+    configs = [yaml.safe_load(b) for b in _doc_yaml_blocks()]
+    file_sd = next(c for c in configs if isinstance(c, dict) and "file_sd_configs" in c["scrape_configs"][0])
+    targets = next(c for c in configs if isinstance(c, list))
+    (tmp_path / "turbonode-nodes.yaml").write_text(yaml.safe_dump(targets))
+    file_sd["scrape_configs"][0]["file_sd_configs"][0]["files"] = [str(tmp_path / "turbonode-*.yaml")]
+    (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(file_sd))
+    res = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0 and "WARNING" not in res.stdout + res.stderr, res.stdout + res.stderr
+    ports = {t.rsplit(":", 1)[1] for group in targets for t in group["targets"]}
+    assert ports == {"9465", "8460"}
+
+
+def test_documented_kubernetes_sd_matches_the_manifests():
+    """Debian's promtool is built without Kubernetes discovery, so this checks the structure:
+    the relabelling reads exactly the annotations the pod templates carry."""
+    configs = [yaml.safe_load(b) for b in _doc_yaml_blocks()]
+    job = next(c for c in configs if isinstance(c, dict) and "kubernetes_sd_configs" in c["scrape_configs"][0])
+    job = job["scrape_configs"][0]
+    assert job["kubernetes_sd_configs"][0]["role"] == "pod"
+    read = {label for rule in job["relabel_configs"] for label in rule["source_labels"]}
+    for rule in job["relabel_configs"]:
+        re.compile(rule.get("regex", "(.*)"))
+    for path in (ROOT / "deploy/kubernetes").glob("*-daemonset.yaml"):
+        annotations = yaml.safe_load(path.read_text())["spec"]["template"]["metadata"]["annotations"]
+        assert {_annotation_label(k) for k in annotations} <= read, path.name

@@ -1,0 +1,190 @@
+"""systemd/: the unit files, sysusers/tmpfiles entries and the example configuration.
+
+systemd-analyze checks the units for real. It insists that ExecStart's binary exists, so each
+unit is verified from a temporary copy whose install prefix (/opt/turbonode/.venv) points at
+the venv running these tests, which has the same turboctl entry point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from agent.cli import main
+from turbonode.config import DEFAULT_PATH, Config, load_config
+from turbonode.config_example import render_example, toml_value
+
+ROOT = Path(__file__).resolve().parent.parent
+SYSTEMD = ROOT / "systemd"
+UNITS = ("turbonode-agent.service", "turbonode-worker.service")
+PREFIX = "/opt/turbonode/.venv/bin/"
+# Exposure scores recorded in docs/service.md; a change that weakens the sandbox fails here.
+MAX_EXPOSURE = {"turbonode-agent.service": 2.8, "turbonode-worker.service": 1.7}
+
+needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
+                                   reason="systemd-analyze not installed (package systemd)")
+
+
+def unit_sections(name: str) -> dict[str, dict[str, str]]:
+    """The unit as section -> key -> value; repeated keys (DeviceAllow=) joined by newlines."""
+    out: dict[str, dict[str, str]] = {}
+    section = None
+    for line in (SYSTEMD / name).read_text().splitlines():
+        line = line.strip()
+        if not line or line[0] in "#;":
+            continue
+        if line.startswith("["):
+            section = out.setdefault(line.strip("[]"), {})
+            continue
+        key, _, value = line.partition("=")
+        section[key] = f"{section[key]}\n{value}" if key in section else value
+    return out
+
+
+def venv_bin() -> str:
+    return os.path.dirname(sys.executable) + "/"
+
+
+@pytest.fixture
+def unit_dir(tmp_path):
+    """Copies of the units with the install prefix pointing at this venv."""
+    assert (Path(venv_bin()) / "turboctl").exists(), "turboctl not installed in the test venv (pip install -e .)"
+    for name in UNITS:
+        (tmp_path / name).write_text((SYSTEMD / name).read_text().replace(PREFIX, venv_bin()))
+    return tmp_path
+
+
+def analyze(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(["systemd-analyze", *args], capture_output=True, text=True, timeout=60)
+
+
+@needs_analyze
+def test_units_verify_clean(unit_dir):
+    # verify reads drop-ins next to the unit: check the old-kernel one with it
+    (unit_dir / "turbonode-agent.service.d").mkdir()
+    shutil.copy(SYSTEMD / "agent-cap-sys-admin.conf", unit_dir / "turbonode-agent.service.d/cap-sys-admin.conf")
+    # verify exits 0 on unknown keys and bad values (it only warns), so any output is a failure.
+    res = analyze("verify", *(str(unit_dir / u) for u in UNITS))
+    assert res.returncode == 0 and res.stdout == "" and res.stderr == "", res.stdout + res.stderr
+
+
+@needs_analyze
+def test_verify_catches_a_broken_unit(unit_dir):
+    """The check above can fail: a typo'd key and a missing binary are both reported."""
+    unit = unit_dir / UNITS[0]
+    unit.write_text(unit.read_text().replace("NoNewPrivileges=", "NoNewPrivilege=").replace(venv_bin(), "/nonexistent/"))
+    res = analyze("verify", str(unit))
+    assert res.returncode != 0
+    assert "Unknown key 'NoNewPrivilege'" in res.stderr and "/nonexistent/turboctl" in res.stderr
+
+
+@needs_analyze
+@pytest.mark.parametrize("name", UNITS)
+def test_security_exposure(unit_dir, name):
+    res = analyze("security", "--offline=yes", "--no-pager", str(unit_dir / name))
+    m = re.search(r"Overall exposure level for \S+: ([\d.]+)", res.stdout)
+    assert m, res.stdout + res.stderr
+    assert float(m.group(1)) <= MAX_EXPOSURE[name], res.stdout
+    assert f"{name}` | {m.group(1)}" in (ROOT / "docs/service.md").read_text(), "docs/service.md records another score"
+
+
+def test_units_match_the_contracts():
+    agent, worker = (unit_sections(u) for u in UNITS)
+    cfg = Config()
+    for unit, sub in ((agent, "agent"), (worker, "worker")):
+        s = unit["Service"]
+        assert s["Type"] == "notify" and s["NotifyAccess"] == "main"
+        assert s["ExecStart"] == f"{PREFIX}turboctl {sub} run --config {DEFAULT_PATH}"
+        assert s["Restart"] == "on-failure"
+        # both share /run/turbonode (the control socket's directory): neither may delete it on stop
+        assert s["RuntimeDirectory"] == os.path.basename(os.path.dirname(cfg.worker.control_socket))
+        assert s["RuntimeDirectoryPreserve"] == "yes" and s["RuntimeDirectoryMode"] == "0770"
+        assert s["Group"] == cfg.worker.control_group
+        assert s["ProtectSystem"] == "strict" and s["NoNewPrivileges"] == "yes"
+    a = agent["Service"]
+    caps = {"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN", "CAP_SYS_RESOURCE"}
+    assert set(a["AmbientCapabilities"].split()) == caps == set(a["CapabilityBoundingSet"].split())
+    assert a["LimitMEMLOCK"] == "infinity" and a["WatchdogSec"]
+    assert "/sys/fs/bpf" in a["ReadWritePaths"].split()
+    assert set(a["RestrictAddressFamilies"].split()) == {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"}
+    assert "mount -t bpf" in a["ExecStartPre"] and "mount -t tracefs" in a["ExecStartPre"]
+    assert "ProtectKernelModules" not in a, "hides /lib/modules, where bcc finds kernel headers"
+    w = worker["Service"]
+    assert w["User"] == "turbonode-worker" and w["KillSignal"] == "SIGTERM"
+    # systemd must wait out the worker's own drain before it sends SIGKILL
+    assert float(w["TimeoutStopSec"].removesuffix("s")) > cfg.worker.drain_timeout
+    assert w["CapabilityBoundingSet"] == "" and w["DevicePolicy"] == "closed"
+    assert "char-nvidia-frontend rw" in w["DeviceAllow"].splitlines()
+    assert "PrivateDevices" not in w, "would hide /dev/nvidia*"
+    dropin = unit_sections("agent-cap-sys-admin.conf")["Service"]
+    assert dropin["CapabilityBoundingSet"] == dropin["AmbientCapabilities"] == "CAP_SYS_ADMIN"
+
+
+@pytest.mark.skipif(shutil.which("systemd-sysusers") is None or shutil.which("systemd-tmpfiles") is None,
+                    reason="systemd-sysusers/systemd-tmpfiles not installed")
+@pytest.mark.skipif(os.geteuid() != 0, reason="systemd-tmpfiles --root chowns: needs root")
+def test_sysusers_and_tmpfiles_in_a_scratch_root(tmp_path):
+    root = tmp_path / "root"
+    (root / "etc").mkdir(parents=True)
+    res = subprocess.run(["systemd-sysusers", f"--root={root}", str(SYSTEMD / "turbonode.sysusers.conf")],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    users = {line.split(":")[0]: line.split(":") for line in (root / "etc/passwd").read_text().splitlines()}
+    groups = {line.split(":")[0]: line.split(":") for line in (root / "etc/group").read_text().splitlines()}
+    assert {"turbonode", "video", "render"} <= groups.keys()
+    worker = users["turbonode-worker"]
+    assert worker[3] == groups["turbonode"][2] and worker[6] == "/usr/sbin/nologin"
+    res = subprocess.run(["systemd-tmpfiles", f"--root={root}", "--create", str(SYSTEMD / "turbonode.tmpfiles.conf")],
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 0, res.stderr
+    st = (root / "run/turbonode").stat()
+    assert oct(st.st_mode & 0o7777) == "0o770" and st.st_uid == 0 and str(st.st_gid) == groups["turbonode"][2]
+    st = (root / "var/cache/turbonode").stat()
+    assert str(st.st_uid) == worker[2]
+
+
+def _missing_and_unknown(obj, table, prefix=""):
+    """Config fields absent from the TOML table, and TOML keys that are no config field."""
+    fields = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    missing = [prefix + k for k in fields if k not in table]
+    unknown = [prefix + k for k in table if k not in fields]
+    for k, value in fields.items():
+        if dataclasses.is_dataclass(value) and k in table:
+            m, u = _missing_and_unknown(value, table[k], f"{prefix}{k}.")
+            missing += m
+            unknown += u
+    return missing, unknown
+
+
+def test_example_config_is_generated_complete_and_loads():
+    path = SYSTEMD / "turbonode.toml.example"
+    text = path.read_text()
+    assert text == render_example(), "systemd/turbonode.toml.example is stale: turboctl config example > it"
+    assert _missing_and_unknown(Config(), tomllib.loads(text)) == ([], [])
+    assert load_config(str(path), env={}) == Config()
+
+
+def test_example_renders_non_defaults_that_load_back():
+    cfg = load_config(None, env={}, overrides={"qos.dscp": {"10": "relax"}, "qos.rate": "100mbit",
+                                              "agent.dry_run": True, "worker.min_share": 0.25})
+    data = tomllib.loads(render_example(cfg))
+    assert data["qos"]["dscp"] == {"10": "relax"} and data["agent"]["dry_run"] is True
+    assert toml_value('a "b"\n') == r'"a \"b\"\n"' and toml_value([1, 2.5]) == "[1, 2.5]"
+
+
+def test_cli_config_example(tmp_path):
+    res = CliRunner().invoke(main, ["config", "example"])
+    assert res.exit_code == 0 and res.output == render_example()
+    f = tmp_path / "t.toml"
+    f.write_text(res.output.replace("max_batch = 4", "max_batch = 0"))
+    res = CliRunner().invoke(main, ["config", "check", str(f)])
+    assert res.exit_code == 1 and "worker.max_batch" in res.output
