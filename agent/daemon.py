@@ -112,13 +112,16 @@ def _loop(engine: Engine, triggers: PsiTriggers, flags: Flags, period: float) ->
     old_fd = signal.set_wakeup_fd(wfd)
     watchdog = sdnotify.watchdog_interval()
     last_ping = 0.0
-    sdnotify.notify("READY=1")
+    ready = False
     log.info("agent running: sample period %.3f s, dry-run %s", period, engine.actuator.dry_run)
     try:
         due = time.monotonic()
         while not flags.stop:
             now = time.monotonic()
             decision = engine.step(now)
+            if not ready:  # READY once the first sample is published, so `status` is never empty
+                sdnotify.notify("READY=1")
+                ready = True
             if decision.changed:
                 sdnotify.notify(f"STATUS=level {decision.describe()}")
             if watchdog and now - last_ping >= watchdog:
