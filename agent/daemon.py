@@ -29,7 +29,7 @@ from .actuator import Actuator
 from .engine import Engine
 from .mounts import ensure_mounts
 from .policy import Actions, actions_table, policy_from_config
-from .status_server import StatusServer
+from turbonode.rpc_server import UnixRpcServer
 from .watchers.cpu import CpuWatcher
 from .watchers.gpu import GpuWatcher
 from .watchers.psi import PsiTriggers, PsiWatcher
@@ -87,7 +87,7 @@ def run(cfg: Config, flags: Flags | None = None) -> int:
         for w in engine.watchers:
             stack.callback(w.close)
         stack.callback(_shutdown, engine, cfg, datapath)
-        status = StatusServer(a.socket, {"status": engine.status, "ping": lambda: "pong"}).start()
+        status = UnixRpcServer(a.socket, {"status": engine.status, "ping": lambda: "pong"}, owner="agent").start()
         stack.callback(status.close)
         server = metrics.serve(metrics.build_registry(engine.watchers, engine.metrics_state), a.metrics)
         log.info("metrics on %s:%d/metrics, status on %s", *server.server_address[:2], a.socket)

@@ -1,19 +1,14 @@
 """The worker's control socket: JSON-RPC 2.0 over AF_UNIX, one object per line.
 
 Methods (DESIGN.md): `ping`, `status`, `throttle`, `release`. The server runs in its own
-threads, so the agent gets answers even while the engine is deep in a batch. Framing,
-error codes and the 64 KiB request limit come from turbonode.jsonrpc; a malformed,
-oversized or unknown request gets an error and the connection (and worker) carry on.
+threads (turbonode.rpc_server), so the agent gets answers even while the engine is deep in
+a batch; a malformed, oversized or unknown request gets an error and the worker carries on.
 """
 
 from __future__ import annotations
 
-import grp
 import logging
 import os
-import socket
-import socketserver
-import stat
 import threading
 import time
 
@@ -21,16 +16,13 @@ import psutil
 import torch
 
 from turbonode import jsonrpc
-from turbonode.errors import TurbonodeError
+from turbonode.rpc_server import UnixRpcServer
 from turbonode.tiers import TIER_NAMES
 
 from .throttle import PROTECTED_TIER
 
 log = logging.getLogger(__name__)
 
-SOCKET_MODE = 0o660
-IDLE_TIMEOUT_S = 60.0      # a silent client does not hold a thread forever
-MAX_CONNECTIONS = 32
 GC_PAUSES_PER_STATUS = 256
 
 
@@ -102,124 +94,8 @@ class ControlHandlers:
         return {"released": old is not None, "reason": reason}
 
 
-class _Handler(socketserver.StreamRequestHandler):
-    timeout = IDLE_TIMEOUT_S
-
-    def handle(self):
-        server: ControlServer = self.server  # type: ignore[assignment]
-        handlers = server.handlers.table()
-        while True:
-            try:
-                line = jsonrpc.read_line(self.rfile)
-            except jsonrpc.RpcError as exc:
-                self._send(jsonrpc.error_response(None, exc.code, exc.message))
-                continue
-            except (OSError, ValueError):  # idle timeout or the client went away
-                return
-            if line is None:
-                return
-            if not line.strip():
-                continue
-            resp = jsonrpc.dispatch(handlers, line)
-            if resp is not None and not self._send(resp):
-                return
-
-    def _send(self, obj) -> bool:
-        try:
-            self.wfile.write(jsonrpc.encode(obj))
-            self.wfile.flush()
-        except OSError:
-            return False
-        return True
-
-
-class ControlServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
-    daemon_threads = True
-    block_on_close = False
+class ControlServer(UnixRpcServer):
+    """The worker's control socket: ControlHandlers' methods on the shared JSON-RPC transport."""
 
     def __init__(self, path: str, handlers: ControlHandlers, group: str | None = None):
-        self.path = path
-        self.handlers = handlers
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        prepare_socket_path(path)
-        super().__init__(path, _Handler, bind_and_activate=False)
-        try:
-            self.server_bind()
-            os.chmod(path, SOCKET_MODE)
-            _chgrp(path, group)
-            self.server_activate()
-        except OSError:
-            self.server_close()
-            raise
-        self._thread: threading.Thread | None = None
-
-    def process_request(self, request, client_address):
-        if not self._slots.acquire(blocking=False):
-            try:
-                request.sendall(jsonrpc.encode(jsonrpc.error_response(
-                    None, jsonrpc.INTERNAL_ERROR, f"too many control connections (max {MAX_CONNECTIONS})")))
-            except OSError:
-                pass
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request, client_address):
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
-
-    def start(self) -> "ControlServer":
-        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name="turbonode-control", daemon=True)
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        if self._thread is not None:
-            self.shutdown()
-            self._thread.join(5)
-        self.server_close()
-        try:
-            if stat.S_ISSOCK(os.lstat(self.path).st_mode):
-                os.unlink(self.path)
-        except FileNotFoundError:
-            pass
-
-
-class SocketInUse(TurbonodeError):
-    """Another live worker already serves the control socket."""
-
-
-def prepare_socket_path(path: str) -> None:
-    """Create the directory; remove a stale socket a dead worker left, but never a live one."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return
-    if not stat.S_ISSOCK(st.st_mode):
-        raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
-        probe.settimeout(1.0)
-        try:
-            probe.connect(path)
-        except OSError:
-            os.unlink(path)  # nobody listens: a stale socket from a worker that died
-            return
-    raise SocketInUse(f"another worker is already serving {path}")
-
-
-def _chgrp(path: str, group: str | None) -> None:
-    if not group:
-        return
-    try:
-        gid = grp.getgrnam(group).gr_gid
-    except KeyError:
-        log.info("group %r does not exist; %s stays owned by the worker's group", group, path)
-        return
-    try:
-        os.chown(path, -1, gid)
-    except PermissionError:
-        log.warning("cannot give %s to group %r (not root and not a member)", path, group)
+        super().__init__(path, handlers.table(), owner="worker", group=group)

@@ -135,7 +135,7 @@ class Worker:
     async def _shutdown(self, runner) -> None:
         await runner.cleanup()
         if self.control is not None:
-            self.control.stop()
+            self.control.close()
         self.engine.stop()
         self.gc.uninstall()
 

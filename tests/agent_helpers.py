@@ -8,7 +8,7 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from agent.metrics import WatcherCollector
-from agent.status_server import StatusServer
+from turbonode.rpc_server import UnixRpcServer
 from turbonode.jsonrpc import INVALID_PARAMS, ControlClient, RpcError
 
 
@@ -48,9 +48,9 @@ class MiniWorker:
     def gc(self, pause_s):
         self.pauses.append({"seq": len(self.pauses) + 1, "generation": 2, "pause_s": pause_s, "at": time.time()})
 
-    def serve(self, path: str) -> StatusServer:
+    def serve(self, path: str) -> UnixRpcServer:
         self.client = ControlClient(path, timeout=1.0)
-        return StatusServer(path, {"status": self.status, "throttle": self.throttle, "release": self.release,
+        return UnixRpcServer(path, {"status": self.status, "throttle": self.throttle, "release": self.release,
                                    "ping": lambda: "pong"}).start()
 
 

@@ -1,12 +1,13 @@
 """`turboctl status` rendering (CliRunner against a real status socket) and `agent run` options."""
 
 import json
+import socket
 
 import pytest
 from click.testing import CliRunner
 
 from agent.cli import main
-from agent.status_server import StatusServer
+from turbonode.rpc_server import UnixRpcServer
 from turbonode.errors import TurbonodeError
 
 SNAPSHOT = {
@@ -32,7 +33,7 @@ SNAPSHOT = {
 
 def test_status_table_shows_level_why_qos_worker(tmp_path):
     path = str(tmp_path / "agent.sock")
-    srv = StatusServer(path, {"status": lambda: SNAPSHOT}).start()
+    srv = UnixRpcServer(path, {"status": lambda: SNAPSHOT}).start()
     try:
         out = CliRunner().invoke(main, ["status", "--socket", path])
         js = CliRunner().invoke(main, ["status", "--socket", path, "--json"])
@@ -54,14 +55,19 @@ def test_status_table_shows_level_why_qos_worker(tmp_path):
 
 def test_status_socket_is_not_stolen_from_a_live_agent(tmp_path):
     path = str(tmp_path / "agent.sock")
-    srv = StatusServer(path, {"status": lambda: SNAPSHOT}).start()
+    srv = UnixRpcServer(path, {"status": lambda: SNAPSHOT}).start()
     try:
         with pytest.raises(TurbonodeError, match="already serving"):
-            StatusServer(path, {})
+            UnixRpcServer(path, {})
     finally:
         srv.close()
-    (tmp_path / "stale.sock").write_bytes(b"")   # not a listening socket: replaced
-    StatusServer(str(tmp_path / "stale.sock"), {}).close()
+    stale = str(tmp_path / "stale.sock")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:   # what a killed agent leaves
+        dead.bind(stale)
+    UnixRpcServer(stale, {}).close()
+    (tmp_path / "file.sock").write_bytes(b"")   # not a socket at all: never unlinked
+    with pytest.raises(TurbonodeError, match="not a socket"):
+        UnixRpcServer(str(tmp_path / "file.sock"), {})
 
 
 def test_agent_run_help_lists_the_options():

@@ -40,7 +40,7 @@ def control_path(tmp_path):
     path = str(tmp_path / "w.sock")
     server = ControlServer(path, ControlHandlers(engine, GcMonitor())).start()
     yield path
-    server.stop()
+    server.close()
 
 
 def test_ping_status_throttle_release(control_path):

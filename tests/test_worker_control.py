@@ -10,7 +10,8 @@ import stat
 
 import pytest
 
-from render.control_server import ControlHandlers, ControlServer, SocketInUse
+from render.control_server import ControlHandlers, ControlServer
+from turbonode.rpc_server import SocketInUse
 from render.gc_telemetry import GcMonitor
 from turbonode import jsonrpc
 from turbonode.errors import ControlError
@@ -27,7 +28,7 @@ def control(tmp_path):
     try:
         yield engine, monitor, path
     finally:
-        server.stop()
+        server.close()
         monitor.uninstall()
     assert not os.path.exists(path)  # stop removes the socket
 
@@ -143,7 +144,7 @@ def test_stale_socket_is_replaced_but_a_live_one_is_not(tmp_path, control):
     try:
         assert ControlClient(stale).call("ping")["pong"]
     finally:
-        server.stop()
+        server.close()
     regular = tmp_path / "file"
     regular.write_text("not a socket")
     with pytest.raises(SocketInUse, match="not a socket"):
