@@ -10,7 +10,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from turbonode.errors import TurbonodeError
-from turbonode.config import LEVELS
+from turbonode.config import LEVELS, split_host_port
 
 from .watchers.base import Watcher
 
@@ -66,9 +66,9 @@ def serve(registry: CollectorRegistry, address: str):
     """Start the /metrics HTTP server on HOST:PORT; returns the server (port 0 picks one)."""
     from prometheus_client import start_http_server
 
-    host, _, port = address.rpartition(":")
+    host, port = split_host_port(address)
     try:
-        server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=registry)
+        server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:
         raise TurbonodeError(f"cannot serve metrics on {address}: {exc.strerror or exc}") from None
     return server

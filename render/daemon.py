@@ -15,6 +15,7 @@ import signal
 from typing import Callable
 
 from turbonode import sdnotify
+from turbonode.config import split_host_port
 from turbonode.errors import TurbonodeError
 
 log = logging.getLogger(__name__)
@@ -24,11 +25,6 @@ WATCHDOG_STALL_S = 60.0  # an engine whose loop has not come round for this long
 
 class ListenError(TurbonodeError):
     """The HTTP address could not be bound."""
-
-
-def split_listen(listen: str) -> tuple[str, int]:
-    host, _, port = listen.rpartition(":")
-    return host.strip("[]") or "0.0.0.0", int(port)
 
 
 def torch_threads() -> int:
@@ -90,7 +86,7 @@ class Worker:
         self.engine.start()
         runner = web.AppRunner(self.api.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
-        host, port = split_listen(self.cfg.listen)
+        host, port = split_host_port(self.cfg.listen)
         try:
             site = web.TCPSite(runner, host, port)
             await site.start()

@@ -107,3 +107,11 @@ def test_jsonrpc_read_line_refuses_oversized_and_recovers():
     assert info.value.code == jsonrpc.INVALID_REQUEST
     assert jsonrpc.read_line(stream) == b'{"ok":1}\n'
     assert jsonrpc.read_line(stream) is None
+
+
+def test_split_host_port():
+    from turbonode.config import split_host_port
+
+    assert split_host_port("127.0.0.1:8460") == ("127.0.0.1", 8460)
+    assert split_host_port("[::1]:9465") == ("::1", 9465)
+    assert split_host_port(":0") == ("0.0.0.0", 0)

@@ -61,6 +61,12 @@ def host_port(v):
         raise ValueError(f"expected HOST:PORT, got {v!r}")
 
 
+def split_host_port(address: str) -> tuple[str, int]:
+    """'HOST:PORT' (validated by host_port) -> (host, port); '[::1]:80' -> ('::1', 80); no host = all."""
+    host, _, port = address.rpartition(":")
+    return host.strip("[]") or "0.0.0.0", int(port)
+
+
 def per_tier(inner=None):
     """A table keyed by tier name; every value checked with `inner`."""
     def check(v):
