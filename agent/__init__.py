@@ -1,1 +1,1 @@
-"""Host agent: watchers, policy engine, control-socket client, metrics and the turboctl CLI."""
+"""Host agent: watchers, degradation policy, actuator (worker throttle, relax ceil), status socket, metrics."""

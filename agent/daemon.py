@@ -26,7 +26,7 @@ from turbonode.tiers import tier
 
 from . import metrics
 from .actuator import Actuator
-from .engine import Engine
+from .loop import AgentLoop
 from .mounts import ensure_mounts
 from .policy import Actions, actions_table, policy_from_config
 from turbonode.rpc_server import UnixRpcServer
@@ -56,7 +56,7 @@ def open_datapath(cfg: Config):
     return dp
 
 
-def build_engine(cfg: Config, datapath=None, gpu_nvml=None) -> Engine:
+def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
     a = cfg.agent
     client = ControlClient(a.worker_socket, timeout=max(0.5, 2 * a.sample_period))
     watchers = [CpuWatcher(a.procfs), PsiWatcher(a.procfs), SoftnetWatcher(a.procfs),
@@ -71,7 +71,7 @@ def build_engine(cfg: Config, datapath=None, gpu_nvml=None) -> Engine:
         from .watchers.htb import HtbWatcher
 
         watchers.append(HtbWatcher(datapath))
-    return Engine(watchers, policy_from_config(cfg.policy), actions_table(cfg.policy), actuator, a.sample_period)
+    return AgentLoop(watchers, policy_from_config(cfg.policy), actions_table(cfg.policy), actuator, a.sample_period)
 
 
 def run(cfg: Config, flags: Flags | None = None) -> int:
@@ -83,23 +83,23 @@ def run(cfg: Config, flags: Flags | None = None) -> int:
         datapath = open_datapath(cfg)
         if datapath is not None:
             stack.callback(datapath.close)   # our netlink socket only: the datapath stays in the kernel
-        engine = build_engine(cfg, datapath)
-        for w in engine.watchers:
+        loop = build_loop(cfg, datapath)
+        for w in loop.watchers:
             stack.callback(w.close)
-        stack.callback(_shutdown, engine, cfg, datapath)
-        status = UnixRpcServer(a.socket, {"status": engine.status, "ping": lambda: "pong"}, owner="agent").start()
+        stack.callback(_shutdown, loop, cfg, datapath)
+        status = UnixRpcServer(a.socket, {"status": loop.status, "ping": lambda: "pong"}, owner="agent").start()
         stack.callback(status.close)
-        server = metrics.serve(metrics.build_registry(engine.watchers, engine.metrics_state), a.metrics)
+        server = metrics.serve(metrics.build_registry(loop.watchers, loop.metrics_state), a.metrics)
         log.info("metrics on %s:%d/metrics, status on %s", *server.server_address[:2], a.socket)
         stack.callback(server.server_close)
         stack.callback(server.shutdown)
         triggers = PsiTriggers(a.procfs, cfg.policy.psi_trigger_us)
         stack.callback(triggers.close)
-        _loop(engine, triggers, flags, a.sample_period)
+        _run_loop(loop, triggers, flags, a.sample_period)
     return 0
 
 
-def _loop(engine: Engine, triggers: PsiTriggers, flags: Flags, period: float) -> None:
+def _run_loop(loop: AgentLoop, triggers: PsiTriggers, flags: Flags, period: float) -> None:
     rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     poller = select.poll()
     poller.register(rfd, select.POLLIN)
@@ -113,12 +113,12 @@ def _loop(engine: Engine, triggers: PsiTriggers, flags: Flags, period: float) ->
     watchdog = sdnotify.watchdog_interval()
     last_ping = 0.0
     ready = False
-    log.info("agent running: sample period %.3f s, dry-run %s", period, engine.actuator.dry_run)
+    log.info("agent running: sample period %.3f s, dry-run %s", period, loop.actuator.dry_run)
     try:
         due = time.monotonic()
         while not flags.stop:
             now = time.monotonic()
-            decision = engine.step(now)
+            decision = loop.step(now)
             if not ready:  # READY once the first sample is published, so `status` is never empty
                 sdnotify.notify("READY=1")
                 ready = True
@@ -151,8 +151,8 @@ def _drain(fd: int) -> bool:
         return False
 
 
-def _shutdown(engine: Engine, cfg: Config, datapath) -> None:
-    engine.actuator.apply(Actions(), "agent stopping", "shutdown", time.monotonic())
+def _shutdown(loop: AgentLoop, cfg: Config, datapath) -> None:
+    loop.actuator.apply(Actions(), "agent stopping", "shutdown", time.monotonic())
     if datapath is not None and not cfg.qos.keep_on_stop:
         try:
             datapath.remove()

@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from turbonode.errors import TurbonodeError
-from turbonode.config import LEVELS, split_host_port
+from turbonode.config import split_host_port
+from turbonode.levels import LEVELS
 
 from .watchers.base import Watcher
 

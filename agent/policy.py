@@ -19,10 +19,10 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from turbonode.config import LEVELS, PolicyConfig
+from turbonode.config import PolicyConfig
 from turbonode.errors import ConfigError
+from turbonode.levels import ACTION_LEVELS, LEVELS, NORMAL
 
-NORMAL = 0
 HELD = "held until below exit"   # an active rule whose signal sits between exit and enter (or is silent)
 
 
@@ -87,7 +87,7 @@ class _RuleState:
 
 
 @dataclass
-class Policy:
+class DegradationPolicy:
     rules: tuple[Rule, ...]
     enter_samples: int = 3
     exit_samples: int = 12
@@ -176,8 +176,8 @@ def rules_from_config(cfg: PolicyConfig) -> tuple[Rule, ...]:
     return tuple(rules)
 
 
-def policy_from_config(cfg: PolicyConfig) -> Policy:
-    return Policy(rules_from_config(cfg), cfg.enter_samples, cfg.exit_samples, cfg.min_change_interval)
+def policy_from_config(cfg: PolicyConfig) -> DegradationPolicy:
+    return DegradationPolicy(rules_from_config(cfg), cfg.enter_samples, cfg.exit_samples, cfg.min_change_interval)
 
 
 # ---- actions ---------------------------------------------------------------------------
@@ -193,7 +193,7 @@ def actions_table(cfg: PolicyConfig) -> dict[int, Actions]:
     """Level index -> Actions; levels the file leaves out keep their defaults."""
     table = {**PolicyConfig().actions, **cfg.actions}
     out = {NORMAL: Actions()}
-    for i, name in enumerate(LEVELS[1:], start=1):
+    for i, name in enumerate(ACTION_LEVELS, start=NORMAL + 1):
         acts = dict(table.get(name, {}))
         ceil = acts.pop("relax_ceil_pct", None)
         throttle = {k: v for k, v in acts.items() if v}

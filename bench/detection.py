@@ -2,7 +2,7 @@
 
     flock /tmp/turbonode-bench.lock python bench/detection.py [--repeats 3] [--healthy-minutes 5]
 
-Runs in a sandbox (two network namespaces joined by veth, tc/sandbox.py): the agent shapes
+Runs in a sandbox (two network namespaces joined by veth, sandbox/netns.py): the agent shapes
 the sandbox node's device and watches the host; the real worker (`turboctl worker run`,
 tiny model) serves its control socket. Faults, each bounded in time:
   netrx  UDP flood (iperf3, 2 streams, unlimited rate) across the sandbox veth

@@ -1,5 +1,5 @@
 """A sandbox node for benchmarks and end-to-end tests: two network namespaces joined by veth
-(tc/sandbox.py), the real worker (`turboctl worker run`, tiny model) with bench/garbage.py
+(sandbox/netns.py), the real worker (`turboctl worker run`, tiny model) with bench/garbage.py
 installed in its process, and the agent shaping the sandbox device. Everything it starts is
 stopped, and the datapath removed, on exit, also when the body raises.
 """
@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tc.sandbox import Sandbox  # noqa: E402
+from sandbox.netns import Sandbox  # noqa: E402
 from turbonode.errors import ControlError, TurbonodeError  # noqa: E402
 from turbonode.jsonrpc import ControlClient  # noqa: E402
 
@@ -27,7 +27,7 @@ POLL_S = 0.01
 LEVEL_LINE = re.compile(r"level (escalate|recover) (\w+) -> (\w+): (\w+)=([\d.e+-]+|n/a)")
 # The real worker CLI, with the garbage thread installed in the same process first.
 WORKER_PY = ("import sys; sys.argv[0] = 'turboctl'; from bench.garbage import Garbage; Garbage().install(); "
-             "from agent.cli import main; main()")
+             "from turboctl import main; main()")
 
 
 def free_port() -> int:
@@ -87,7 +87,7 @@ class Node:
         self.worker_rpc = ControlClient(wsock, timeout=1.0)
         if not wait_for(lambda: call(self.worker_rpc, "ping"), 120, 0.2):
             raise TurbonodeError(f"worker did not start: {self.log('worker')[-2000:]}")
-        self.agent = self._spawn([sys.executable, "-m", "agent.cli", "agent", "run", "--config", str(cfg),
+        self.agent = self._spawn([sys.executable, "-m", "turboctl", "agent", "run", "--config", str(cfg),
                                   "--dev", sb.dev, "--netns", sb.server], env, "agent.log")
         self.agent_rpc = ControlClient(asock, timeout=1.0, peer="agent")
         if not wait_for(lambda: call(self.agent_rpc, "status"), 60, 0.2):

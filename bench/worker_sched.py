@@ -40,7 +40,7 @@ from render.engine import Engine, EngineSettings  # noqa: E402
 from render.gc_telemetry import GcMonitor, freeze_after_load  # noqa: E402
 from render.jobs import JobRequest  # noqa: E402
 from render.model import load_components  # noqa: E402
-from render.scheduler import Policy  # noqa: E402
+from render.batching import BatchPolicy  # noqa: E402
 from render.text_cache import PromptEncoder  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
 
@@ -58,7 +58,7 @@ class Bench:
         self.encoders: list[PromptEncoder] = []
         self.closers: list = []
 
-    def engine(self, policy: Policy) -> Engine:
+    def engine(self, policy: BatchPolicy) -> Engine:
         a = self.args
         encoder = PromptEncoder(self.components, self.backend.device, self.backend.dtype)
         self.encoders.append(encoder)
@@ -98,7 +98,7 @@ class Bench:
 
     def engine_throughput(self):
         """A measurement of the engine thread rendering n relax jobs submitted at once."""
-        engine = self.engine(Policy.STEP_PRIORITY).start()
+        engine = self.engine(BatchPolicy.STEP_PRIORITY).start()
         self.closers.append(engine.stop)
 
         def run(n):
@@ -144,7 +144,7 @@ class Bench:
     # ---- latency ------------------------------------------------------------------------
 
     def turbo_idle(self) -> list[float]:
-        engine = self.engine(Policy.STEP_PRIORITY).start()
+        engine = self.engine(BatchPolicy.STEP_PRIORITY).start()
         try:
             engine.submit(self.turbo(0)).future.result(60)  # warm-up
             out = []
@@ -157,7 +157,7 @@ class Bench:
         finally:
             engine.stop()
 
-    def turbo_under_flood(self, policy: Policy) -> dict:
+    def turbo_under_flood(self, policy: BatchPolicy) -> dict:
         a = self.args
         engine = self.engine(policy)
         lock = threading.Lock()
@@ -250,9 +250,9 @@ def main(argv=None) -> int:
 
     idle = bench.turbo_idle()
     runs = {policy: bench.turbo_under_flood(policy) for policy in
-            (Policy.STEP_PRIORITY, Policy.JOB_PRIORITY, Policy.JOB_FIFO)}
+            (BatchPolicy.STEP_PRIORITY, BatchPolicy.JOB_PRIORITY, BatchPolicy.JOB_FIFO)}
     idle_s = summarize(idle)
-    step_s = runs[Policy.STEP_PRIORITY]["full_batch_step_s"]
+    step_s = runs[BatchPolicy.STEP_PRIORITY]["full_batch_step_s"]
     print(f"\n== turbo latency, {a.probes} open-loop probes, relax flood >= {a.flood} queued (seconds) ==")
     print(f"{'policy':<34} {'p50':>7} {'p99':>7} {'relax img/s':>12} {'relax queued':>13}   (relax img/s: work done meanwhile)")
     print(f"{'idle (no load)':<34} {idle_s['p50']:7.3f} {idle_s['p99']:7.3f}")
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
         print(f"{policy.value:<34} {s['p50']:7.3f} {s['p99']:7.3f} {run['relax_images_per_s']:12.2f} "
               f"{run['relax_queued_at_start']:13d}")
     target = idle_s["p99"] + (step_s or 0)
-    got = figures[Policy.STEP_PRIORITY.value]["p99"]
+    got = figures[BatchPolicy.STEP_PRIORITY.value]["p99"]
     print(f"target: step-priority p99 <= idle p99 + one max-batch step (median) = {idle_s['p99']:.3f} + {step_s or 0:.3f} "
           f"= {target:.3f} s -> {got:.3f} s ({'met' if got <= target else 'NOT met'})")
 

@@ -1,7 +1,7 @@
 """The engine: one thread that owns the model and runs step after step.
 
 At every denoising-step boundary it admits new jobs (text embeddings through the cache),
-drops cancelled ones, asks the pure policy (render.scheduler) what to do next, and runs
+drops cancelled ones, asks the pure policy (render.batching) what to do next, and runs
 either one UNet call for the composed batch (each sample's own scheduler then steps its
 slice) or one VAE decode of finished latents. An exception in a batch fails only the jobs
 in it, with a message that says what happened; the loop goes on.
@@ -27,7 +27,7 @@ import torch
 from turbonode.stats import percentile
 from turbonode.tiers import PRIORITY_ORDER
 
-from . import scheduler as policy
+from . import batching
 from .jobs import (Draining, Job, JobCancelled, JobFailed, JobRequest, JobState, QueueFull, Sample,
                    TierShed)
 from .samplers import make_scheduler
@@ -48,7 +48,7 @@ class EngineSettings:
     guidance: dict = field(default_factory=lambda: {"turbo": 0.0, "fast": 7.5, "other": 7.5, "relax": 7.5})
     queue_limit: dict = field(default_factory=lambda: {"turbo": 32, "fast": 64, "other": 64, "relax": 256})
     min_share: float = 0.1
-    policy: policy.Policy = policy.Policy.STEP_PRIORITY
+    policy: batching.BatchPolicy = batching.BatchPolicy.STEP_PRIORITY
     co_batch_slack: float = 0.25
 
     @classmethod
@@ -98,14 +98,14 @@ class Engine:
 
     # ---- limits -----------------------------------------------------------------------
 
-    def limits(self) -> policy.Limits:
+    def limits(self) -> batching.Limits:
         t = self.throttle.current()
         max_batch = self.settings.max_batch
         if t is not None and t.max_batch is not None:
             max_batch = min(max_batch, t.max_batch)
         # while draining, paused work runs too: shutdown must not wait on a throttle
         paused = t.paused_tiers if t is not None and self._intake_open else frozenset()
-        return policy.Limits(max_batch, paused, self.settings.min_share,
+        return batching.Limits(max_batch, paused, self.settings.min_share,
                              dict(self.step_cost), self.settings.co_batch_slack)
 
     def steps_for(self, tier: str, requested: int) -> int:
@@ -332,7 +332,7 @@ class Engine:
                     runnable.append(s)
         if not runnable and not finished:
             return bool(to_admit)
-        if policy.should_decode([s.job.tier for s in finished], [s.job.tier for s in runnable],
+        if batching.should_decode([s.job.tier for s in finished], [s.job.tier for s in runnable],
                                 self._decode_deferred, limits.min_share):
             self._decode_deferred = 0
             return self._run_decode(finished, limits)
@@ -343,19 +343,19 @@ class Engine:
     def _shape(self, s: Sample) -> tuple:
         return (s.job.request.height, s.job.request.width)
 
-    def _run_decode(self, finished: list[Sample], limits: policy.Limits) -> bool:
+    def _run_decode(self, finished: list[Sample], limits: batching.Limits) -> bool:
         by_key = {s.key: s for s in finished}
-        keys = policy.decode_chunk(
-            [policy.Finished(s.key, s.job.tier, self._shape(s), s.job.seq) for s in finished],
+        keys = batching.decode_chunk(
+            [batching.Finished(s.key, s.job.tier, self._shape(s), s.job.seq) for s in finished],
             limits.max_batch, percentile(self.step_times, 50), self.decode_s_per_image)
         self._decode([by_key[k] for k in keys])
         return True
 
-    def _run_step(self, runnable: list[Sample], limits: policy.Limits) -> bool:
+    def _run_step(self, runnable: list[Sample], limits: batching.Limits) -> bool:
         by_key = {s.key: s for s in runnable}
-        cands = [policy.Candidate(s.key, s.job.tier, self._shape(s), s.job.seq, s.scheduler is not None,
+        cands = [batching.Candidate(s.key, s.job.tier, self._shape(s), s.job.seq, s.scheduler is not None,
                                   2 if s.job.request.cfg else 1) for s in runnable]
-        comp = policy.compose_batch(cands, limits, self._credits, self.settings.policy)
+        comp = batching.compose_batch(cands, limits, self._credits, self.settings.policy)
         self._credits = comp.credits
         if not comp.keys:
             return False

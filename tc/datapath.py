@@ -24,10 +24,10 @@ from turbonode.errors import DatapathError
 from turbonode.rates import parse_rate
 from turbonode.tiers import tier as tier_by_name
 
-from . import apply as reconcile
+from . import reconcile
 from . import bpfobj, classifier
 from .netlink import Link
-from .stats import tier_rows
+from .class_stats import tier_rows
 from .tree import Tree, build_tree, with_rate
 
 

@@ -40,7 +40,7 @@ def sandbox():
     """Two fresh network namespaces joined by veth, deleted afterwards (also on failure)."""
     if KERNEL_SKIP:
         pytest.skip(KERNEL_SKIP)
-    from tc.sandbox import Sandbox
+    from sandbox.netns import Sandbox
 
     with Sandbox() as sb:
         yield sb

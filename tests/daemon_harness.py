@@ -107,7 +107,7 @@ def daemon_env(notify: NotifyListener | None = None, watchdog_usec: int | None =
 
 
 def turboctl_argv(*args: str) -> list[str]:
-    return [sys.executable, "-m", "agent.cli", *args]
+    return [sys.executable, "-m", "turboctl", *args]
 
 
 def stop(proc: subprocess.Popen, timeout: float = 30) -> int:

@@ -6,7 +6,7 @@ import socket
 import pytest
 from click.testing import CliRunner
 
-from agent.cli import main
+from turboctl import main
 from turbonode.rpc_server import UnixRpcServer
 from turbonode.errors import TurbonodeError
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from agent.cli import main
+from turboctl import main
 from bench.node import free_port, wait_for
 from tests.agent_helpers import mini_worker as worker  # noqa: F401  (fixture)
 from turbonode.jsonrpc import ControlClient
@@ -31,7 +31,7 @@ def start_agent(tmp_path, worker_sock, extra="", args=()):
                    f'metrics = "127.0.0.1:{port}"\nthrottle_ttl = 1.0\n{extra}')
     env = {**os.environ, "PYTHONPATH": ROOT}
     with open(tmp_path / "agent.log", "w") as log:   # a file, not a pipe nobody drains while it runs
-        proc = subprocess.Popen([sys.executable, "-m", "agent.cli", "agent", "run", "--config", str(cfg), *args],
+        proc = subprocess.Popen([sys.executable, "-m", "turboctl", "agent", "run", "--config", str(cfg), *args],
                                 env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
     proc.log_path = tmp_path / "agent.log"
     agent = ControlClient(f"{tmp_path}/agent.sock", timeout=1.0, peer="agent")

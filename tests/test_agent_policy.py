@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from agent.policy import SIGNALS, Actions, Policy, Rule, actions_table, policy_from_config, rules_from_config
+from agent.policy import SIGNALS, Actions, DegradationPolicy, Rule, actions_table, policy_from_config, rules_from_config
 from turbonode.config import POLICY_SIGNALS, PolicyConfig, load_config
 from turbonode.errors import ConfigError
 
@@ -33,12 +33,12 @@ def noisy(mean, sd, n, seed=4):
 def test_healthy_noise_with_spikes_over_threshold_changes_nothing():
     values = noisy(0.65, 0.05, 4 * 60 * 5)      # 5 minutes of samples
     assert sum(v > 0.75 for v in values) > 10   # single spikes do cross the enter threshold
-    assert changes(run(Policy((CPU,)), values)) == []
+    assert changes(run(DegradationPolicy((CPU,)), values)) == []
 
 
 @pytest.mark.parametrize("mean", [0.70, 0.725, 0.75, 0.78])
 def test_noise_around_threshold_never_flaps(mean):
-    d = run(Policy((CPU,)), noisy(mean, 0.03, 4 * 60 * 5))
+    d = run(DegradationPolicy((CPU,)), noisy(mean, 0.03, 4 * 60 * 5))
     steps = [c[2] - c[1] for c in changes(d)]
     # It may escalate, but never goes back and forth: no reversal of direction.
     reversals = sum(1 for a, b in zip(steps, steps[1:]) if (a > 0) != (b > 0))
@@ -46,7 +46,7 @@ def test_noise_around_threshold_never_flaps(mean):
 
 
 def test_step_change_escalates_within_enter_samples():
-    p = Policy((CPU,), enter_samples=3)
+    p = DegradationPolicy((CPU,), enter_samples=3)
     d = run(p, [0.2] * 20 + [0.95] * 3)
     assert levels(d)[:22] == [0] * 22
     assert d[22].changed and d[22].level == 1
@@ -56,7 +56,7 @@ def test_step_change_escalates_within_enter_samples():
 
 
 def test_one_change_per_interval_and_fresh_evidence_per_step():
-    p = Policy((CPU,), enter_samples=3, min_change_interval=1.0)
+    p = DegradationPolicy((CPU,), enter_samples=3, min_change_interval=1.0)
     d = run(p, [0.99] * 40)   # 10 s of saturation
     ch = changes(d)
     assert [c[2] for c in ch] == [1, 2, 3]            # one step at a time, stops at critical
@@ -65,7 +65,7 @@ def test_one_change_per_interval_and_fresh_evidence_per_step():
 
 
 def test_recovery_waits_its_dwell_step_by_step():
-    p = Policy((CPU,), enter_samples=3, exit_samples=8, min_change_interval=1.0)
+    p = DegradationPolicy((CPU,), enter_samples=3, exit_samples=8, min_change_interval=1.0)
     d = run(p, [0.99] * 12 + [0.1] * 40)
     ch = changes(d)
     ups = [c for c in ch if c[2] > c[1]]
@@ -80,7 +80,7 @@ def test_recovery_waits_its_dwell_step_by_step():
 
 
 def test_hysteresis_band_holds_the_level():
-    p = Policy((CPU,), enter_samples=3, exit_samples=4)
+    p = DegradationPolicy((CPU,), enter_samples=3, exit_samples=4)
     d = run(p, [0.9] * 3 + [0.72] * 40)   # between exit (0.70) and enter (0.75)
     assert levels(d)[-1] == 1 and len(changes(d)) == 1
     assert "cpu_load=0.72 (held until < 0.7)" in d[-1].describe()   # why the level holds, honestly
@@ -90,7 +90,7 @@ def test_hysteresis_band_holds_the_level():
 
 def test_none_keeps_streak_and_counts_as_healthy():
     gc = Rule("gc_pause_s", 0.005, 0.001)
-    p = Policy((gc,), enter_samples=3, exit_samples=4)
+    p = DegradationPolicy((gc,), enter_samples=3, exit_samples=4)
     # Three long pauses with sample gaps where no collection ran: still "three in a row".
     d = run(p, [0.02, None, 0.03, None, None, 0.02], signal="gc_pause_s")
     assert levels(d)[-1] == 1
@@ -103,7 +103,7 @@ def test_silence_after_a_streak_at_the_top_level_recovers():
     # At critical no escalation clears the streak; the silence after it (None: no GC ran)
     # must still end it, or the level would stay up for good.
     gc = Rule("gc_pause_s", 0.005, 0.001)
-    p = Policy((gc,), enter_samples=3, exit_samples=4, min_change_interval=0)
+    p = DegradationPolicy((gc,), enter_samples=3, exit_samples=4, min_change_interval=0)
     d = run(p, [0.05] * 12, signal="gc_pause_s")
     assert d[-1].level == 3
     d = run(p, [None] * 40, signal="gc_pause_s", start=10)
@@ -112,7 +112,7 @@ def test_silence_after_a_streak_at_the_top_level_recovers():
 
 def test_any_active_signal_holds_level():
     wait = Rule("turbo_wait_s", 0.5, 0.25)
-    p = Policy((CPU, wait), enter_samples=2, exit_samples=2, min_change_interval=0)
+    p = DegradationPolicy((CPU, wait), enter_samples=2, exit_samples=2, min_change_interval=0)
     p.update({"cpu_load": 0.9, "turbo_wait_s": 0.0}, 0)
     d = p.update({"cpu_load": 0.9, "turbo_wait_s": 0.0}, 0.25)
     assert d.level == 1

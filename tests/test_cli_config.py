@@ -1,6 +1,6 @@
 from click.testing import CliRunner
 
-from agent.cli import main
+from turboctl import main
 
 
 def test_config_check_ok_and_bad(tmp_path):

@@ -6,7 +6,7 @@ import subprocess
 import pytest
 from click.testing import CliRunner
 
-from agent.cli import main
+from turboctl import main
 from conftest import needs_bcc
 
 

@@ -6,7 +6,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from agent.cli import main
+from turboctl import main
 from conftest import needs_bcc
 
 

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from conftest import BCC_SKIP, needs_bcc
-from tc.frames import Wire, frames
+from tests.frames import Wire, frames
 
 pytestmark = [needs_bcc, pytest.mark.root]
 
@@ -35,7 +35,7 @@ def tc_text(sb, *args) -> str:
 
 def cli(*args, check=True) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-c", "from agent.cli import main; main()", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, "-c", "from turboctl import main; main()", *args], capture_output=True, text=True,
                           env=env, timeout=120, check=check)
 
 
@@ -66,7 +66,7 @@ def shared():
     if BCC_SKIP:
         pytest.skip(BCC_SKIP)
     from tc.datapath import Datapath
-    from tc.sandbox import Sandbox
+    from sandbox.netns import Sandbox
 
     with Sandbox() as sb:
         dp = Datapath(sb.dev, sb.server)

@@ -7,7 +7,7 @@ from conftest import needs_root
 
 @needs_root
 def test_sandbox_connects_and_cleans_up():
-    from tc.sandbox import Sandbox
+    from sandbox.netns import Sandbox
 
     with Sandbox() as sb:
         names = (sb.server, sb.client)
@@ -21,7 +21,7 @@ def test_sandbox_connects_and_cleans_up():
 def test_sandbox_deleted_when_body_fails():
     import pytest
 
-    from tc.sandbox import Sandbox
+    from sandbox.netns import Sandbox
 
     sb = Sandbox()
     with pytest.raises(RuntimeError):

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from conftest import needs_bcc
 
-from agent.loadgen import request_image
+from sandbox.loadgen import request_image
 from turbonode.jsonrpc import ControlClient
 from daemon_harness import (PROMTOOL_SKIP, ROOT, NotifyListener, daemon_env, promtool_check, scrape, start, stop,
                             turboctl_argv)

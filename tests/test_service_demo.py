@@ -15,9 +15,9 @@ from click.testing import CliRunner
 from conftest import needs_bcc
 from daemon_harness import daemon_env, start, turboctl_argv
 
-from agent import demo
-from agent.cli import demo as demo_cli
-from agent.cli import main
+from sandbox import node as demo
+from turboctl import demo_cmd as demo_cli
+from turboctl import main
 
 RESULT = {
     "without": {"tiers": {"turbo": {"requests": 2, "ok": 2, "rejected": 0, "failed": 0, "p50_s": 8.3, "p99_s": 10.1}},

@@ -1,4 +1,4 @@
-"""agent.loadgen: the demo's tiered HTTP load, against a local stand-in HTTP server.
+"""sandbox.loadgen: the demo's tiered HTTP load, against a local stand-in HTTP server.
 (The real worker is loaded by the demo and the daemon tests.)"""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 from click.testing import CliRunner
 
-from agent import loadgen
+from sandbox import loadgen
 from turbonode.stats import percentile
 
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from agent.cli import main
+from turboctl import main
 from turbonode.config import DEFAULT_PATH, Config, load_config
 from turbonode.config_example import render_example, toml_value
 

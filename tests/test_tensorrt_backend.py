@@ -207,7 +207,7 @@ def test_gpu_second_start_loads_from_cache_and_corrupt_engine_is_rebuilt(engines
 def test_cli_worker_run_backend_tensorrt_without_gpu_is_a_click_error(tmp_path):
     from click.testing import CliRunner
 
-    from agent.cli import main
+    from turboctl import main
 
     result = CliRunner().invoke(main, ["worker", "run", "--backend", "tensorrt", "--model", "tiny",
                                        "--listen", "127.0.0.1:0", "--control", str(tmp_path / "w.sock")])

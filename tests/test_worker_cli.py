@@ -18,18 +18,18 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-from agent.cli import main
+from turboctl import main
 from render.control_server import ControlHandlers, ControlServer
 from render.gc_telemetry import GcMonitor
 from turbonode.jsonrpc import ControlClient
 from tests.worker_support import make_engine, serve
 
 ROOT = Path(__file__).resolve().parents[1]
-TURBOCTL = [sys.executable, "-c", "from agent.cli import main; main()"]
+TURBOCTL = [sys.executable, "-c", "from turboctl import main; main()"]
 
 
 def test_importing_the_cli_does_not_import_torch():
-    code = "import sys, agent.cli; sys.exit(1 if 'torch' in sys.modules else 0)"
+    code = "import sys, turboctl; sys.exit(1 if 'torch' in sys.modules else 0)"
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     assert subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT).returncode == 0
 

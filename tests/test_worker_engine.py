@@ -221,10 +221,10 @@ def test_snapshot_reports_queues_and_step_times():
 
 
 def test_whole_job_policies_run_in_the_same_engine():
-    from render.scheduler import Policy
+    from render.batching import BatchPolicy
 
     events = []
-    engine = make_engine(max_batch=1, policy=Policy.JOB_FIFO, on_event=events.append)
+    engine = make_engine(max_batch=1, policy=BatchPolicy.JOB_FIFO, on_event=events.append)
     relax = engine.submit(req("relax", steps=3))
     engine.run_once()
     turbo = engine.submit(req("turbo", steps=2))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from render.scheduler import (Candidate, Finished, Limits, Policy, compose_batch, decode_chunk,
+from render.batching import (Candidate, Finished, Limits, BatchPolicy, compose_batch, decode_chunk,
                               estimate_cost, should_decode)
 from render.throttle import ThrottleState, make_throttle
 
@@ -119,16 +119,16 @@ def test_starved_tier_of_another_shape_gets_the_batch_eventually():
 
 def test_whole_job_fifo_never_preempts_and_ignores_tier():
     c = cands(("r1", "relax", 0, (256, 256), True), ("o1", "other", 1), ("t1", "turbo", 2))
-    assert compose_batch(c, Limits(2), policy=Policy.JOB_FIFO).keys == ("r1", "o1")
+    assert compose_batch(c, Limits(2), policy=BatchPolicy.JOB_FIFO).keys == ("r1", "o1")
     # started work stays even when the throttle lowers max_batch below it
     c2 = cands(("r1", "relax", 0, (256, 256), True), ("r2", "relax", 1, (256, 256), True), ("t1", "turbo", 2))
-    assert compose_batch(c2, Limits(1), policy=Policy.JOB_FIFO).keys == ("r1", "r2")
+    assert compose_batch(c2, Limits(1), policy=BatchPolicy.JOB_FIFO).keys == ("r1", "r2")
 
 
 def test_whole_job_priority_fills_free_slots_by_tier_without_preempting():
     c = cands(("r1", "relax", 0, (256, 256), True), ("o1", "other", 1), ("t1", "turbo", 2))
-    assert compose_batch(c, Limits(2), policy=Policy.JOB_PRIORITY).keys == ("r1", "t1")
-    assert compose_batch(c, Limits(1), policy=Policy.JOB_PRIORITY).keys == ("r1",)
+    assert compose_batch(c, Limits(2), policy=BatchPolicy.JOB_PRIORITY).keys == ("r1", "t1")
+    assert compose_batch(c, Limits(1), policy=BatchPolicy.JOB_PRIORITY).keys == ("r1",)
 
 
 def test_decode_waits_for_higher_tier_steps_but_not_forever():

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 from .errors import ConfigError, RateError
+from .levels import ACTION_LEVELS
 from .rates import parse_rate
 from .tiers import TIER_NAMES
 
@@ -152,7 +153,6 @@ class AgentConfig:
     dry_run: bool = opt(False, help="log what the policy would do; change nothing")
 
 
-LEVELS = ("normal", "pressured", "degraded", "critical")
 POLICY_SIGNALS = ("cpu_load", "gc_pause_s", "netrx_latency_p99_s", "netrx_cpu_share", "turbo_wait_s")
 
 
@@ -166,8 +166,8 @@ _ACTION_KEYS = ("relax_ceil_pct", "max_batch", "paused_tiers", "step_caps", "she
 def level_actions(v):
     """Per degradation level, what the agent does; turbo is never throttled."""
     for level, acts in v.items():
-        if level not in LEVELS[1:]:
-            raise ValueError(f"unknown level {level!r} (expected one of {', '.join(LEVELS[1:])})")
+        if level not in ACTION_LEVELS:
+            raise ValueError(f"unknown level {level!r} (expected one of {', '.join(ACTION_LEVELS)})")
         if not isinstance(acts, dict):
             raise ValueError(f"{level}: expected a table, got {acts!r}")
         for k, x in acts.items():

@@ -11,19 +11,19 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from turbonode.config import LEVELS
+from turbonode.levels import LEVELS
 
 from .actuator import Actuator
-from .policy import Actions, Decision, Policy
+from .policy import Actions, Decision, DegradationPolicy
 from .watchers.base import Watcher
 
 log = logging.getLogger("turbonode.agent")
 
 
 @dataclass
-class Engine:
+class AgentLoop:
     watchers: list[Watcher]
-    policy: Policy
+    policy: DegradationPolicy
     actions: dict[int, Actions]
     actuator: Actuator
     sample_period: float = 0.25

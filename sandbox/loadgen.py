@@ -3,7 +3,7 @@
 Closed loop: each client sends one request, waits for the answer, sends the next, until the
 deadline. Each request names its tier (body and X-Turbonode-Tier header) and its socket carries
 the tier's DSCP, like a real client's. The demo runs it inside the client network namespace
-(`python -m agent.loadgen URL --clients turbo=1 ...`), which prints the results as JSON.
+(`python -m sandbox.loadgen URL --clients turbo=1 ...`), which prints the results as JSON.
 """
 
 from __future__ import annotations

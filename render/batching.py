@@ -29,7 +29,7 @@ from turbonode.tiers import PRIORITY_ORDER
 RANK: dict[str, int] = {t: i for i, t in enumerate(PRIORITY_ORDER)}
 
 
-class Policy(str, enum.Enum):
+class BatchPolicy(str, enum.Enum):
     STEP_PRIORITY = "step_priority"
     JOB_FIFO = "job_fifo"
     JOB_PRIORITY = "job_priority"
@@ -163,16 +163,16 @@ def _step_priority(cands: list[Candidate], limits: Limits, credits: dict[str, fl
 
 
 def compose_batch(candidates: Iterable[Candidate], limits: Limits, credits: dict[str, float] | None = None,
-                  policy: Policy = Policy.STEP_PRIORITY) -> Composition:
+                  policy: BatchPolicy = BatchPolicy.STEP_PRIORITY) -> Composition:
     """The samples to run in the next UNet call (all of one shape, at most max_batch).
 
     Candidates of paused tiers are left out (they keep their state and wait). `credits`
     is the min-share state the previous call returned; pass it back unchanged.
     """
     cands = [c for c in candidates if c.tier not in limits.paused]
-    if policy is Policy.JOB_FIFO:
+    if policy is BatchPolicy.JOB_FIFO:
         return _whole_job(cands, limits, _fifo_key)
-    if policy is Policy.JOB_PRIORITY:
+    if policy is BatchPolicy.JOB_PRIORITY:
         return _whole_job(cands, limits, _priority_key)
     return _step_priority(cands, limits, credits or {})
 

@@ -1,9 +1,9 @@
 """`turboctl demo`: a sandbox node under mixed-tier load and a CPU fault, without and with turbonode.
 
-Two network namespaces joined by veth (tc/sandbox.py) are the node and its client. The real
+Two network namespaces joined by veth (sandbox/netns.py) are the node and its client. The real
 worker (tiny model) serves HTTP inside the node namespace, so its replies leave through the
 node's shaped interface. Each phase runs the same load for the same time: closed-loop image
-requests of every tier from the client namespace (agent.loadgen), bulk iperf3 flows from the
+requests of every tier from the client namespace (sandbox.loadgen), bulk iperf3 flows from the
 node to the client, and stress-ng on every CPU as the fault.
 
   without: the interface is a plain FIFO shaped to the same rate (HTB root, one class, pfifo),
@@ -29,8 +29,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from tc.sandbox import Sandbox
-from turbonode.config import LEVELS
+from .netns import Sandbox
+from turbonode.levels import LEVELS
 from turbonode.errors import ControlError, TurbonodeError
 from turbonode.jsonrpc import ControlClient
 from turbonode.rates import parse_rate
@@ -117,7 +117,7 @@ class DemoNode:
     # ---- helpers ---------------------------------------------------------------------
 
     def _turboctl(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "agent.cli", *args]
+        return [sys.executable, "-m", "turboctl", *args]
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         with open(self.tmp / f"{name}.log", "a") as out:
@@ -177,7 +177,7 @@ class DemoNode:
                                                      "--timeout", f"{int(d) + 2}s", "--quiet"]))
         watcher = _AgentWatch(self.agent_rpc) if watch_agent else None
         try:
-            argv = [sys.executable, "-m", "agent.loadgen", f"http://{sb.server_ip}:{WORKER_PORT}",
+            argv = [sys.executable, "-m", "sandbox.loadgen", f"http://{sb.server_ip}:{WORKER_PORT}",
                     "--duration", str(d), "--size", str(self.s.size), "--timeout", "30"]
             for tier, n in self.s.clients.items():
                 argv += ["--clients", f"{tier}={n}"]

@@ -1,6 +1,6 @@
 """`turboctl demo`: a sandbox node under mixed-tier load, without and with turbonode.
 
-The full demo (agent/demo.py) runs the worker, the agent, tiered image requests, bulk flows and
+The full demo (sandbox/demo.py) runs the worker, the agent, tiered image requests, bulk flows and
 a CPU fault twice and compares what each tier saw. `--qos-only` shows the datapath alone:
 build_node -> apply_qos -> run_mixed_traffic -> report -> teardown (also on failure).
 Traffic stays inside two network namespaces the demo creates and deletes.
@@ -21,7 +21,7 @@ from turbonode.errors import TurbonodeError
 from turbonode.rates import format_rate, parse_rate
 
 from .params import RATE
-from .qos import format_table
+from .qos_cmd import format_table
 
 # tier, TOS byte of its flow (DSCP << 2: EF, AF41, unmarked, CS1), sender-paced rate as a
 # fraction of the link (None: as fast as TCP goes). Turbo traffic is interactive on a real
@@ -33,7 +33,7 @@ RTT = re.compile(r"time=([\d.]+) ms")
 
 def build_node():
     """Two network namespaces joined by veth: 'server' is the node, 'client' its peer."""
-    from tc.sandbox import Sandbox
+    from sandbox.netns import Sandbox
 
     return Sandbox(prefix="td").create()
 
@@ -146,7 +146,7 @@ def _interrupt_in(owner: int):
 
 
 def full_demo(rate: int, seconds: int, size: int, fault: bool, as_json: bool) -> None:
-    from agent.demo import DemoSettings, report as demo_report, run_demo  # pyroute2, psutil: only when run
+    from sandbox.node import DemoSettings, report as demo_report, run_demo  # pyroute2, psutil: only when run
 
     settings = DemoSettings(rate=format_rate(rate), duration=seconds, size=size, stress=fault)
     result = run_demo(settings, (lambda msg: click.echo(msg, err=True)) if as_json else click.echo)
