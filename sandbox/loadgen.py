@@ -8,15 +8,15 @@ the tier's DSCP, like a real client's. The demo runs it inside the client networ
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import socket
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
-
-import click
 
 from turbonode.stats import percentile
 from turbonode.tiers import TIER_NAMES, tos_byte
@@ -105,27 +105,39 @@ def summarize(outcomes: list[Outcome]) -> dict[str, dict]:
     return out
 
 
-def _clients(ctx, param, values) -> dict[str, int]:
-    out = {}
-    for v in values:
-        tier, _, n = v.partition("=")
-        if tier not in TIER_NAMES or not n.isdigit():
-            raise click.BadParameter(f"expected TIER=N with TIER one of {', '.join(TIER_NAMES)}, got {v!r}")
-        out[tier] = int(n)
-    return out
+def _tier_count(value: str) -> tuple[str, int]:
+    tier, _, n = value.partition("=")
+    if tier not in TIER_NAMES or not n.isdigit():
+        raise argparse.ArgumentTypeError(f"expected TIER=N with TIER one of {', '.join(TIER_NAMES)}, got {value!r}")
+    return tier, int(n)
 
 
-@click.command()
-@click.argument("url")
-@click.option("--clients", multiple=True, callback=_clients, metavar="TIER=N", help="closed-loop clients per tier")
-@click.option("--duration", type=click.FloatRange(min=0.1), default=10.0, show_default=True)
-@click.option("--size", type=click.IntRange(min=8), default=64, show_default=True, help="image size in pixels")
-@click.option("--timeout", type=click.FloatRange(min=0.1), default=60.0, show_default=True)
-def main(url, clients, duration, size, timeout):
+def _at_least(lo: float, kind: type = float):
+    def convert(value: str):
+        try:
+            v = kind(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number, got {value!r}") from None
+        if v < lo:
+            raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
+        return v
+    return convert
+
+
+def main(argv: list[str] | None = None) -> int:
     """Send tiered image requests to URL for DURATION seconds; print every outcome as JSON."""
-    outcomes = run_load(url, clients, duration, size, timeout=timeout)
-    click.echo(json.dumps([asdict(o) for o in outcomes]))
+    parser = argparse.ArgumentParser(prog="python -m sandbox.loadgen", description=main.__doc__)
+    parser.add_argument("url")
+    parser.add_argument("--clients", type=_tier_count, action="append", default=[], metavar="TIER=N",
+                        help="closed-loop clients per tier (repeatable)")
+    parser.add_argument("--duration", type=_at_least(0.1), default=10.0, help="seconds (default 10)")
+    parser.add_argument("--size", type=_at_least(8, int), default=64, help="image size in pixels (default 64)")
+    parser.add_argument("--timeout", type=_at_least(0.1), default=60.0, help="seconds per request (default 60)")
+    args = parser.parse_args(argv)
+    outcomes = run_load(args.url, dict(args.clients), args.duration, args.size, timeout=args.timeout)
+    print(json.dumps([asdict(o) for o in outcomes]))
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,18 +1,8 @@
-"""`turboctl demo`: a sandbox node under mixed-tier load and a CPU fault, without and with turbonode.
-
-Two network namespaces joined by veth (sandbox/netns.py) are the node and its client. The real
-worker (tiny model) serves HTTP inside the node namespace, so its replies leave through the
-node's shaped interface. Each phase runs the same load for the same time: closed-loop image
-requests of every tier from the client namespace (sandbox.loadgen), bulk iperf3 flows from the
-node to the client, and stress-ng on every CPU as the fault.
-
-  without: the interface is a plain FIFO shaped to the same rate (HTB root, one class, pfifo),
-           no agent;
-  with:    the agent applies turbonode's QoS (eBPF classifier under the HTB tier tree), watches
-           the node and throttles the worker's lower tiers while it is degraded.
-
-Everything is bounded in time and torn down on exit, also on Ctrl-C: processes by PID, the
-namespaces (and with them the qdiscs), the temporary directory.
+"""The demo's sandbox node: two network namespaces (sandbox/netns.py), the real worker serving
+HTTP inside the node namespace, and what a phase starts around it: the agent, bulk iperf3
+flows, the stress-ng fault and the tiered image requests from the client namespace
+(sandbox.loadgen). `close` stops every process it started by PID and deletes the namespaces
+(and with them the qdiscs) and its temporary directory, also when a phase fails.
 """
 
 from __future__ import annotations
@@ -26,43 +16,26 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from .netns import Sandbox
-from turbonode.levels import LEVELS
+from turbonode.config import WorkerConfig, split_host_port
 from turbonode.errors import ControlError, TurbonodeError
 from turbonode.jsonrpc import ControlClient
+from turbonode.levels import LEVELS
 from turbonode.rates import parse_rate
-from turbonode.tiers import TIER_NAMES
 
 from .loadgen import Outcome, summarize
+from .netns import Sandbox
 
-WORKER_PORT = 8460
-NEEDS = ("ip", "tc", "iperf3", "stress-ng")
+if TYPE_CHECKING:
+    from .demo import DemoSettings
+
+WORKER_PORT = split_host_port(WorkerConfig().listen)[1]
 
 
 class DemoError(TurbonodeError):
     pass
-
-
-@dataclass
-class DemoSettings:
-    rate: str = "20mbit"           # the node's link, shaped in both phases
-    duration: float = 20.0         # seconds of load per phase
-    size: int = 256                # image size in pixels: big enough that the link matters
-    clients: dict = field(default_factory=lambda: {"turbo": 1, "fast": 1, "other": 1, "relax": 2})
-    bulk_flows: int = 4
-    stress: bool = True            # the fault: stress-ng on every CPU during the load
-
-
-def preflight() -> None:
-    """Refuse early, naming what is missing, rather than half-building a node."""
-    if os.geteuid() != 0:
-        raise DemoError("the demo needs root: it creates network namespaces, tc qdiscs and eBPF programs")
-    missing = [n for n in NEEDS if shutil.which(n) is None]
-    if missing:
-        raise DemoError(f"missing programs: {', '.join(missing)} (run scripts/setup.sh)")
 
 
 class DemoNode:
@@ -139,7 +112,7 @@ class DemoNode:
                 time.sleep(0.2)
         raise DemoError(f"the {name} did not come up in {timeout:.0f} s: see {self.tmp}/{name}.log")
 
-    def _release(self, proc: subprocess.Popen) -> None:
+    def release(self, proc: subprocess.Popen) -> None:
         _stop(proc)
         self.procs.remove(proc)
 
@@ -190,7 +163,7 @@ class DemoNode:
             if watcher:
                 watcher.stop()
             for proc in started:
-                self._release(proc)
+                self.release(proc)
         return {"tiers": summarize(outcomes), "agent": watcher.summary() if watcher else None}
 
 
@@ -245,47 +218,3 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text().splitlines()[-lines:])
     except OSError:
         return ""
-
-
-def run_demo(settings: DemoSettings, log=print) -> dict:
-    """Both phases on one node; returns {"settings", "without", "with"}."""
-    preflight()
-    with DemoNode(settings, log) as node:
-        log(f"phase 1/2: without turbonode (FIFO at {settings.rate}, no agent), {settings.duration:g} s of load "
-            f"+ {settings.bulk_flows} bulk flows" + (" + stress-ng on every CPU" if settings.stress else ""))
-        node.plain_fifo()
-        without = node.run_load(watch_agent=False)
-        node.remove_fifo()
-        log("phase 2/2: with turbonode (eBPF classifier + HTB tiers, agent throttling the worker), same load")
-        agent = node.start_agent()
-        try:
-            with_ = node.run_load(watch_agent=True)
-        finally:
-            node._release(agent)
-    return {"settings": settings.__dict__, "without": without, "with": with_}
-
-
-def _ms(v) -> str:
-    return "-" if v is None else f"{v * 1000:.0f}"
-
-
-def report(result: dict) -> str:
-    """The per-tier comparison, side by side."""
-    head = f"{'ok/sent':>8} {'refused':>7} {'p50 ms':>7} {'p99 ms':>7}"
-    lines = [f"{'':6}  {'without turbonode':^31}  {'with turbonode':^31}", f"{'tier':6}  {head}  {head}"]
-    a, b = result["without"]["tiers"], result["with"]["tiers"]
-    empty = {"ok": 0, "requests": 0, "rejected": 0, "failed": 0, "p50_s": None, "p99_s": None}
-    for tier in [t for t in TIER_NAMES if t in a or t in b]:
-        cells = [f"{s['ok']:>3}/{s['requests']:<4} {s['rejected'] + s['failed']:>7} {_ms(s['p50_s']):>7} "
-                 f"{_ms(s['p99_s']):>7}" for s in (a.get(tier, empty), b.get(tier, empty))]
-        lines.append(f"{tier:6}  {cells[0]}  {cells[1]}")
-    agent = result["with"].get("agent") or {}
-    if agent:
-        lines.append("")
-        lines.append(f"agent: highest level {agent['max_level']}"
-                     + (f" ({', '.join(agent['reasons'])})" if agent["reasons"] else "")
-                     + f", worker throttled {agent['throttled_share']:.0%} of the time"
-                     + (f", last throttle {agent['last_throttle']}" if agent["last_throttle"] else ""))
-    lines.append("Latency: per image request, send to last byte, seen from the client namespace. "
-                 "Refused: 429/503 answers (a shed or paused tier) and errors.")
-    return "\n".join(lines)

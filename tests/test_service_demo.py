@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from conftest import needs_bcc
 from daemon_harness import daemon_env, start, turboctl_argv
 
-from sandbox import node as demo
+from sandbox import demo, report
 from turboctl import demo_cmd as demo_cli
 from turboctl import main
 
@@ -30,7 +30,7 @@ RESULT = {
 
 
 def test_report_is_side_by_side():
-    lines = demo.report(RESULT).splitlines()
+    lines = report.comparison(RESULT).splitlines()
     turbo = next(line for line in lines if line.startswith("turbo"))
     assert re.search(r"2/2\s+0\s+8300\s+10100\s+5/5\s+0\s+3900\s+5800$", turbo), turbo
     relax = next(line for line in lines if line.startswith("relax"))

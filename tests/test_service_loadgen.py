@@ -9,7 +9,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from click.testing import CliRunner
 
 from sandbox import loadgen
 from turbonode.stats import percentile
@@ -71,10 +70,10 @@ def test_percentile():
     assert percentile(list(range(1, 101)), 99) == 99
 
 
-def test_cli(server):
+def test_cli(server, capsys):
     url, _ = server
-    res = CliRunner().invoke(loadgen.main, [url, "--clients", "fast=1", "--duration", "0.3"])
-    assert res.exit_code == 0, res.output
-    assert {o["tier"] for o in json.loads(res.output)} == {"fast"}
-    res = CliRunner().invoke(loadgen.main, [url, "--clients", "gold=1"])
-    assert res.exit_code == 2 and "TIER=N" in res.output
+    assert loadgen.main([url, "--clients", "fast=1", "--duration", "0.3"]) == 0
+    assert {o["tier"] for o in json.loads(capsys.readouterr().out)} == {"fast"}
+    with pytest.raises(SystemExit) as exc:
+        loadgen.main([url, "--clients", "gold=1"])
+    assert exc.value.code == 2 and "TIER=N" in capsys.readouterr().err

@@ -12,7 +12,7 @@ import click
 
 from turbonode import __version__
 
-from . import agent_cmd, config_cmd, demo_cmd, qos_cmd, status_cmd, worker_cmd
+from . import agent_cmd, config_cmd, demo_cmd, qos_cmd, render_cmd, status_cmd, worker_cmd
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -24,6 +24,6 @@ def main(verbose):
     logging.basicConfig(level=level, format="%(asctime)s %(name)s %(levelname)s %(message)s")
 
 
-for _module in (config_cmd, demo_cmd, qos_cmd, agent_cmd, status_cmd, worker_cmd):
+for _module in (config_cmd, demo_cmd, qos_cmd, agent_cmd, status_cmd, worker_cmd, render_cmd):
     for _command in getattr(_module, "commands", (_module.command,)):
         main.add_command(_command)

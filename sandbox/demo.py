@@ -1,0 +1,65 @@
+"""`turboctl demo`: a sandbox node under mixed-tier load and a CPU fault, without and with turbonode.
+
+Two network namespaces joined by veth (sandbox/netns.py) are the node and its client. The real
+worker (tiny model) serves HTTP inside the node namespace, so its replies leave through the
+node's shaped interface. Each phase runs the same load for the same time: closed-loop image
+requests of every tier from the client namespace (sandbox.loadgen), bulk iperf3 flows from the
+node to the client, and stress-ng on every CPU as the fault.
+
+  without: the interface is a plain FIFO shaped to the same rate (HTB root, one class, pfifo),
+           no agent;
+  with:    the agent applies turbonode's QoS (eBPF classifier under the HTB tier tree), watches
+           the node and throttles the worker's lower tiers while it is degraded.
+
+Everything is bounded in time and torn down on exit, also on Ctrl-C: processes by PID, the
+namespaces (and with them the qdiscs), the temporary directory (sandbox/node.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .node import DemoError, DemoNode
+
+NEEDS = ("ip", "tc", "iperf3", "stress-ng")
+
+
+@dataclass
+class DemoSettings:
+    rate: str = "20mbit"           # the node's link, shaped in both phases
+    duration: float = 20.0         # seconds of load per phase
+    size: int = 256                # image size in pixels: big enough that the link matters
+    clients: dict = field(default_factory=lambda: {"turbo": 1, "fast": 1, "other": 1, "relax": 2})
+    bulk_flows: int = 4
+    stress: bool = True            # the fault: stress-ng on every CPU during the load
+
+
+def preflight() -> None:
+    """Refuse early, naming what is missing, rather than half-building a node."""
+    if os.geteuid() != 0:
+        raise DemoError("the demo needs root: it creates network namespaces, tc qdiscs and eBPF programs")
+    missing = [n for n in NEEDS if shutil.which(n) is None]
+    if missing:
+        raise DemoError(f"missing programs: {', '.join(missing)} (run scripts/setup.sh)")
+
+
+def run_demo(settings: DemoSettings, log: Callable[[str], object] = print) -> dict:
+    """Both phases on one node; returns {"settings", "without", "with"}."""
+    preflight()
+    with DemoNode(settings, log) as node:
+        log(f"phase 1/2: without turbonode (FIFO at {settings.rate}, no agent), {settings.duration:g} s of load "
+            f"+ {settings.bulk_flows} bulk flows" + (" + stress-ng on every CPU" if settings.stress else ""))
+        node.plain_fifo()
+        without = node.run_load(watch_agent=False)
+        node.remove_fifo()
+        log("phase 2/2: with turbonode (eBPF classifier + HTB tiers, agent throttling the worker), same load")
+        agent = node.start_agent()
+        try:
+            with_ = node.run_load(watch_agent=True)
+        finally:
+            node.release(agent)
+    return {"settings": dataclasses.asdict(settings), "without": without, "with": with_}
