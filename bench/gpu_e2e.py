@@ -55,7 +55,7 @@ def run(args) -> dict:
     from render.backends.tensorrt import TensorRTOptions
     from render.engine import Engine, EngineSettings
     from turbonode.stats import percentile
-    from render.text_cache import PromptEncoder
+    from render.encode_prompt import PromptEncoder
 
     if args.model == "tiny":  # the embedded model: checks this script anywhere, CPU included
         from render.model import load_components

@@ -41,7 +41,7 @@ from render.gc_telemetry import GcMonitor, freeze_after_load  # noqa: E402
 from render.jobs import JobRequest  # noqa: E402
 from render.model import load_components  # noqa: E402
 from render.batching import BatchPolicy  # noqa: E402
-from render.text_cache import PromptEncoder  # noqa: E402
+from render.encode_prompt import PromptEncoder  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
 
 PROMPTS = [f"a watercolor of a lighthouse, variation {i}" for i in range(6)]

@@ -36,6 +36,7 @@ class BatchPolicy(str, enum.Enum):
 
 
 PROTECTED_TIER = PRIORITY_ORDER[0]
+CO_BATCH_SLACK = 0.25  # lower tiers join turbo while its step gets at most this much slower
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,7 @@ class Limits:
     paused: frozenset[str] = frozenset()
     min_share: float = 0.0
     step_cost: Mapping[tuple, float] = field(default_factory=dict)  # (shape, UNet rows) -> measured seconds
-    co_batch_slack: float = 0.25  # lower tiers join turbo while its step gets at most this much slower
+    co_batch_slack: float = CO_BATCH_SLACK
 
 
 def estimate_cost(rows: int, table: Mapping[int, float]) -> float | None:

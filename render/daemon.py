@@ -49,7 +49,7 @@ class Worker:
         from .http_api import Api, RequestDefaults
         from .metrics import WorkerMetrics
         from .model import load_components
-        from .text_cache import PromptEncoder
+        from .encode_prompt import PromptEncoder
 
         self.cfg = cfg
         torch_threads()

@@ -235,7 +235,7 @@ def test_whole_job_policies_run_in_the_same_engine():
 
 def test_only_the_newest_done_jobs_keep_their_images():
     engine = make_engine()
-    engine.keep_images = 2
+    engine.jobs.keep_images = 2
     jobs = [engine.submit(req("turbo", steps=1, seed=i)) for i in range(3)]
     drain(engine, jobs)
     assert jobs[0].images_dropped and jobs[0].samples[0].image is None

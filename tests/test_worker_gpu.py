@@ -16,7 +16,7 @@ def test_engine_on_cuda_fp16_renders_and_reports_gpu_memory():
     from render.engine import Engine
     from render.gc_telemetry import GcMonitor
     from render.model import load_components
-    from render.text_cache import PromptEncoder
+    from render.encode_prompt import PromptEncoder
     from tests.worker_support import drain, req
 
     comps = load_components("tiny")  # its own copy: the backend moves modules to the GPU in place

@@ -13,7 +13,7 @@ from render.http_api import Api, RequestDefaults
 from render.jobs import JobRequest
 from render.metrics import WorkerMetrics
 from render.model import load_components
-from render.text_cache import PromptEncoder
+from render.encode_prompt import PromptEncoder
 
 SIZE = 64  # pixels: the smallest size the API takes keeps every test step ~10 ms
 

@@ -1,6 +1,6 @@
 """The interface every UNet/VAE backend implements.
 
-The scheduler composes a batch of jobs at each denoising step and calls the backend once:
+The engine composes a batch of samples at each denoising step and calls the backend once:
 one UNet evaluation with per-sample timesteps and text embeddings. The text encoder stays
 in torch for every backend (it runs once per prompt and is cached).
 """
@@ -8,8 +8,23 @@ in torch for every backend (it runs once per prompt and is cached).
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Protocol
 
 import torch
+
+
+class DiffusionBackend(Protocol):
+    """What the engine's stages call: the type of `Engine.backend` (a Backend, or a test's wrapper)."""
+
+    device: torch.device
+    dtype: torch.dtype
+
+    def predict_noise(self, latents: torch.Tensor, timesteps: torch.Tensor,
+                      encoder_hidden_states: torch.Tensor) -> torch.Tensor: ...
+
+    def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
+
+    def describe(self) -> dict: ...
 
 
 class Backend(ABC):

@@ -1,8 +1,10 @@
-"""Prompt -> text embedding, through a bounded LRU cache keyed by model and prompt.
+"""Stage 1, encode prompt: each new job's text embeddings, through a bounded LRU cache keyed by
+model and prompt (diffusers' `encode_prompt`).
 
 Image nodes see the same prompts again and again (retries, n>1, templated prompts); the
 CLIP encoder then runs once per distinct prompt. The key includes the model fingerprint so
-a model swap can never serve stale embeddings.
+a model swap can never serve stale embeddings. With classifier-free guidance a job carries
+two rows, (negative prompt, prompt); without, one.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ import collections
 import threading
 
 import torch
+
+from .jobs import Job
 
 
 class PromptEncoder:
@@ -73,3 +77,15 @@ class PromptEncoder:
                 found[p] = emb
                 self._store(p, emb)
         return [found[p] for p in prompts]
+
+    def encode_jobs(self, jobs: list[Job]) -> None:
+        """Set every job's `embeddings` [rows, L, D]: one encoder call for all prompts not cached.
+        Raises what the encoder raised; the caller fails these jobs."""
+        prompts = []
+        for job in jobs:
+            if job.request.cfg:
+                prompts.append(job.request.negative_prompt)
+            prompts.append(job.request.prompt)
+        embs = iter(self.encode(prompts))
+        for job in jobs:
+            job.embeddings = torch.stack([next(embs) for _ in range(2 if job.request.cfg else 1)])
