@@ -3,9 +3,14 @@
 // Per CPU and vector: nanoseconds spent in the handler and the number of runs; per vector:
 // a log2 histogram of the raise-to-entry latency in nanoseconds. All counters are
 // cumulative; the agent reads deltas. Per-CPU maps so the hot path never contends.
-
-#define NR_VEC 10       // NR_SOFTIRQS: HI TIMER NET_TX NET_RX BLOCK IRQ_POLL TASKLET SCHED HRTIMER RCU
-#define NR_SLOTS 32     // log2(ns) buckets up to ~2 s, then one open-ended slot
+//
+// Build-time constants come from agent/watchers/softirq.py via cflags, so the reader and the
+// maps cannot disagree: NR_VEC (the kernel's softirq vectors, NR_SOFTIRQS: HI TIMER NET_TX
+// NET_RX BLOCK IRQ_POLL TASKLET SCHED HRTIMER RCU) and NR_SLOTS (log2(ns) latency buckets,
+// the last one open-ended).
+#if !defined(NR_VEC) || !defined(NR_SLOTS)
+#error "NR_VEC and NR_SLOTS are passed as cflags by agent/watchers/softirq.py"
+#endif
 
 BPF_PERCPU_ARRAY(raised_at, u64, NR_VEC);   // first raise not yet served, per CPU
 BPF_PERCPU_ARRAY(entered_at, u64, NR_VEC);

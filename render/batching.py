@@ -24,7 +24,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Hashable, Iterable, Mapping
 
-from turbonode.tiers import PRIORITY_ORDER
+from turbonode.tiers import PRIORITY_ORDER, PROTECTED_TIER
 
 RANK: dict[str, int] = {t: i for i, t in enumerate(PRIORITY_ORDER)}
 
@@ -35,7 +35,6 @@ class BatchPolicy(str, enum.Enum):
     JOB_PRIORITY = "job_priority"
 
 
-PROTECTED_TIER = PRIORITY_ORDER[0]
 CO_BATCH_SLACK = 0.25  # lower tiers join turbo while its step gets at most this much slower
 
 

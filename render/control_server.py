@@ -17,9 +17,7 @@ import torch
 
 from turbonode import jsonrpc
 from turbonode.rpc_server import UnixRpcServer
-from turbonode.tiers import TIER_NAMES
-
-from .throttle import PROTECTED_TIER
+from turbonode.tiers import PROTECTED_TIER, TIER_NAMES
 
 log = logging.getLogger(__name__)
 

@@ -1,28 +1,24 @@
 """The throttle the agent sets over the control socket: validated, replaced whole, expiring.
 
 A throttle is a lease: it lasts `ttl_s` unless the agent renews it by setting it again, so
-a dead agent never leaves the worker throttled. Turbo can never be paused, shed or capped:
-protecting turbo is the reason the throttle exists.
+a dead agent never leaves the worker throttled. Its limits are checked by
+turbonode.throttle_params, the same check the agent's config passes: turbo can never be
+paused, shed or capped.
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from turbonode.tiers import TIER_NAMES
+from turbonode.throttle_params import ThrottleLimits, check_throttle
 
-PROTECTED_TIER = "turbo"
 MAX_TTL_S = 3600.0
 
 
 @dataclass(frozen=True)
-class Throttle:
-    max_batch: int | None = None
-    paused_tiers: frozenset[str] = frozenset()
-    step_caps: dict[str, int] = field(default_factory=dict)
-    shed_tiers: frozenset[str] = frozenset()
+class Throttle(ThrottleLimits):
     reason: str = ""
     ttl_s: float = 0.0
     set_at: float = 0.0      # monotonic
@@ -45,35 +41,16 @@ class Throttle:
         }
 
 
-def _tiers(name: str, value) -> frozenset[str]:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
-        raise ValueError(f"{name} must be a list of tier names")
-    for t in value:
-        if t not in TIER_NAMES:
-            raise ValueError(f"{name}: unknown tier {t!r} (expected one of {', '.join(TIER_NAMES)})")
-    if PROTECTED_TIER in value:
-        raise ValueError(f"{name}: the {PROTECTED_TIER} tier cannot be throttled")
-    return frozenset(value)
-
-
 def make_throttle(*, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=(), reason="",
                   ttl_s=None, now: float, now_wall: float) -> Throttle:
     """Validate the `throttle` call's parameters; ValueError names the bad one."""
-    if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
-        raise ValueError(f"max_batch must be a positive integer or null, got {max_batch!r}")
-    step_caps = {} if step_caps is None else step_caps
-    if not isinstance(step_caps, dict):
-        raise ValueError("step_caps must be an object {tier: steps}")
-    _tiers("step_caps", list(step_caps))
-    for t, cap in step_caps.items():
-        if not isinstance(cap, int) or isinstance(cap, bool) or cap < 1:
-            raise ValueError(f"step_caps.{t} must be a positive integer, got {cap!r}")
+    limits = check_throttle(max_batch, paused_tiers, step_caps, shed_tiers)
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError("reason must be a non-empty string (it is logged and shown in status)")
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= MAX_TTL_S:
         raise ValueError(f"ttl_s must be a number of seconds in (0, {MAX_TTL_S:g}], got {ttl_s!r}")
-    return Throttle(max_batch, _tiers("paused_tiers", paused_tiers), dict(step_caps),
-                    _tiers("shed_tiers", shed_tiers), reason.strip(), float(ttl_s), now, now_wall)
+    return Throttle(limits.max_batch, limits.paused_tiers, limits.step_caps, limits.shed_tiers, reason.strip(),
+                    float(ttl_s), now, now_wall)
 
 
 class ThrottleState:

@@ -152,7 +152,7 @@ def test_config_overrides_one_level_and_names_bad_keys(tmp_path):
             load_config(str(f), env={})
         assert exc.value.key == key
     f.write_text('[policy.actions.critical]\nshed_tiers = ["turbo"]\n')
-    with pytest.raises(ConfigError, match="turbo is never throttled"):
+    with pytest.raises(ConfigError, match="turbo tier cannot be throttled"):
         load_config(str(f), env={})
     f.write_text('[policy]\ndisabled = ["cpu_load", "psi"]\n')
     with pytest.raises(ConfigError, match="unknown signal 'psi'") as exc:

@@ -13,13 +13,12 @@ import types
 import pytest
 import torch
 
-from render.backends import select
 from render.backends.select import make_backend
 from render.backends.tensorrt import (TensorRTOptions, latent_profile, tensorrt_unavailable_reason,
                                       unet_profile, vae_profile)
 from render.backends.torch_backend import TorchBackend
 from render.model import load_components
-from turbonode.config import WorkerConfig
+from turbonode.config import BACKEND_NAMES, WorkerConfig
 from turbonode.errors import BackendUnavailable, TurbonodeError
 
 TRT_SKIP = tensorrt_unavailable_reason()
@@ -133,7 +132,7 @@ def test_engine_build_failure_is_clear_and_auto_falls_back(components, monkeypat
 def test_unknown_backend_is_named(components):
     with pytest.raises(BackendUnavailable, match="unknown backend 'onnx'"):
         make_backend("onnx", components, "cpu")
-    assert select.BACKENDS == ("auto", "torch", "tensorrt")
+    assert BACKEND_NAMES == ("auto", "torch", "tensorrt")
 
 
 # ---- real engines (GPU) ---------------------------------------------------------------------

@@ -12,7 +12,7 @@ import sys
 
 import click
 
-from turbonode.config import load_config
+from turbonode.config import BACKEND_NAMES, load_config
 from turbonode.errors import ConfigError, ControlError, TurbonodeError
 from turbonode.jsonrpc import DEFAULT_SOCKET, ControlClient
 from .params import TIER, TIER_STEPS, json_option
@@ -55,7 +55,7 @@ def command():
 @click.option("--listen", metavar="HOST:PORT", help="HTTP API address (default 0.0.0.0:8460)")
 @click.option("--control", metavar="PATH", help="control socket path")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML configuration file")
-@click.option("--backend", type=click.Choice(["auto", "torch", "tensorrt"]), help="UNet/VAE backend")
+@click.option("--backend", type=click.Choice(BACKEND_NAMES), help="UNet/VAE backend")
 @click.option("--device", help="torch device: auto, cpu, cuda, cuda:N")
 def run(model, listen, control, config_file, backend, device):
     """Serve the OpenAI-compatible image API and the control socket until SIGTERM."""

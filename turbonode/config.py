@@ -17,11 +17,14 @@ from typing import Any, Mapping
 from .errors import ConfigError, RateError
 from .levels import ACTION_LEVELS
 from .rates import parse_rate
+from .throttle_params import THROTTLE_KEYS, check_throttle
 from .tiers import TIER_NAMES
 
 DEFAULT_PATH = "/etc/turbonode/turbonode.toml"
 # Samplers the worker can build per job (render/samplers.py maps them to diffusers classes).
 SAMPLER_NAMES = ("euler_a", "euler", "dpmpp_2m", "ddim", "lcm")
+# UNet/VAE backends (render/backends/select.py builds them; `auto` picks one).
+BACKEND_NAMES = ("auto", "torch", "tensorrt")
 ENV_PREFIX = "TURBONODE_"
 
 
@@ -123,7 +126,7 @@ class WorkerConfig:
     control_socket: str = opt("/run/turbonode/worker.sock", help="JSON-RPC control socket path")
     control_group: str = opt("turbonode", help="group owning the control socket (mode 0660)")
     model: str = opt("tiny", help="'tiny' (embedded) or a local diffusers directory")
-    backend: str = opt("auto", one_of("auto", "torch", "tensorrt"), "UNet backend")
+    backend: str = opt("auto", one_of(*BACKEND_NAMES), "UNet backend")
     device: str = opt("auto", help="torch device: auto, cpu, cuda, cuda:N")
     max_batch: int = opt(4, positive, "largest UNet batch")
     size: int = opt(256, positive, "default image size in pixels")
@@ -160,36 +163,27 @@ def policy_signals(v):
     for name in v:
         if name not in POLICY_SIGNALS:
             raise ValueError(f"unknown signal {name!r} (known: {', '.join(POLICY_SIGNALS)})")
-_ACTION_KEYS = ("relax_ceil_pct", "max_batch", "paused_tiers", "step_caps", "shed_tiers")
+ACTION_KEYS = ("relax_ceil_pct", *THROTTLE_KEYS)
 
 
 def level_actions(v):
-    """Per degradation level, what the agent does; turbo is never throttled."""
+    """Per degradation level, what the agent does: the relax ceil and the worker's throttle, whose
+    limits are checked as the worker checks them (turbonode.throttle_params)."""
     for level, acts in v.items():
         if level not in ACTION_LEVELS:
             raise ValueError(f"unknown level {level!r} (expected one of {', '.join(ACTION_LEVELS)})")
         if not isinstance(acts, dict):
             raise ValueError(f"{level}: expected a table, got {acts!r}")
         for k, x in acts.items():
-            where = f"{level}.{k}"
-            if k not in _ACTION_KEYS:
-                raise ValueError(f"{where}: unknown action (known: {', '.join(_ACTION_KEYS)})")
-            if k == "relax_ceil_pct" and not (isinstance(x, int) and 0 < x <= 100):
-                raise ValueError(f"{where}: must be an integer percent 1..100, got {x!r}")
-            if k == "max_batch" and not (isinstance(x, int) and x > 0):
-                raise ValueError(f"{where}: must be a positive integer, got {x!r}")
-            if k in ("paused_tiers", "shed_tiers", "step_caps"):
-                names = list(x) if isinstance(x, (list, dict)) else None
-                if names is None:
-                    raise ValueError(f"{where}: expected {'a table' if k == 'step_caps' else 'an array'}, got {x!r}")
-                try:
-                    tier_list(names)
-                except ValueError as exc:
-                    raise ValueError(f"{where}: {exc}") from None
-                if "turbo" in names:
-                    raise ValueError(f"{where}: turbo is never throttled")
-                if k == "step_caps" and not all(isinstance(n, int) and n > 0 for n in x.values()):
-                    raise ValueError(f"{where}: step caps must be positive integers")
+            if k not in ACTION_KEYS:
+                raise ValueError(f"{level}.{k}: unknown action (known: {', '.join(ACTION_KEYS)})")
+        ceil = acts.get("relax_ceil_pct")
+        if ceil is not None and not (isinstance(ceil, int) and 0 < ceil <= 100):
+            raise ValueError(f"{level}.relax_ceil_pct: must be an integer percent 1..100, got {ceil!r}")
+        try:
+            check_throttle(**{k: x for k, x in acts.items() if k in THROTTLE_KEYS})
+        except ValueError as exc:
+            raise ValueError(f"{level}.{exc}") from None
 
 
 @dataclass

@@ -29,6 +29,8 @@ DEFAULT_TIER = "other"
 
 # Priority order used by the worker's scheduler: first is served first.
 PRIORITY_ORDER: tuple[str, ...] = tuple(t.name for t in sorted(TIERS, key=lambda t: t.prio))
+# The tier the node exists to keep fast: never paused, shed or step-capped, never slowed by others.
+PROTECTED_TIER: str = PRIORITY_ORDER[0]
 
 # DSCP code points that are not 'other' by default (EF, AF41/42/43, CS1, LE).
 DEFAULT_DSCP_MAP: dict[int, str] = {46: "turbo", 34: "fast", 36: "fast", 38: "fast", 8: "relax", 1: "relax"}

@@ -19,9 +19,12 @@ from turbonode.errors import TurbonodeError
 from .base import Rate, Watcher
 from .softirqs_proc import read_softirqs
 
+# The kernel's softirq vectors in index order (NR_SOFTIRQS of them) and the latency histogram's
+# log2(ns) slots (up to ~2 s, then one open-ended slot): bpf/softirq.c gets both as cflags.
 VECTORS = ("HI", "TIMER", "NET_TX", "NET_RX", "BLOCK", "IRQ_POLL", "TASKLET", "SCHED", "HRTIMER", "RCU")
 NET_RX = VECTORS.index("NET_RX")
-NR_SLOTS = 32            # must match bpf/softirq.c
+NR_SLOTS = 32
+CFLAGS = [f"-DNR_VEC={len(VECTORS)}", f"-DNR_SLOTS={NR_SLOTS}"]
 TRACEPOINTS = ("softirq_raise", "softirq_entry", "softirq_exit")
 MIN_EVENTS_FOR_P99 = 10  # fewer raises in a sample say nothing about a tail
 
@@ -74,7 +77,7 @@ class SoftirqBpf:
             raise BpfUnavailable(f"bcc not importable ({exc}); install python3-bpfcc") from None
         import bpf
         try:  # bcc raises bare Exception for compile/load/attach failures
-            self.bpf = BPF(src_file=bpf.source("softirq.c"))
+            self.bpf = BPF(src_file=bpf.source("softirq.c"), cflags=CFLAGS)
         except Exception as exc:
             raise BpfUnavailable(f"loading bpf/softirq.c failed: {exc}") from None
         self._time, self._runs, self._lat = self.bpf[b"time_ns"], self.bpf[b"runs"], self.bpf[b"latency"]

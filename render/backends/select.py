@@ -10,14 +10,14 @@ import logging
 
 import torch
 
+from turbonode.config import BACKEND_NAMES
 from turbonode.errors import BackendUnavailable
 
 from .base import Backend
 
-__all__ = ["BACKENDS", "BackendUnavailable", "make_backend", "resolve_device"]
+__all__ = ["BackendUnavailable", "make_backend", "resolve_device"]
 
 log = logging.getLogger(__name__)
-BACKENDS = ("auto", "torch", "tensorrt")
 
 
 def resolve_device(device: str) -> torch.device:
@@ -54,8 +54,8 @@ def make_backend(name: str, components, device: str = "auto", *, tensorrt_option
     `tensorrt_options` (a render.backends.tensorrt.TensorRTOptions) sets the engines'
     batch range, sizes and cache; None takes the config defaults.
     """
-    if name not in BACKENDS:
-        raise BackendUnavailable(f"unknown backend {name!r} (expected {', '.join(BACKENDS)})")
+    if name not in BACKEND_NAMES:
+        raise BackendUnavailable(f"unknown backend {name!r} (expected {', '.join(BACKEND_NAMES)})")
     dev = resolve_device(device)
     if name == "tensorrt":
         return _tensorrt(components, dev, tensorrt_options)

@@ -1,0 +1,55 @@
+"""What a worker throttle may limit, validated once for both sides of the control socket.
+
+The agent's `[policy.actions.<level>]` tables (turbonode.config) and the worker's `throttle`
+method (render/throttle.py) check the same four parameters with this function, so a level
+the config accepts is a throttle the worker accepts. The protected tier (turbonode.tiers)
+can never be paused, shed or step-capped: protecting it is why the throttle exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .tiers import PROTECTED_TIER, TIER_NAMES
+
+THROTTLE_KEYS: tuple[str, ...] = ("max_batch", "paused_tiers", "step_caps", "shed_tiers")
+
+
+@dataclass(frozen=True)
+class ThrottleLimits:
+    max_batch: int | None = None
+    paused_tiers: frozenset[str] = frozenset()
+    step_caps: dict[str, int] = field(default_factory=dict)
+    shed_tiers: frozenset[str] = frozenset()
+
+
+def _positive_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _tiers(name: str, value: Any) -> frozenset[str]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
+        raise ValueError(f"{name} must be a list of tier names")
+    for t in value:
+        if t not in TIER_NAMES:
+            raise ValueError(f"{name}: unknown tier {t!r} (expected one of {', '.join(TIER_NAMES)})")
+    if PROTECTED_TIER in value:
+        raise ValueError(f"{name}: the {PROTECTED_TIER} tier cannot be throttled")
+    return frozenset(value)
+
+
+def check_throttle(max_batch: Any = None, paused_tiers: Any = (), step_caps: Any = None,
+                   shed_tiers: Any = ()) -> ThrottleLimits:
+    """Validate the throttle's limits; ValueError names the bad parameter first."""
+    if max_batch is not None and not _positive_int(max_batch):
+        raise ValueError(f"max_batch must be a positive integer or null, got {max_batch!r}")
+    step_caps = {} if step_caps is None else step_caps
+    if not isinstance(step_caps, dict):
+        raise ValueError("step_caps must be an object {tier: steps}")
+    _tiers("step_caps", list(step_caps))
+    for t, cap in step_caps.items():
+        if not _positive_int(cap):
+            raise ValueError(f"step_caps.{t} must be a positive integer, got {cap!r}")
+    return ThrottleLimits(max_batch, _tiers("paused_tiers", paused_tiers), dict(step_caps),
+                          _tiers("shed_tiers", shed_tiers))
