@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from turbonode.errors import ControlError, TurbonodeError
 from turbonode.jsonrpc import ControlClient
@@ -19,12 +20,18 @@ log = logging.getLogger("turbonode.agent")
 RENEW_FRACTION = 1 / 3   # renew after a third of the TTL: two more tries before it expires
 
 
+class ClassRates(Protocol):
+    """What the actuator needs of the QoS datapath (tc.datapath.Datapath): change a tier's class."""
+
+    def set_rate(self, tier: str, rate_bps: int, ceil_bps: int | None = None) -> dict: ...
+
+
 @dataclass
 class Actuator:
     worker: ControlClient | None
     ttl_s: float = 3.0
     dry_run: bool = False
-    datapath: object | None = None          # tc.datapath.Datapath (set_rate) or None
+    datapath: ClassRates | None = None      # the QoS datapath, or None when no device is shaped
     relax_rate_bps: int = 0                  # relax's guaranteed rate (kept when the ceil moves)
     relax_ceil_bps: int = 0                  # relax's configured ceil (restored at normal)
     link_bps: int = 0

@@ -1,5 +1,8 @@
 """One agent step: sample every watcher, let the policy decide, enforce, publish a snapshot.
 
+The snapshot is the agent's status object: the level and why, every signal, each watcher's
+summary and the sections each watcher contributes (Watcher.status_view).
+
 No sockets or threads of its own: the daemon calls step() on its schedule, the status
 socket and the metrics read the snapshot.
 """
@@ -18,6 +21,9 @@ from .policy import Actions, Decision, DegradationPolicy
 from .watchers.base import Watcher
 
 log = logging.getLogger("turbonode.agent")
+
+# Status sections that a watcher fills in (Watcher.status_view): what they say while it does not run.
+UNWATCHED: dict[str, object] = {"qos": {}, "worker": {"state": "not watched"}}
 
 
 @dataclass
@@ -51,7 +57,6 @@ class AgentLoop:
         return decision
 
     def _publish(self, decision: Decision) -> None:
-        by_name = {w.name: w for w in self.watchers}
         signals = {k: v for w in self.watchers for k, v in w.signals.items()}   # slow watchers: last read
         snap = {
             "level": decision.level_name,
@@ -64,21 +69,13 @@ class AgentLoop:
             "rules": self.policy.snapshot(),
             "watchers": {w.name: w.summary() for w in self.watchers},
             "actions": self.actuator.state(),
-            "qos": by_name["htb"].detail.get("tiers", {}) if "htb" in by_name else {},
-            "worker": self._worker_view(by_name.get("worker")),
+            **UNWATCHED,
             "sample_period_s": self.sample_period,
         }
+        for w in self.watchers:
+            snap.update(w.status_view())
         with self._lock:
             self._snapshot = snap
-
-    def _worker_view(self, w: Watcher | None) -> dict:
-        if w is None:
-            return {"state": "not watched"}
-        if not w.ok:
-            return {"state": "absent", "error": w.error}
-        d = w.detail
-        return {"state": "ok", "tiers": d.get("tiers"), "throttle": d.get("throttle"),
-                "max_batch": d.get("max_batch"), "step_time_s": d.get("step_time_s"), "backend": d.get("backend")}
 
     def status(self) -> dict:
         with self._lock:

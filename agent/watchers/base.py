@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from typing import Any
 
 from turbonode.errors import TurbonodeError
 
@@ -52,8 +53,12 @@ class Watcher:
         return []
 
     def summary(self) -> dict:
-        """What `turboctl status` shows about this watcher."""
+        """What `turboctl status` shows about this watcher under `watchers.<name>`."""
         return {"ok": self.ok, "error": self.error}
+
+    def status_view(self) -> dict[str, Any]:
+        """Top-level sections this watcher adds to the agent's status object; none by default."""
+        return {}
 
     def collector_ok(self) -> bool:
         """The `_collector_success` value: by default, whether the last read succeeded."""

@@ -30,6 +30,9 @@ class HtbWatcher(Watcher):
         signals["turbo_backlog_bytes"] = tiers.get("turbo", {}).get("backlog_bytes")
         return signals, {"tiers": tiers, "rate_bps": shown.get("rate_bps"), "unparsed": shown["tiers"].get("unparsed")}
 
+    def status_view(self) -> dict:
+        return {"qos": self.detail.get("tiers", {})}
+
     def families(self):
         if not self.ok:
             return []
