@@ -1,12 +1,14 @@
 """Degradation policy: signals in, a level and the actions for it out. Pure: no I/O, no clock.
 
-Levels go normal -> pressured -> degraded -> critical. A rule becomes *active* when its signal
-is above the enter threshold for `enter_samples` consecutive samples, and inactive again after
-`exit_samples` consecutive samples below the (lower) exit threshold; between the two it keeps
-its state (hysteresis). While any rule is active the level climbs one step per
-`min_change_interval`, each further step needing `enter_samples` fresh samples above enter;
-once no rule is active and every signal has been below its exit threshold for `exit_samples`
-samples since the last change, it steps down one level, and the next step down waits again.
+Levels go normal -> pressured -> degraded -> critical (turbonode.levels). Each rule owns its
+thresholds and dwell (`[policy.rules.<signal>]`). A rule becomes *active* when its signal is
+above its enter threshold for its `enter_samples` consecutive samples, and inactive again after
+its `exit_samples` consecutive samples below its (lower) exit threshold; between the two it
+keeps its state (hysteresis). While any rule is active the level climbs one step per
+`min_change_interval`, each further step needing an active rule's `enter_samples` fresh samples
+above enter; once no rule is active and every signal has been below its exit threshold for its
+`exit_samples` samples since the last change, it steps down one level, and the next step down
+waits again.
 
 A signal value of None means "no observation this sample" (e.g. no GC ran): it neither
 breaks an escalation streak nor holds back recovery, so a dead watcher never pins a level.
@@ -19,10 +21,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from turbonode.config import PolicyConfig
+from turbonode.config import PolicyConfig, policy_rules
 from turbonode.errors import ConfigError
 from turbonode.levels import ACTION_LEVELS, LEVELS, NORMAL
 
+_DEFAULTS = PolicyConfig()
 HELD = "held until below exit"   # an active rule whose signal sits between exit and enter (or is silent)
 
 
@@ -36,9 +39,13 @@ def describe_reason(signal: str, value: float | None, threshold: float, crossed:
 
 @dataclass(frozen=True)
 class Rule:
+    """One signal's thresholds and dwell, as oomd's detectors own theirs. A dwell of None takes
+    the policy's (DegradationPolicy.enter_samples / exit_samples)."""
     signal: str
     enter: float
     exit: float
+    enter_samples: int | None = None
+    exit_samples: int | None = None
 
 
 @dataclass(frozen=True)
@@ -89,14 +96,17 @@ class _RuleState:
 @dataclass
 class DegradationPolicy:
     rules: tuple[Rule, ...]
-    enter_samples: int = 3
-    exit_samples: int = 12
-    min_change_interval: float = 1.0
+    enter_samples: int = _DEFAULTS.enter_samples    # the dwell of rules that set none
+    exit_samples: int = _DEFAULTS.exit_samples
+    min_change_interval: float = _DEFAULTS.min_change_interval
     level: int = NORMAL
     last_change: float = -math.inf
     _state: dict[str, _RuleState] = field(default_factory=dict)
 
     def __post_init__(self):
+        self.rules = tuple(dataclasses.replace(r, enter_samples=r.enter_samples or self.enter_samples,
+                                               exit_samples=r.exit_samples or self.exit_samples)
+                           for r in self.rules)
         self._state = {r.signal: _RuleState() for r in self.rules}
 
     def update(self, signals: Mapping[str, float | None], now: float) -> Decision:
@@ -107,12 +117,12 @@ class DegradationPolicy:
         active = [r for r in self.rules if self._state[r.signal].active]
         may_change = now - self.last_change >= self.min_change_interval
         if active:
-            fresh = any(self._state[r.signal].above >= self.enter_samples for r in active)
+            fresh = any(self._state[r.signal].above >= r.enter_samples for r in active)
             if may_change and fresh and self.level < len(LEVELS) - 1:
                 self._change(self.level + 1, now)
             reasons = tuple(self._active_reason(r) for r in active)
         else:
-            healthy = all(s.below >= self.exit_samples for s in self._state.values())
+            healthy = all(self._state[r.signal].below >= r.exit_samples for r in self.rules)
             if may_change and healthy and self.level > NORMAL:
                 self._change(self.level - 1, now)
             reasons = () if self.level == previous else tuple(
@@ -136,9 +146,9 @@ class DegradationPolicy:
             st.above, st.below = 0, st.below + 1
         else:  # inside the hysteresis band: keep the state, restart both streaks
             st.above = st.below = 0
-        if st.below >= self.exit_samples:
+        if st.below >= rule.exit_samples:
             st.active, st.above = False, 0   # a long healthy run also ends a streak that None held
-        elif st.above >= self.enter_samples:
+        elif st.above >= rule.enter_samples:
             st.active = True
 
     def _change(self, level: int, now: float) -> None:
@@ -154,26 +164,14 @@ class DegradationPolicy:
 
 # ---- configuration ---------------------------------------------------------------------
 
-# signal name (turbonode.config.POLICY_SIGNALS) -> PolicyConfig field prefix
-SIGNALS = {
-    "cpu_load": "cpu_load",
-    "gc_pause_s": "gc_pause",
-    "netrx_latency_p99_s": "netrx_latency",
-    "netrx_cpu_share": "netrx_share",
-    "turbo_wait_s": "turbo_wait",
-}
-
-
 def rules_from_config(cfg: PolicyConfig) -> tuple[Rule, ...]:
-    rules = []
-    for signal, prefix in SIGNALS.items():
-        if signal in cfg.disabled:
-            continue
-        enter, exit_ = getattr(cfg, f"{prefix}_enter"), getattr(cfg, f"{prefix}_exit")
-        if exit_ > enter:
-            raise ConfigError(f"policy.{prefix}_exit", f"must not exceed policy.{prefix}_enter ({enter}), got {exit_}")
-        rules.append(Rule(signal, enter, exit_))
-    return tuple(rules)
+    """One rule per `[policy.rules.<signal>]` table (turbonode.config.POLICY_RULES), less the disabled."""
+    try:  # loading checked it; a PolicyConfig built in code is checked here
+        policy_rules(cfg.rules)
+    except ValueError as exc:
+        raise ConfigError("policy.rules", str(exc)) from None
+    return tuple(Rule(signal, t["enter"], t["exit"], t.get("enter_samples"), t.get("exit_samples"))
+                 for signal, t in cfg.rules.items() if signal not in cfg.disabled)
 
 
 def policy_from_config(cfg: PolicyConfig) -> DegradationPolicy:

@@ -133,8 +133,8 @@ def test_cpu_load_throttles_worker_then_recovers(tmp_path, worker):
 
 
 def test_absent_worker_and_dry_run(tmp_path):
-    proc, agent, _ = start_agent(tmp_path, tmp_path / "nobody.sock", "[policy]\ncpu_load_enter = 0.0\n"
-                                 "cpu_load_exit = 0.0\nenter_samples = 1\n", ["--dry-run"])
+    proc, agent, _ = start_agent(tmp_path, tmp_path / "nobody.sock", "[policy]\nenter_samples = 1\n"
+                                 "[policy.rules.cpu_load]\nenter = 0.0\nexit = 0.0\n", ["--dry-run"])
     try:
         st = wait_for(lambda: (s := agent.call("status"))["level"] != "normal" and s, 10)
         assert st, "a zero threshold must escalate"

@@ -4,8 +4,8 @@ import random
 
 import pytest
 
-from agent.policy import SIGNALS, Actions, DegradationPolicy, Rule, actions_table, policy_from_config, rules_from_config
-from turbonode.config import POLICY_SIGNALS, PolicyConfig, load_config
+from agent.policy import Actions, DegradationPolicy, Rule, actions_table, policy_from_config, rules_from_config
+from turbonode.config import POLICY_RULES, PolicyConfig, load_config
 from turbonode.errors import ConfigError
 
 PERIOD = 0.25
@@ -123,10 +123,11 @@ def test_any_active_signal_holds_level():
 
 def test_config_defaults_and_actions():
     cfg = PolicyConfig()
-    assert set(SIGNALS) == set(POLICY_SIGNALS)   # config validates the names the policy knows
     p = policy_from_config(cfg)
-    assert {r.signal for r in p.rules} == {"cpu_load", "gc_pause_s", "netrx_latency_p99_s", "netrx_cpu_share",
-                                        "turbo_wait_s"}
+    assert {r.signal for r in p.rules} == set(POLICY_RULES) == {"cpu_load", "gc_pause_s", "netrx_latency_p99_s",
+                                                                "netrx_cpu_share", "turbo_wait_s"}
+    cpu = next(r for r in p.rules if r.signal == "cpu_load")
+    assert (cpu.enter, cpu.exit, cpu.enter_samples, cpu.exit_samples) == (0.75, 0.70, 3, 12)
     table = actions_table(cfg)
     assert table[0] == Actions()
     assert table[1].relax_ceil_pct == 50 and table[1].throttle == {"max_batch": 2}
@@ -138,12 +139,12 @@ def test_config_defaults_and_actions():
 
 def test_config_overrides_one_level_and_names_bad_keys(tmp_path):
     f = tmp_path / "t.toml"
-    f.write_text('[policy]\ncpu_load_enter = 0.9\n[policy.actions.pressured]\nmax_batch = 3\n')
+    f.write_text('[policy.rules.cpu_load]\nenter = 0.9\n[policy.actions.pressured]\nmax_batch = 3\n')
     cfg = load_config(str(f), env={})
     table = actions_table(cfg.policy)
     assert table[1] == Actions(None, {"max_batch": 3})
     assert table[2].relax_ceil_pct == 25      # untouched levels keep their defaults
-    for text, key in [('[policy]\ncpu_load_enter = 1.5\n', "policy.cpu_load_enter"),
+    for text, key in [('[policy.rules.cpu_load]\nenter = 1.5\n', "policy.rules"),
                       ('[policy]\nbogus = 1\n', "policy.bogus"),
                       ('[policy.actions.critical]\nshed_tiers = ["turbo"]\n', "policy.actions"),
                       ('[policy.actions.panic]\nmax_batch = 1\n', "policy.actions")]:
@@ -160,5 +161,30 @@ def test_config_overrides_one_level_and_names_bad_keys(tmp_path):
     assert exc.value.key == "policy.disabled"
     f.write_text('[policy]\ndisabled = ["cpu_load"]\n')
     assert "cpu_load" not in {r.signal for r in rules_from_config(load_config(str(f), env={}).policy)}
-    with pytest.raises(ConfigError, match="policy.cpu_load_exit"):
-        rules_from_config(PolicyConfig(cpu_load_enter=0.5, cpu_load_exit=0.6))
+    with pytest.raises(ConfigError, match="cpu_load.exit: must not exceed cpu_load.enter") as exc:
+        rules_from_config(PolicyConfig(rules={"cpu_load": {"enter": 0.5, "exit": 0.6}}))
+    assert exc.value.key == "policy.rules"
+
+
+def test_each_rule_owns_its_thresholds_and_dwell(tmp_path):
+    f = tmp_path / "t.toml"
+    f.write_text('[policy]\nenter_samples = 5\n'
+                 '[policy.rules.gc_pause_s]\nenter_samples = 1\n[policy.rules.cpu_load]\nenter = 0.9\n')
+    cfg = load_config(str(f), env={}).policy
+    p = policy_from_config(cfg)
+    rules = {r.signal: r for r in p.rules}
+    # a partial table keeps the other defaults; a rule without its own dwell takes the policy's
+    assert (rules["cpu_load"].enter, rules["cpu_load"].exit, rules["cpu_load"].enter_samples) == (0.9, 0.70, 5)
+    assert rules["gc_pause_s"].enter_samples == 1 and rules["gc_pause_s"].exit_samples == 12
+    assert p.update({"gc_pause_s": 0.02, "cpu_load": 0.1}, 0).level == 1          # one long pause suffices
+    cpu = policy_from_config(cfg)
+    assert levels(run(cpu, [0.95] * 5)) == [0, 0, 0, 0, 1]                          # cpu_load needs five
+    for text, match in [('[policy.rules.cpu_load]\nenter_samples = 0\n', "cpu_load.enter_samples: must be a positive"),
+                        ('[policy.rules.psi]\nenter = 1\n', "unknown signal 'psi'"),
+                        ('[policy.rules.cpu_load]\nbogus = 1\n', "cpu_load.bogus: unknown key"),
+                        ('[policy.rules.cpu_load]\nexit = 0.8\n', r"cpu_load.exit: must not exceed cpu_load.enter \(0.75\)"),
+                        ('[policy.rules.gc_pause_s]\nenter = "5ms"\n', "gc_pause_s.enter: expected a number")]:
+        f.write_text(text)
+        with pytest.raises(ConfigError, match=match) as exc:
+            load_config(str(f), env={})
+        assert exc.value.key == "policy.rules"

@@ -7,12 +7,13 @@ ValueError with a message that the loader prefixes with the dotted key.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 import tomllib
 import typing
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from .errors import ConfigError, RateError
 from .levels import ACTION_LEVELS
@@ -97,10 +98,11 @@ def dscp_table(v):
             raise ValueError(f"DSCP {k} maps to unknown tier {name!r}")
 
 
-def opt(default, check=None, help=""):
-    """A config field: default, optional check, one-line help (shown by `config check`)."""
-    factory = (lambda d=default: type(d)(d)) if isinstance(default, (dict, list)) else None
-    meta = {"check": check, "help": help}
+def opt(default, check=None, help="", table_help=None):
+    """A config field: default, optional check, one-line help (a comment in `config example`;
+    `table_help` comments each sub-table of a table of tables)."""
+    factory = (lambda d=default: copy.deepcopy(d)) if isinstance(default, (dict, list)) else None
+    meta = {"check": check, "help": help, "table_help": table_help or {}}
     if factory:
         return field(default_factory=factory, metadata=meta)
     return field(default=default, metadata=meta)
@@ -156,13 +158,68 @@ class AgentConfig:
     dry_run: bool = opt(False, help="log what the policy would do; change nothing")
 
 
-POLICY_SIGNALS = ("cpu_load", "gc_pause_s", "netrx_latency_p99_s", "netrx_cpu_share", "turbo_wait_s")
+@dataclass(frozen=True)
+class RuleDefaults:
+    """A policy rule's default thresholds, the check its values pass, and what its signal is."""
+
+    enter: float
+    exit: float
+    check: Callable[[Any], None]
+    help: str
+
+
+# The policy's rules, one per signal a watcher publishes (docs/agent.md): above `enter` for
+# enter_samples samples a rule is active, below `exit` for exit_samples it is healthy again
+# (hysteresis; each rule's dwell defaults to policy.enter_samples / policy.exit_samples).
+# Adding a rule is one entry here: the config, its example and the agent's policy follow.
+POLICY_RULES: dict[str, RuleDefaults] = {
+    "cpu_load": RuleDefaults(0.75, 0.70, fraction, "CPU busy fraction (incl. softirq, steal)"),
+    "gc_pause_s": RuleDefaults(0.005, 0.001, positive, "longest new worker GC pause (s)"),
+    "netrx_latency_p99_s": RuleDefaults(200e-6, 50e-6, positive, "NET_RX softirq raise-to-run p99 (s)"),
+    "netrx_cpu_share": RuleDefaults(0.25, 0.10, fraction, "busiest CPU's share of time in the NET_RX softirq"),
+    "turbo_wait_s": RuleDefaults(0.5, 0.25, positive, "oldest queued turbo job's wait (s)"),
+}
+POLICY_SIGNALS = tuple(POLICY_RULES)
+RULE_KEYS = ("enter", "exit", "enter_samples", "exit_samples")
 
 
 def policy_signals(v):
     for name in v:
         if name not in POLICY_SIGNALS:
             raise ValueError(f"unknown signal {name!r} (known: {', '.join(POLICY_SIGNALS)})")
+
+
+def merged_rules(rules: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Every rule's table: the file's keys over the defaults, key by key (naming only `enter`
+    keeps the default `exit`)."""
+    return {signal: {"enter": d.enter, "exit": d.exit, **rules.get(signal, {})} for signal, d in POLICY_RULES.items()}
+
+
+def policy_rules(v):
+    """[policy.rules.<signal>]: enter and exit thresholds (exit <= enter), optional own dwell."""
+    for signal, table in v.items():
+        if signal not in POLICY_RULES:
+            raise ValueError(f"unknown signal {signal!r} (known: {', '.join(POLICY_SIGNALS)})")
+        if not isinstance(table, dict):
+            raise ValueError(f"{signal}: expected a table, got {table!r}")
+        for k, x in table.items():
+            where = f"{signal}.{k}"
+            if k not in RULE_KEYS:
+                raise ValueError(f"{where}: unknown key (known: {', '.join(RULE_KEYS)})")
+            if k in ("enter", "exit"):
+                if isinstance(x, bool) or not isinstance(x, (int, float)):
+                    raise ValueError(f"{where}: expected a number, got {x!r}")
+                try:
+                    POLICY_RULES[signal].check(x)
+                except ValueError as exc:
+                    raise ValueError(f"{where}: {exc}") from None
+            elif isinstance(x, bool) or not isinstance(x, int) or x < 1:
+                raise ValueError(f"{where}: must be a positive integer, got {x!r}")
+    for signal, table in merged_rules(v).items():
+        if table["exit"] > table["enter"]:
+            raise ValueError(f"{signal}.exit: must not exceed {signal}.enter ({table['enter']}), got {table['exit']}")
+
+
 ACTION_KEYS = ("relax_ceil_pct", *THROTTLE_KEYS)
 
 
@@ -188,27 +245,23 @@ def level_actions(v):
 
 @dataclass
 class PolicyConfig:
-    enter_samples: int = opt(3, positive, "samples above an enter threshold before escalating")
-    exit_samples: int = opt(12, positive, "samples below every exit threshold before stepping down")
+    enter_samples: int = opt(3, positive, "samples above a rule's enter threshold before escalating (rules' default)")
+    exit_samples: int = opt(12, positive, "samples below a rule's exit threshold before it is healthy (rules' default)")
     min_change_interval: float = opt(1.0, positive, "seconds between two level changes")
-    cpu_load_enter: float = opt(0.75, fraction, "CPU busy fraction (incl. softirq, steal) that escalates")
-    cpu_load_exit: float = opt(0.70, fraction, "CPU busy fraction counted as healthy")
-    gc_pause_enter: float = opt(0.005, positive, "worker GC pause (s) that escalates")
-    gc_pause_exit: float = opt(0.001, positive, "worker GC pause (s) counted as healthy")
-    netrx_latency_enter: float = opt(200e-6, positive, "NET_RX softirq raise-to-run p99 (s) that escalates")
-    netrx_latency_exit: float = opt(50e-6, positive, "NET_RX softirq latency p99 (s) counted as healthy")
-    netrx_share_enter: float = opt(0.25, fraction, "busiest CPU's share of time in NET_RX softirq that escalates")
-    netrx_share_exit: float = opt(0.10, fraction, "busiest CPU's NET_RX share counted as healthy")
-    turbo_wait_enter: float = opt(0.5, positive, "turbo queue wait budget (s); above it escalates")
-    turbo_wait_exit: float = opt(0.25, positive, "turbo queue wait (s) counted as healthy")
     disabled: list = opt([], policy_signals, "signals the policy ignores (still watched and shown)")
     psi_trigger_us: int = opt(100000, positive, "PSI trigger: stall microseconds per 1 s window that wakes the sampler")
+    rules: dict = opt(merged_rules({}), policy_rules,
+                      "per signal: enter and exit thresholds; enter_samples/exit_samples override the dwell",
+                      table_help={signal: d.help for signal, d in POLICY_RULES.items()})
     actions: dict = opt({
         "pressured": {"relax_ceil_pct": 50, "max_batch": 2},
         "degraded": {"relax_ceil_pct": 25, "max_batch": 2, "paused_tiers": ["relax"], "step_caps": {"fast": 8}},
         "critical": {"relax_ceil_pct": 10, "max_batch": 1, "paused_tiers": ["relax"], "step_caps": {"fast": 6},
                      "shed_tiers": ["relax"]},
     }, level_actions, "what each level does (relax_ceil_pct, max_batch, paused_tiers, step_caps, shed_tiers)")
+
+    def __post_init__(self) -> None:
+        self.rules = merged_rules(self.rules)
 
 
 @dataclass

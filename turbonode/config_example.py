@@ -62,6 +62,8 @@ def _section(obj, name: str) -> list[str]:
         if _is_table_of_tables(value):
             later += [""] + comment
             for k, table in value.items():
+                if k in f.metadata.get("table_help", {}):
+                    later.append(f"# {k}: {f.metadata['table_help'][k]}")
                 later.append(f"[{name}.{_key(f.name)}.{_key(k)}]")
                 later += [f"{_key(x)} = {toml_value(v)}" for x, v in table.items()]
             continue
