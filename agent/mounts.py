@@ -1,4 +1,4 @@
-"""bpffs and tracefs: a fresh machine may have neither mounted (NOTES.md); mount them."""
+"""bpffs and tracefs: a fresh machine may have neither mounted (docs/design.md, kernel facts); mount them."""
 
 from __future__ import annotations
 

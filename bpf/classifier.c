@@ -2,7 +2,7 @@
 //
 // Reads the DSCP of IPv4/IPv6 frames (optionally behind one 802.1Q/802.1ad tag), looks the
 // tier up in dscp_map and steers the frame to that tier's HTB class by writing the class
-// minor into skb->tc_classid (the filter carries the major 1:, see NOTES.md). Anything it
+// minor into skb->tc_classid (the filter carries the major 1:, see docs/design.md). Anything it
 // cannot parse goes to the default tier. It never drops: every path returns TC_ACT_OK.
 //
 // Build-time constants come from turbonode/tiers.py via cflags: PIN_DIR (bpffs directory of

@@ -1,6 +1,6 @@
 """The worker's control socket: JSON-RPC 2.0 over AF_UNIX, one object per line.
 
-Methods (DESIGN.md): `ping`, `status`, `throttle`, `release`. The server runs in its own
+Methods (docs/design.md, control protocol): `ping`, `status`, `throttle`, `release`. The server runs in its own
 threads (turbonode.rpc_server), so the agent gets answers even while the engine is deep in
 a batch; a malformed, oversized or unknown request gets an error and the worker carries on.
 """

@@ -1,4 +1,4 @@
-"""One TOML configuration file (DESIGN.md): every key optional, every bad key named.
+"""One TOML configuration file (docs/design.md, configuration): every key optional, every bad key named.
 
 Precedence: defaults < file < environment (TURBONODE_<SECTION>_<KEY>) < flags.
 Each section is a dataclass; a field's `check` metadata validates its value and raises

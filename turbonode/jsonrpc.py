@@ -1,4 +1,4 @@
-"""JSON-RPC 2.0 over a line-oriented AF_UNIX stream socket (DESIGN.md, control socket).
+"""JSON-RPC 2.0 over a line-oriented AF_UNIX stream socket (docs/design.md, control protocol).
 
 One JSON object per line; a line longer than MAX_REQUEST_BYTES is refused without being
 read into memory whole. This module holds the wire contract both sides share: the server

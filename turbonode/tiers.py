@@ -1,4 +1,4 @@
-"""The tier table (DESIGN.md): one place for DSCP defaults, HTB classes and shares."""
+"""The tier table (docs/design.md, tiers): one place for DSCP defaults, HTB classes and shares."""
 
 from __future__ import annotations
 
