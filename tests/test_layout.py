@@ -1,0 +1,93 @@
+"""The import rules of the layout (README, "Where things are"), checked on the source and in a
+fresh interpreter: which project packages each package may import, click only in the CLI, and
+the agent's side never loading torch."""
+
+from __future__ import annotations
+
+import ast
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# package -> the project packages it may import (every import, lazy ones included)
+MAY_IMPORT: dict[str, set[str]] = {
+    "turbonode": set(),
+    "bpf": set(),
+    "tc": {"turbonode", "bpf"},
+    "agent": {"turbonode", "tc", "bpf"},
+    "render": {"turbonode"},
+    "sandbox": {"turbonode", "tc"},
+    "turboctl": {"turbonode", "tc", "bpf", "agent", "render", "sandbox"},
+}
+PROJECT = set(MAY_IMPORT) | {"tests", "bench"}
+
+
+def _imports(path: Path, package: str) -> set[str]:
+    """Top-level names of every module `path` imports, relative imports resolved."""
+    tree = ast.parse(path.read_text(), str(path))
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                names.add((parts[:-node.level] or (package,))[0])
+            elif node.module:
+                names.add(node.module.split(".")[0])
+    return names
+
+
+def _sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+@pytest.mark.parametrize("package", sorted(MAY_IMPORT))
+def test_each_package_imports_only_what_it_may(package):
+    wrong = {}
+    for path in _sources(package):
+        bad = (_imports(path, package) & PROJECT) - MAY_IMPORT[package] - {package}
+        if bad:
+            wrong[str(path.relative_to(ROOT))] = sorted(bad)
+    assert not wrong, f"{package} may import only {sorted(MAY_IMPORT[package])} of the project: {wrong}"
+
+
+def test_agent_and_render_never_import_each_other():
+    assert "render" not in MAY_IMPORT["agent"] and "agent" not in MAY_IMPORT["render"]
+    for package, other in (("agent", "render"), ("render", "agent")):
+        assert not [p for p in _sources(package) if other in _imports(p, package)]
+
+
+def test_only_the_cli_imports_click():
+    users = [str(p.relative_to(ROOT)) for package in MAY_IMPORT if package != "turboctl"
+             for p in _sources(package) if "click" in _imports(p, package)]
+    assert not users, f"click outside turboctl/: {users}"
+
+
+def test_the_rules_see_real_imports():
+    """The checker itself: it finds absolute, relative and lazy imports."""
+    assert {"turbonode", "tc"} <= _imports(ROOT / "agent" / "daemon.py", "agent")      # lazy: from tc.datapath
+    assert "agent" in _imports(ROOT / "agent" / "loop.py", "agent")                    # relative: from .policy
+    assert "click" in _imports(ROOT / "turboctl" / "__init__.py", "turboctl")
+
+
+AGENT_SIDE = ["agent.daemon", "agent.loop", "agent.policy", "agent.actuator", "agent.metrics", "agent.mounts",
+              *[f"agent.watchers.{p.stem}" for p in sorted((ROOT / "agent" / "watchers").glob("[a-z]*.py"))],
+              "tc.datapath", "tc.classifier", "sandbox.demo", "sandbox.traffic", "sandbox.loadgen", "turboctl",
+              *[f"turbonode.{p.stem}" for p in sorted((ROOT / "turbonode").glob("[a-z]*.py"))]]
+
+
+def test_importing_the_agent_side_never_imports_torch():
+    code = ("import importlib, sys\n"
+            f"for name in {AGENT_SIDE!r}:\n"
+            "    importlib.import_module(name)\n"
+            "heavy = sorted({'torch', 'diffusers', 'render'} & set(sys.modules))\n"
+            "sys.exit(f'imported {heavy}' if heavy else 0)\n")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr or proc.stdout
