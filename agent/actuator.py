@@ -17,7 +17,7 @@ from .policy import Actions
 
 log = logging.getLogger("turbonode.agent")
 
-RENEW_FRACTION = 1 / 3   # renew after a third of the TTL: two more tries before it expires
+RENEW_FRACTION = 1 / 3  # renew after a third of the TTL: two more tries before it expires
 
 
 class ClassRates(Protocol):
@@ -31,15 +31,15 @@ class Actuator:
     worker: ControlClient | None
     ttl_s: float = 3.0
     dry_run: bool = False
-    datapath: ClassRates | None = None      # the QoS datapath, or None when no device is shaped
-    relax_rate_bps: int = 0                  # relax's guaranteed rate (kept when the ceil moves)
-    relax_ceil_bps: int = 0                  # relax's configured ceil (restored at normal)
+    datapath: ClassRates | None = None  # the QoS datapath, or None when no device is shaped
+    relax_rate_bps: int = 0  # relax's guaranteed rate (kept when the ceil moves)
+    relax_ceil_bps: int = 0  # relax's configured ceil (restored at normal)
     link_bps: int = 0
-    counts: Counter = field(default_factory=Counter)   # (action, signal) -> n
+    counts: Counter = field(default_factory=Counter)  # (action, signal) -> n
     applied: Actions = field(default_factory=Actions)
     worker_error: str | None = None
     datapath_error: str | None = None
-    _sent: dict | None = None                # throttle in force at the worker, as far as we know
+    _sent: dict | None = None  # throttle in force at the worker, as far as we know
     _sent_at: float = 0.0
     _ceil_done: int | None = None
 
@@ -99,6 +99,10 @@ class Actuator:
         log.info("relax ceil set to %d bit/s", ceil)
 
     def state(self) -> dict:
-        return {"applied": {"relax_ceil_pct": self.applied.relax_ceil_pct, "throttle": self.applied.throttle},
-                "dry_run": self.dry_run, "worker_error": self.worker_error, "datapath_error": self.datapath_error,
-                "relax_ceil_bps": self._ceil_done}
+        return {
+            "applied": {"relax_ceil_pct": self.applied.relax_ceil_pct, "throttle": self.applied.throttle},
+            "dry_run": self.dry_run,
+            "worker_error": self.worker_error,
+            "datapath_error": self.datapath_error,
+            "relax_ceil_bps": self._ceil_done,
+        }

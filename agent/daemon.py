@@ -59,14 +59,25 @@ def open_datapath(cfg: Config):
 def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
     a = cfg.agent
     client = ControlClient(a.worker_socket, timeout=max(0.5, 2 * a.sample_period))
-    watchers = [CpuWatcher(a.procfs), PsiWatcher(a.procfs), SoftnetWatcher(a.procfs),
-                SoftirqWatcher(a.procfs, a.sysfs), GpuWatcher(gpu_nvml), WorkerWatcher(client)]
+    watchers = [
+        CpuWatcher(a.procfs),
+        PsiWatcher(a.procfs),
+        SoftnetWatcher(a.procfs),
+        SoftirqWatcher(a.procfs, a.sysfs),
+        GpuWatcher(gpu_nvml),
+        WorkerWatcher(client),
+    ]
     link = parse_rate(cfg.qos.rate)
     relax = tier("relax")
-    actuator = Actuator(client, a.throttle_ttl, a.dry_run, datapath,
-                        relax_rate_bps=link * cfg.qos.rate_pct.get("relax", relax.rate_pct) // 100,
-                        relax_ceil_bps=link * cfg.qos.ceil_pct.get("relax", relax.ceil_pct) // 100,
-                        link_bps=link)
+    actuator = Actuator(
+        client,
+        a.throttle_ttl,
+        a.dry_run,
+        datapath,
+        relax_rate_bps=link * cfg.qos.rate_pct.get("relax", relax.rate_pct) // 100,
+        relax_ceil_bps=link * cfg.qos.ceil_pct.get("relax", relax.ceil_pct) // 100,
+        link_bps=link,
+    )
     if datapath is not None:
         from .watchers.htb import HtbWatcher
 
@@ -82,7 +93,7 @@ def run(cfg: Config, flags: Flags | None = None) -> int:
             ensure_mounts(a.procfs, a.sysfs)
         datapath = open_datapath(cfg)
         if datapath is not None:
-            stack.callback(datapath.close)   # our netlink socket only: the datapath stays in the kernel
+            stack.callback(datapath.close)  # our netlink socket only: the datapath stays in the kernel
         loop = build_loop(cfg, datapath)
         for w in loop.watchers:
             stack.callback(w.close)
@@ -127,7 +138,7 @@ def _run_loop(loop: AgentLoop, triggers: PsiTriggers, flags: Flags, period: floa
             if watchdog and now - last_ping >= watchdog:
                 sdnotify.notify("WATCHDOG=1")
                 last_ping = now
-            due = max(due + period, now)   # never try to catch up on missed ticks
+            due = max(due + period, now)  # never try to catch up on missed ticks
             events = poller.poll(max(0.0, due - time.monotonic()) * 1000)
             if rfd in (fd for fd, _ in events):
                 while _drain(rfd):

@@ -45,26 +45,32 @@ class AgentLoop:
         decision = self.policy.update(fresh, now)
         if decision.changed:
             self.last_change, self.last_change_wall = decision, time.time()
-            log.log(logging.WARNING if decision.level > decision.previous else logging.INFO,
-                    "level %s", decision.describe())
+            log.log(
+                logging.WARNING if decision.level > decision.previous else logging.INFO, "level %s", decision.describe()
+            )
         else:
             log.debug("level %s", decision.describe())
         up = self.last_change is not None and self.last_change.level > self.last_change.previous
-        cause = self.last_change.reasons[0].signal if up else "recovery"   # metrics label
+        cause = self.last_change.reasons[0].signal if up else "recovery"  # metrics label
         reason = self.last_change.describe() if self.last_change else "normal"
         self.actuator.apply(self.actions[decision.level], reason, cause, now)
         self._publish(decision)
         return decision
 
     def _publish(self, decision: Decision) -> None:
-        signals = {k: v for w in self.watchers for k, v in w.signals.items()}   # slow watchers: last read
+        signals = {k: v for w in self.watchers for k, v in w.signals.items()}  # slow watchers: last read
         snap = {
             "level": decision.level_name,
             "level_index": decision.level,
             "active": [r.as_dict() for r in decision.reasons if r.crossed != "below exit"],
-            "last_change": None if self.last_change is None else {
-                "at": self.last_change_wall, "from": LEVELS[self.last_change.previous],
-                "to": self.last_change.level_name, "reasons": [r.as_dict() for r in self.last_change.reasons]},
+            "last_change": None
+            if self.last_change is None
+            else {
+                "at": self.last_change_wall,
+                "from": LEVELS[self.last_change.previous],
+                "to": self.last_change.level_name,
+                "reasons": [r.as_dict() for r in self.last_change.reasons],
+            },
             "signals": signals,
             "rules": self.policy.snapshot(),
             "watchers": {w.name: w.summary() for w in self.watchers},

@@ -23,8 +23,9 @@ class WatcherCollector:
     def collect(self):
         w = self.watcher
         ok = w.collector_ok()
-        success = GaugeMetricFamily(f"turbonode_{w.name}_collector_success",
-                                    f"1 if the {w.name} watcher's last sample succeeded")
+        success = GaugeMetricFamily(
+            f"turbonode_{w.name}_collector_success", f"1 if the {w.name} watcher's last sample succeeded"
+        )
         success.add_metric([], 1.0 if ok else 0.0)
         yield success
         yield from w.families()
@@ -41,12 +42,16 @@ class PolicyCollector:
 
     def collect(self):
         level, counts = self.state()
-        g = GaugeMetricFamily("turbonode_degradation_level",
-                              f"Degradation level: {', '.join(f'{i} {n}' for i, n in enumerate(LEVELS))}")
+        g = GaugeMetricFamily(
+            "turbonode_degradation_level", f"Degradation level: {', '.join(f'{i} {n}' for i, n in enumerate(LEVELS))}"
+        )
         g.add_metric([], level)
         yield g
-        c = CounterMetricFamily("turbonode_throttle_actions", "Actions the agent took, by signal that caused them",
-                                labels=["action", "reason"])
+        c = CounterMetricFamily(
+            "turbonode_throttle_actions",
+            "Actions the agent took, by signal that caused them",
+            labels=["action", "reason"],
+        )
         for (action, reason), n in sorted(counts.items()):
             c.add_metric([action, reason], n)
         yield c

@@ -26,7 +26,7 @@ from turbonode.errors import ConfigError
 from turbonode.levels import ACTION_LEVELS, LEVELS, NORMAL
 
 _DEFAULTS = PolicyConfig()
-HELD = "held until below exit"   # an active rule whose signal sits between exit and enter (or is silent)
+HELD = "held until below exit"  # an active rule whose signal sits between exit and enter (or is silent)
 
 
 def describe_reason(signal: str, value: float | None, threshold: float, crossed: str) -> str:
@@ -41,6 +41,7 @@ def describe_reason(signal: str, value: float | None, threshold: float, crossed:
 class Rule:
     """One signal's thresholds and dwell, as oomd's detectors own theirs. A dwell of None takes
     the policy's (DegradationPolicy.enter_samples / exit_samples)."""
+
     signal: str
     enter: float
     exit: float
@@ -67,7 +68,7 @@ class Decision:
     at: float
     level: int
     previous: int
-    reasons: tuple[Reason, ...]   # why the level is what it is (active rules, or recovery evidence)
+    reasons: tuple[Reason, ...]  # why the level is what it is (active rules, or recovery evidence)
 
     @property
     def changed(self) -> bool:
@@ -96,7 +97,7 @@ class _RuleState:
 @dataclass
 class DegradationPolicy:
     rules: tuple[Rule, ...]
-    enter_samples: int = _DEFAULTS.enter_samples    # the dwell of rules that set none
+    enter_samples: int = _DEFAULTS.enter_samples  # the dwell of rules that set none
     exit_samples: int = _DEFAULTS.exit_samples
     min_change_interval: float = _DEFAULTS.min_change_interval
     level: int = NORMAL
@@ -104,9 +105,12 @@ class DegradationPolicy:
     _state: dict[str, _RuleState] = field(default_factory=dict)
 
     def __post_init__(self):
-        self.rules = tuple(dataclasses.replace(r, enter_samples=r.enter_samples or self.enter_samples,
-                                               exit_samples=r.exit_samples or self.exit_samples)
-                           for r in self.rules)
+        self.rules = tuple(
+            dataclasses.replace(
+                r, enter_samples=r.enter_samples or self.enter_samples, exit_samples=r.exit_samples or self.exit_samples
+            )
+            for r in self.rules
+        )
         self._state = {r.signal: _RuleState() for r in self.rules}
 
     def update(self, signals: Mapping[str, float | None], now: float) -> Decision:
@@ -125,15 +129,18 @@ class DegradationPolicy:
             healthy = all(self._state[r.signal].below >= r.exit_samples for r in self.rules)
             if may_change and healthy and self.level > NORMAL:
                 self._change(self.level - 1, now)
-            reasons = () if self.level == previous else tuple(
-                Reason(r.signal, self._state[r.signal].value, r.exit, "below exit") for r in self.rules)
+            reasons = (
+                ()
+                if self.level == previous
+                else tuple(Reason(r.signal, self._state[r.signal].value, r.exit, "below exit") for r in self.rules)
+            )
         return Decision(now, self.level, previous, reasons)
 
     def _active_reason(self, rule: Rule) -> Reason:
         value = self._state[rule.signal].value
         if value is not None and value > rule.enter:
             return Reason(rule.signal, value, rule.enter, "above enter")
-        return Reason(rule.signal, value, rule.exit, HELD)   # active by hysteresis
+        return Reason(rule.signal, value, rule.exit, HELD)  # active by hysteresis
 
     def _observe(self, rule: Rule, value: float | None) -> None:
         st = self._state[rule.signal]
@@ -147,7 +154,7 @@ class DegradationPolicy:
         else:  # inside the hysteresis band: keep the state, restart both streaks
             st.above = st.below = 0
         if st.below >= rule.exit_samples:
-            st.active, st.above = False, 0   # a long healthy run also ends a streak that None held
+            st.active, st.above = False, 0  # a long healthy run also ends a streak that None held
         elif st.above >= rule.enter_samples:
             st.active = True
 
@@ -158,11 +165,19 @@ class DegradationPolicy:
             st.above = st.below = 0
 
     def snapshot(self) -> dict:
-        return {r.signal: {"value": self._state[r.signal].value, "enter": r.enter, "exit": r.exit,
-                           "active": self._state[r.signal].active} for r in self.rules}
+        return {
+            r.signal: {
+                "value": self._state[r.signal].value,
+                "enter": r.enter,
+                "exit": r.exit,
+                "active": self._state[r.signal].active,
+            }
+            for r in self.rules
+        }
 
 
 # ---- configuration ---------------------------------------------------------------------
+
 
 def rules_from_config(cfg: PolicyConfig) -> tuple[Rule, ...]:
     """One rule per `[policy.rules.<signal>]` table (turbonode.config.POLICY_RULES), less the disabled."""
@@ -170,8 +185,11 @@ def rules_from_config(cfg: PolicyConfig) -> tuple[Rule, ...]:
         policy_rules(cfg.rules)
     except ValueError as exc:
         raise ConfigError("policy.rules", str(exc)) from None
-    return tuple(Rule(signal, t["enter"], t["exit"], t.get("enter_samples"), t.get("exit_samples"))
-                 for signal, t in cfg.rules.items() if signal not in cfg.disabled)
+    return tuple(
+        Rule(signal, t["enter"], t["exit"], t.get("enter_samples"), t.get("exit_samples"))
+        for signal, t in cfg.rules.items()
+        if signal not in cfg.disabled
+    )
 
 
 def policy_from_config(cfg: PolicyConfig) -> DegradationPolicy:
@@ -180,9 +198,11 @@ def policy_from_config(cfg: PolicyConfig) -> DegradationPolicy:
 
 # ---- actions ---------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Actions:
     """What the agent enforces at one level. `throttle` is None or the worker's throttle params."""
+
     relax_ceil_pct: int | None = None
     throttle: dict | None = None
 

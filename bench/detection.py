@@ -34,19 +34,35 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.node import Node, call, wait_for  # noqa: E402
 
-FAULT_S = 4           # every fault stops by itself after this long
+FAULT_S = 4  # every fault stops by itself after this long
 DETECT_TIMEOUT_S = 4
 RECOVER_TIMEOUT_S = 60
 
 
 # ---- faults: each returns the processes to stop (all bounded by FAULT_S anyway) -------------
 
+
 def fault_netrx(node: Node) -> list:
     sb = node.sandbox
     server = sb.popen(sb.server, "iperf3", "-s", "-1", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.3)
-    client = sb.popen(sb.client, "iperf3", "-c", sb.server_ip, "-u", "-b", "0", "-l", "64", "-P", "2",
-                      "-t", str(FAULT_S), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    client = sb.popen(
+        sb.client,
+        "iperf3",
+        "-c",
+        sb.server_ip,
+        "-u",
+        "-b",
+        "0",
+        "-l",
+        "64",
+        "-P",
+        "2",
+        "-t",
+        str(FAULT_S),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     return [client, server]
 
 
@@ -78,7 +94,7 @@ def measure(node: Node, name: str, repeats: int) -> dict:
             continue
         start = FAULTS[name]
         wall0 = time.time()
-        if name == "netrx":   # iperf3's server must be up first: onset is the client's start
+        if name == "netrx":  # iperf3's server must be up first: onset is the client's start
             procs = start(node)
             t0 = time.monotonic()
         else:
@@ -87,8 +103,12 @@ def measure(node: Node, name: str, repeats: int) -> dict:
         hit = wait_for(node.throttle, DETECT_TIMEOUT_S)
         t1 = time.monotonic()
         # The agent publishes its status right after acting: wait for the change it made.
-        change = wait_for(lambda: ((c := (call(node.agent_rpc, "status") or {}).get("last_change"))
-                                   and c["at"] >= wall0 and c), 2) or {}
+        change = (
+            wait_for(
+                lambda: (c := (call(node.agent_rpc, "status") or {}).get("last_change")) and c["at"] >= wall0 and c, 2
+            )
+            or {}
+        )
         causes.append(",".join(r["signal"] for r in change.get("reasons", [])) if hit else "none")
         times.append(t1 - t0 if hit else None)
         for p in procs:
@@ -103,10 +123,16 @@ def measure(node: Node, name: str, repeats: int) -> dict:
         if wait_for(node.settled, RECOVER_TIMEOUT_S, 0.1):
             recoveries.append(time.monotonic() - t_end)
     got = [t for t in times if t is not None]
-    return {"fault": name, "runs": repeats, "detected": len(got),
-            "p50_s": statistics.median(got) if got else None, "max_s": max(got) if got else None,
-            "times_s": times, "causes": causes,
-            "recovery_p50_s": statistics.median(recoveries) if recoveries else None}
+    return {
+        "fault": name,
+        "runs": repeats,
+        "detected": len(got),
+        "p50_s": statistics.median(got) if got else None,
+        "max_s": max(got) if got else None,
+        "times_s": times,
+        "causes": causes,
+        "recovery_p50_s": statistics.median(recoveries) if recoveries else None,
+    }
 
 
 def healthy(node: Node, minutes: float) -> dict:
@@ -125,12 +151,36 @@ def healthy(node: Node, minutes: float) -> dict:
             if chunk <= 1:
                 break
             load = 20 + int(time.monotonic() * 7) % 26
-            procs = [subprocess.Popen(["stress-ng", "--cpu", "1", "--cpu-load", str(load), "--timeout",
-                                       f"{int(chunk)}s", "--quiet"]),
-                     sb.popen(sb.client, "iperf3", "-c", sb.server_ip, "-u", "-b", "20M", "-t", str(int(chunk)),
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL),
-                     sb.popen(sb.client, "ping", "-q", "-i", "0.05", "-w", str(int(chunk)), sb.server_ip,
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)]
+            procs = [
+                subprocess.Popen(
+                    ["stress-ng", "--cpu", "1", "--cpu-load", str(load), "--timeout", f"{int(chunk)}s", "--quiet"]
+                ),
+                sb.popen(
+                    sb.client,
+                    "iperf3",
+                    "-c",
+                    sb.server_ip,
+                    "-u",
+                    "-b",
+                    "20M",
+                    "-t",
+                    str(int(chunk)),
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                ),
+                sb.popen(
+                    sb.client,
+                    "ping",
+                    "-q",
+                    "-i",
+                    "0.05",
+                    "-w",
+                    str(int(chunk)),
+                    sb.server_ip,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                ),
+            ]
             for p in procs:
                 p.wait(timeout=chunk + 10)
             rss.append(agent.memory_info().rss)
@@ -141,8 +191,13 @@ def healthy(node: Node, minutes: float) -> dict:
     used = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
     changes = node.level_changes()[before:]
     ups = [f"{sig}={val}" for direction, _, _, sig, val in changes if direction == "escalate"]
-    return {"minutes": round(wall / 60, 2), "level_changes": len(changes), "escalations_by": ups,
-            "agent_cpu_pct_of_core": 100 * used / wall, "agent_rss_mib": max(rss, default=agent.memory_info().rss) / 2**20}
+    return {
+        "minutes": round(wall / 60, 2),
+        "level_changes": len(changes),
+        "escalations_by": ups,
+        "agent_cpu_pct_of_core": 100 * used / wall,
+        "agent_rss_mib": max(rss, default=agent.memory_info().rss) / 2**20,
+    }
 
 
 def fmt(v, unit="s"):
@@ -170,23 +225,31 @@ def main() -> int:
         signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
     if args.logs:
         os.makedirs(args.logs, exist_ok=True)
-    with (contextlib.nullcontext(args.logs) if args.logs else tempfile.TemporaryDirectory(prefix="tn-detect-")) as tmp, \
-            Node(tmp, args.period) as node:
+    with (
+        contextlib.nullcontext(args.logs) if args.logs else tempfile.TemporaryDirectory(prefix="tn-detect-") as tmp,
+        Node(tmp, args.period) as node,
+    ):
         results = [measure(node, f, args.repeats) for f in faults]
         calm = healthy(node, args.healthy_minutes) if args.healthy_minutes > 0 else None
         if not wait_for(node.settled, RECOVER_TIMEOUT_S, 0.2):
             print("node did not return to normal at the end", file=sys.stderr)
-    print(f"\ndetection: fault onset -> throttle applied at the worker (period {args.period} s, "
-          f"{args.repeats} runs each, target <= 1 s)")
+    print(
+        f"\ndetection: fault onset -> throttle applied at the worker (period {args.period} s, "
+        f"{args.repeats} runs each, target <= 1 s)"
+    )
     print(f"{'fault':<7} {'detected':>8} {'p50':>8} {'max':>8} {'recovery p50':>13}  signal(s)")
     for r in results:
-        print(f"{r['fault']:<7} {r['detected']:>4}/{r['runs']:<3} {fmt(r['p50_s']):>8} {fmt(r['max_s']):>8} "
-              f"{fmt(r['recovery_p50_s']):>13}  {'; '.join(sorted(set(r['causes'])))}")
+        print(
+            f"{r['fault']:<7} {r['detected']:>4}/{r['runs']:<3} {fmt(r['p50_s']):>8} {fmt(r['max_s']):>8} "
+            f"{fmt(r['recovery_p50_s']):>13}  {'; '.join(sorted(set(r['causes'])))}"
+        )
     if calm:
         why = f" (escalations: {', '.join(calm['escalations_by'])})" if calm["escalations_by"] else ""
-        print(f"\nhealthy noisy load for {calm['minutes']} min: {calm['level_changes']} level changes{why}; "
-              f"agent CPU {calm['agent_cpu_pct_of_core']:.2f} % of one core (target <= 2 %), "
-              f"RSS {calm['agent_rss_mib']:.0f} MiB")
+        print(
+            f"\nhealthy noisy load for {calm['minutes']} min: {calm['level_changes']} level changes{why}; "
+            f"agent CPU {calm['agent_cpu_pct_of_core']:.2f} % of one core (target <= 2 %), "
+            f"RSS {calm['agent_rss_mib']:.0f} MiB"
+        )
     if args.json_out:
         Path(args.json_out).write_text(json.dumps({"detection": results, "healthy": calm}, indent=2))
     return 0

@@ -45,7 +45,7 @@ class Garbage:
             while time.monotonic() < self.until:
                 nodes = [{} for _ in range(GRAPH_NODES)]
                 for i, node in enumerate(nodes):
-                    node["next"] = nodes[(i + 1) % GRAPH_NODES]   # a cycle: only the GC frees it
+                    node["next"] = nodes[(i + 1) % GRAPH_NODES]  # a cycle: only the GC frees it
                 window.append(nodes)
-                time.sleep(0)   # let the worker's threads run between graphs
+                time.sleep(0)  # let the worker's threads run between graphs
             window.clear()

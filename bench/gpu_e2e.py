@@ -26,10 +26,18 @@ def request(tier: str, i: int, size: int):
     from render.jobs import JobRequest
 
     if tier == "turbo":
-        return JobRequest(prompt=f"a lighthouse at dusk, take {i}", tier="turbo", steps=4, seed=i,
-                          guidance=0.0, width=size, height=size)
-    return JobRequest(prompt=f"a slow oil painting {i}", tier="relax", steps=25, seed=1000 + i, guidance=7.5,
-                      width=size, height=size)
+        return JobRequest(
+            prompt=f"a lighthouse at dusk, take {i}",
+            tier="turbo",
+            steps=4,
+            seed=i,
+            guidance=0.0,
+            width=size,
+            height=size,
+        )
+    return JobRequest(
+        prompt=f"a slow oil painting {i}", tier="relax", steps=25, seed=1000 + i, guidance=7.5, width=size, height=size
+    )
 
 
 def latencies(engine, n: int, background: int, size: int) -> list[float]:
@@ -69,8 +77,9 @@ def run(args) -> dict:
     backend = make_backend(args.backend, comps, args.device, tensorrt_options=options)
     device = backend.device
     setup_s = time.monotonic() - started
-    engine = Engine(backend, PromptEncoder(comps, device, backend.dtype), comps,
-                    EngineSettings(max_batch=args.max_batch)).start()
+    engine = Engine(
+        backend, PromptEncoder(comps, device, backend.dtype), comps, EngineSettings(max_batch=args.max_batch)
+    ).start()
     try:
         latencies(engine, 2, 0, size)  # warm-up: cuDNN/cuBLAS plans, allocator, first scheduler
         idle = latencies(engine, args.jobs, 0, size)
@@ -78,12 +87,22 @@ def run(args) -> dict:
     finally:
         engine.stop()
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
-    result = {"backend": backend.name, "model": args.model, "size": size, "where": where, "setup_s": setup_s,
-              "max_batch": args.max_batch, "background_relax_jobs": args.background}
+    result = {
+        "backend": backend.name,
+        "model": args.model,
+        "size": size,
+        "where": where,
+        "setup_s": setup_s,
+        "max_batch": args.max_batch,
+        "background_relax_jobs": args.background,
+    }
     for name, values in (("idle", idle), ("loaded", loaded)):
         result[name] = {"n": len(values), "p50_s": percentile(values, 50), "p99_s": percentile(values, 99)}
-        print(f"{backend.name:8s} turbo {name:6s}: p50 {percentile(values, 50) * 1000:7.1f} ms, "
-              f"p99 {percentile(values, 99) * 1000:7.1f} ms ({len(values)} jobs)", flush=True)
+        print(
+            f"{backend.name:8s} turbo {name:6s}: p50 {percentile(values, 50) * 1000:7.1f} ms, "
+            f"p99 {percentile(values, 99) * 1000:7.1f} ms ({len(values)} jobs)",
+            flush=True,
+        )
     return result
 
 
@@ -91,11 +110,15 @@ def report(rows: list[dict]) -> str:
     if not rows:
         return "no end-to-end results"
     r0 = rows[0]
-    lines = [f"end-to-end turbo latency, {r0['model']} model, {r0['size']} px, 4 steps, worker engine, {r0['where']}",
-             f"{'backend':>9} | {'idle p50/p99 ms':>17} | {'under relax load p50/p99 ms':>28} | setup s"]
+    lines = [
+        f"end-to-end turbo latency, {r0['model']} model, {r0['size']} px, 4 steps, worker engine, {r0['where']}",
+        f"{'backend':>9} | {'idle p50/p99 ms':>17} | {'under relax load p50/p99 ms':>28} | setup s",
+    ]
     for r in rows:
-        lines.append(f"{r['backend']:>9} | {r['idle']['p50_s'] * 1e3:>8.1f}/{r['idle']['p99_s'] * 1e3:<8.1f} | "
-                     f"{r['loaded']['p50_s'] * 1e3:>13.1f}/{r['loaded']['p99_s'] * 1e3:<14.1f} | {r['setup_s']:.0f}")
+        lines.append(
+            f"{r['backend']:>9} | {r['idle']['p50_s'] * 1e3:>8.1f}/{r['idle']['p99_s'] * 1e3:<8.1f} | "
+            f"{r['loaded']['p50_s'] * 1e3:>13.1f}/{r['loaded']['p99_s'] * 1e3:<14.1f} | {r['setup_s']:.0f}"
+        )
     return "\n".join(lines)
 
 

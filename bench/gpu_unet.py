@@ -34,8 +34,9 @@ def inputs(batch: int, latent: int, device):
     gen = torch.Generator(device=device).manual_seed(batch)
     sample = torch.randn(batch, 4, latent, latent, generator=gen, device=device, dtype=torch.float16)
     timestep = torch.linspace(999, 1, batch, device=device)  # every sample at its own step
-    ehs = torch.randn(batch, TEXT_LEN, sd15.UNET["cross_attention_dim"], generator=gen, device=device,
-                      dtype=torch.float16)
+    ehs = torch.randn(
+        batch, TEXT_LEN, sd15.UNET["cross_attention_dim"], generator=gen, device=device, dtype=torch.float16
+    )
     return sample, timestep, ehs
 
 
@@ -63,34 +64,45 @@ def make_step(mode: str, unet, args, device):
 
     started = time.monotonic()
     if mode == "eager":
+
         def step(sample, timestep, ehs):
             return unet(sample, timestep, encoder_hidden_states=ehs, return_dict=False)[0]
+
         return step, time.monotonic() - started, {}
     if mode == "compile":
         compiled = torch.compile(unet, mode=args.compile_mode)
 
         def step(sample, timestep, ehs):
             return compiled(sample, timestep, encoder_hidden_states=ehs, return_dict=False)[0]
+
         return step, 0.0, {"compile_mode": args.compile_mode}  # compiling happens in each batch's first call
     if mode == "tensorrt":
         from render.backends.tensorrt import EngineFactory, TensorRTOptions
 
         latent = args.size // 8
-        opts = TensorRTOptions(cache_dir=Path(args.cache_dir), max_batch=max(args.batches),
-                               sizes=((args.size, args.size),), optimization_level=args.trt_opt_level)
+        opts = TensorRTOptions(
+            cache_dir=Path(args.cache_dir),
+            max_batch=max(args.batches),
+            sizes=((args.size, args.size),),
+            optimization_level=args.trt_opt_level,
+        )
         factory = EngineFactory(device, opts)
         runner = factory.unet(unet, sd15.FINGERPRINT, text_len=TEXT_LEN, scale=args.size // latent)
 
         def step(sample, timestep, ehs):
             return runner(sample=sample, timestep=timestep, encoder_hidden_states=ehs)["noise"]
+
         setup_s = time.monotonic() - started
         # Same inputs through torch: the speed is only worth reporting if the engine is right.
         check = inputs(min(4, opts.max_batch), latent, device)
         want = unet(*check[:2], encoder_hidden_states=check[2], return_dict=False)[0].float()
         err = (step(*check).float() - want).abs().max().item() / want.abs().max().item()
         print(f"tensorrt vs eager, batch {check[0].shape[0]}: max |diff| / max |eager| = {err:.2e}", flush=True)
-        return step, setup_s, {"tensorrt": factory.trt.__version__, "opt_level": args.trt_opt_level,
-                               "rel_err_vs_eager": f"{err:.1e}"}
+        return (
+            step,
+            setup_s,
+            {"tensorrt": factory.trt.__version__, "opt_level": args.trt_opt_level, "rel_err_vs_eager": f"{err:.1e}"},
+        )
     raise SystemExit(f"unknown mode {mode!r}")
 
 
@@ -114,14 +126,34 @@ def run_mode(args) -> dict:
             first_s = time.monotonic() - first
             times = time_calls(step, call_args, args.iters, args.warmup)
             mean, p50, p99 = statistics.fmean(times), percentile(times, 50), percentile(times, 99)
-            results.append({"batch": batch, "mean_ms": mean, "p50_ms": p50, "p99_ms": p99,
-                            "unet_calls_per_s": 1000 / mean, "sample_steps_per_s": batch * 1000 / mean,
-                            "first_call_s": first_s, "batch_wall_s": time.monotonic() - batch_started})
-            print(f"{args.mode:9s} batch {batch}: {1000 / mean:7.2f} UNet calls/s "
-                  f"(p50 {p50:.2f} ms, p99 {p99:.2f} ms, first call {first_s:.1f} s)", flush=True)
-    return {"mode": args.mode, "gpu": props.name, "compute_capability": f"{props.major}.{props.minor}",
-            "torch": torch.__version__, "size": args.size, "iters": args.iters, "setup_s": setup_s,
-            "info": info, "results": results}
+            results.append(
+                {
+                    "batch": batch,
+                    "mean_ms": mean,
+                    "p50_ms": p50,
+                    "p99_ms": p99,
+                    "unet_calls_per_s": 1000 / mean,
+                    "sample_steps_per_s": batch * 1000 / mean,
+                    "first_call_s": first_s,
+                    "batch_wall_s": time.monotonic() - batch_started,
+                }
+            )
+            print(
+                f"{args.mode:9s} batch {batch}: {1000 / mean:7.2f} UNet calls/s "
+                f"(p50 {p50:.2f} ms, p99 {p99:.2f} ms, first call {first_s:.1f} s)",
+                flush=True,
+            )
+    return {
+        "mode": args.mode,
+        "gpu": props.name,
+        "compute_capability": f"{props.major}.{props.minor}",
+        "torch": torch.__version__,
+        "size": args.size,
+        "iters": args.iters,
+        "setup_s": setup_s,
+        "info": info,
+        "results": results,
+    }
 
 
 def report(loaded: list[dict]) -> str:
@@ -130,13 +162,17 @@ def report(loaded: list[dict]) -> str:
     if "eager" not in runs:
         return "no eager run: nothing to compare against"
     any_run = runs[order[0]]
-    lines = [f"SD-1.5 UNet (random weights), fp16, {any_run['size']} px, {any_run['gpu']} "
-             f"(sm {any_run['compute_capability']}), torch {any_run['torch']}, {any_run['iters']} timed calls"]
+    lines = [
+        f"SD-1.5 UNet (random weights), fp16, {any_run['size']} px, {any_run['gpu']} "
+        f"(sm {any_run['compute_capability']}), torch {any_run['torch']}, {any_run['iters']} timed calls"
+    ]
     for m in order:
         extra = ", ".join(f"{k} {v}" for k, v in runs[m]["info"].items())
         first = max(r["first_call_s"] for r in runs[m]["results"])
-        lines.append(f"  {m}: setup {runs[m]['setup_s']:.1f} s, slowest first call {first:.1f} s"
-                     f"{(', ' + extra) if extra else ''}")
+        lines.append(
+            f"  {m}: setup {runs[m]['setup_s']:.1f} s, slowest first call {first:.1f} s"
+            f"{(', ' + extra) if extra else ''}"
+        )
     header = f"{'batch':>5} | " + " | ".join(f"{m + ' calls/s':>17} {'p50/p99 ms':>15}" for m in order)
     ratios = [m for m in order if m != "eager"]
     header += "".join(f" | {m + '/eager':>15}" for m in ratios)
@@ -148,17 +184,22 @@ def report(loaded: list[dict]) -> str:
         cells = []
         for m in order:
             r = next((x for x in runs[m]["results"] if x["batch"] == batch), None)
-            cells.append(f"{r['unet_calls_per_s']:>17.2f} {r['p50_ms']:>7.2f}/{r['p99_ms']:<7.2f}" if r
-                         else f"{'-':>17} {'':>15}")
+            cells.append(
+                f"{r['unet_calls_per_s']:>17.2f} {r['p50_ms']:>7.2f}/{r['p99_ms']:<7.2f}"
+                if r
+                else f"{'-':>17} {'':>15}"
+            )
         row += " | ".join(cells)
         for m in ratios:
             r = next((x for x in runs[m]["results"] if x["batch"] == batch), None)
             ratio = r["unet_calls_per_s"] / eager[batch]["unet_calls_per_s"] if r else None
             row += f" | {ratio:>14.2f}x" if ratio else f" | {'-':>15}"
             if m == "tensorrt" and ratio:
-                verdicts.append(f"batch {batch}: TensorRT {ratio:.2f}x eager "
-                                f"({'meets' if ratio >= TARGET_TRT_OVER_EAGER else 'misses'} the "
-                                f"{TARGET_TRT_OVER_EAGER}x target)")
+                verdicts.append(
+                    f"batch {batch}: TensorRT {ratio:.2f}x eager "
+                    f"({'meets' if ratio >= TARGET_TRT_OVER_EAGER else 'misses'} the "
+                    f"{TARGET_TRT_OVER_EAGER}x target)"
+                )
         lines.append(row)
     if "tensorrt" not in runs:
         verdicts.append("TensorRT: no result (see the log: package missing or build failed)")
@@ -174,8 +215,9 @@ def main(argv=None) -> int:
     ap.add_argument("--size", type=int, default=512, help="image size in pixels (latent = size/8)")
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--compile-mode", default="default",
-                    help="torch.compile mode (max-autotune takes many minutes on this UNet)")
+    ap.add_argument(
+        "--compile-mode", default="default", help="torch.compile mode (max-autotune takes many minutes on this UNet)"
+    )
     ap.add_argument("--trt-opt-level", type=int, default=3)
     ap.add_argument("--cache-dir", default="/tmp/turbonode-engines")
     args = ap.parse_args(argv)

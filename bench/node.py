@@ -26,8 +26,10 @@ from turbonode.jsonrpc import ControlClient  # noqa: E402
 POLL_S = 0.01
 LEVEL_LINE = re.compile(r"level (escalate|recover) (\w+) -> (\w+): (\w+)=([\d.e+-]+|n/a)")
 # The real worker CLI, with the garbage thread installed in the same process first.
-WORKER_PY = ("import sys; sys.argv[0] = 'turboctl'; from bench.garbage import Garbage; Garbage().install(); "
-             "from turboctl import main; main()")
+WORKER_PY = (
+    "import sys; sys.argv[0] = 'turboctl'; from bench.garbage import Garbage; Garbage().install(); "
+    "from turboctl import main; main()"
+)
 
 
 def free_port() -> int:
@@ -59,7 +61,7 @@ class Node:
     def __init__(self, tmp: str, period: float = 0.25, extra_toml: str = ""):
         self.tmp = str(tmp)
         self.period = period
-        self.extra_toml = extra_toml   # appended to the config file, e.g. a [policy] table
+        self.extra_toml = extra_toml  # appended to the config file, e.g. a [policy] table
         self.procs: list[subprocess.Popen] = []
         self._logs: list = []
         self.sandbox = Sandbox(prefix="tnb")
@@ -81,14 +83,31 @@ class Node:
             f'[qos]\nrate = "100mbit"\n'
             f'[worker]\ncontrol_socket = "{wsock}"\nlisten = "127.0.0.1:{free_port()}"\nmax_batch = 2\n'
             f'[agent]\nsocket = "{asock}"\nworker_socket = "{wsock}"\nmetrics = "127.0.0.1:{free_port()}"\n'
-            f'sample_period = {self.period}\nthrottle_ttl = 1.0\n{self.extra_toml}')
-        self.worker = self._spawn([sys.executable, "-c", WORKER_PY, "worker", "run", "--config", str(cfg)], env,
-                                  "worker.log")
+            f"sample_period = {self.period}\nthrottle_ttl = 1.0\n{self.extra_toml}"
+        )
+        self.worker = self._spawn(
+            [sys.executable, "-c", WORKER_PY, "worker", "run", "--config", str(cfg)], env, "worker.log"
+        )
         self.worker_rpc = ControlClient(wsock, timeout=1.0)
         if not wait_for(lambda: call(self.worker_rpc, "ping"), 120, 0.2):
             raise TurbonodeError(f"worker did not start: {self.log('worker')[-2000:]}")
-        self.agent = self._spawn([sys.executable, "-m", "turboctl", "agent", "run", "--config", str(cfg),
-                                  "--dev", sb.dev, "--netns", sb.server], env, "agent.log")
+        self.agent = self._spawn(
+            [
+                sys.executable,
+                "-m",
+                "turboctl",
+                "agent",
+                "run",
+                "--config",
+                str(cfg),
+                "--dev",
+                sb.dev,
+                "--netns",
+                sb.server,
+            ],
+            env,
+            "agent.log",
+        )
         self.agent_rpc = ControlClient(asock, timeout=1.0, peer="agent")
         if not wait_for(lambda: call(self.agent_rpc, "status"), 60, 0.2):
             raise TurbonodeError(f"agent did not start: {self.log('agent')[-2000:]}")
@@ -137,5 +156,3 @@ class Node:
     def settled(self) -> bool:
         st = call(self.agent_rpc, "status")
         return bool(st) and st["level"] == "normal" and not self.throttle()
-
-

@@ -46,21 +46,23 @@ def sd15_check() -> int:
     with tempfile.TemporaryDirectory(prefix="turbonode-onnx-") as tmp:
         path = Path(tmp) / "unet.onnx"
         t0 = time.perf_counter()
-        onnx_export.export_unet(unet, path, shape=onnx_export.ExportShape(batch=1, latent_height=16,
-                                                                           latent_width=16))
+        onnx_export.export_unet(unet, path, shape=onnx_export.ExportShape(batch=1, latent_height=16, latent_width=16))
         export_s = time.perf_counter() - t0
         size_gib = sum(f.stat().st_size for f in Path(tmp).iterdir()) / 2**30
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         gen = torch.Generator().manual_seed(0)
         x, t = torch.randn(2, 4, 16, 24, generator=gen), torch.tensor([999.0, 20.0])
         e = torch.randn(2, 77, sd15.UNET["cross_attention_dim"], generator=gen)
-        got = session.run(None, {"sample": x.half().numpy(), "timestep": t.numpy(),
-                                 "encoder_hidden_states": e.half().numpy()})[0].astype(np.float32)
+        got = session.run(
+            None, {"sample": x.half().numpy(), "timestep": t.numpy(), "encoder_hidden_states": e.half().numpy()}
+        )[0].astype(np.float32)
     with torch.no_grad():
         want = unet.float()(x, t, encoder_hidden_states=e, return_dict=False)[0].numpy()
-    print(f"SD-1.5 UNet fp16 ONNX: export {export_s:.0f} s on CPU, {size_gib:.2f} GiB; onnxruntime batch 2, "
-          f"latent 16x24, timesteps 999/20: max |diff| vs fp32 torch {np.abs(got - want).max():.1e} "
-          f"(outputs up to {np.abs(want).max():.2f})")
+    print(
+        f"SD-1.5 UNet fp16 ONNX: export {export_s:.0f} s on CPU, {size_gib:.2f} GiB; onnxruntime batch 2, "
+        f"latent 16x24, timesteps 999/20: max |diff| vs fp32 torch {np.abs(got - want).max():.1e} "
+        f"(outputs up to {np.abs(want).max():.2f})"
+    )
     return 0
 
 
@@ -87,19 +89,24 @@ def main(argv=None) -> int:
     with tempfile.TemporaryDirectory(prefix="turbonode-onnx-") as tmp:
         path = Path(tmp) / "unet.onnx"
         t0 = time.perf_counter()
-        onnx_export.export_unet(comps.unet, path, shape=onnx_export.ExportShape(latent_height=args.latent,
-                                                                                 latent_width=args.latent))
+        onnx_export.export_unet(
+            comps.unet, path, shape=onnx_export.ExportShape(latent_height=args.latent, latent_width=args.latent)
+        )
         export_s = time.perf_counter() - t0
         size_mib = path.stat().st_size / 2**20
         t0 = time.perf_counter()
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         session_s = time.perf_counter() - t0
-        print(f"tiny UNet, CPU ({torch.get_num_threads()} torch threads), latent {args.latent}x{args.latent} "
-              f"({args.latent * 8} px), {args.iters} timed calls; torch {torch.__version__}, "
-              f"onnxruntime {ort.__version__}")
+        print(
+            f"tiny UNet, CPU ({torch.get_num_threads()} torch threads), latent {args.latent}x{args.latent} "
+            f"({args.latent * 8} px), {args.iters} timed calls; torch {torch.__version__}, "
+            f"onnxruntime {ort.__version__}"
+        )
         print(f"ONNX export {export_s:.2f} s ({size_mib:.1f} MiB), onnxruntime session {session_s:.2f} s")
-        print(f"{'batch':>5} | {'torch p50/p99 ms':>17} | {'onnxruntime p50/p99 ms':>23} | {'ort/torch speed':>15}"
-              f" | max |diff|")
+        print(
+            f"{'batch':>5} | {'torch p50/p99 ms':>17} | {'onnxruntime p50/p99 ms':>23} | {'ort/torch speed':>15}"
+            f" | max |diff|"
+        )
         for batch in args.batches:
             gen = torch.Generator().manual_seed(batch)
             x = torch.randn(batch, 4, args.latent, args.latent, generator=gen)
@@ -110,8 +117,10 @@ def main(argv=None) -> int:
             ort_ms = timed(lambda: session.run(None, feeds), args.iters)
             diff = abs(session.run(None, feeds)[0] - backend.predict_noise(x, t, e).numpy()).max()
             ratio = statistics.median(torch_ms) / statistics.median(ort_ms)
-            print(f"{batch:>5} | {percentile(torch_ms, 50):>8.1f}/{percentile(torch_ms, 99):<8.1f} | "
-                  f"{percentile(ort_ms, 50):>11.1f}/{percentile(ort_ms, 99):<11.1f} | {ratio:>14.2f}x | {diff:.1e}")
+            print(
+                f"{batch:>5} | {percentile(torch_ms, 50):>8.1f}/{percentile(torch_ms, 99):<8.1f} | "
+                f"{percentile(ort_ms, 50):>11.1f}/{percentile(ort_ms, 99):<11.1f} | {ratio:>14.2f}x | {diff:.1e}"
+            )
     return 0
 
 

@@ -54,6 +54,7 @@ def tc(sb: Sandbox, *args: str) -> None:
 
 # ---- the setups under test ------------------------------------------------------------
 
+
 def setup_fifo(sb: Sandbox, rate: int) -> dict:
     """One HTB class at the link rate with a 1000-packet FIFO: shaped, no classes."""
     r = format_rate(rate)
@@ -70,13 +71,54 @@ def setup_u32(sb: Sandbox, rate: int) -> dict:
     r = format_rate(rate)
     tc(sb, "class", "add", "dev", sb.dev, "parent", "1:", "classid", "1:1", "htb", "rate", r, "ceil", r)
     for minor, share, prio in ((10, 40, 0), (20, 30, 1), (30, 20, 2), (40, 10, 3)):
-        tc(sb, "class", "add", "dev", sb.dev, "parent", "1:1", "classid", f"1:{minor}", "htb",
-           "rate", format_rate(rate * share // 100), "ceil", r, "prio", str(prio))
+        tc(
+            sb,
+            "class",
+            "add",
+            "dev",
+            sb.dev,
+            "parent",
+            "1:1",
+            "classid",
+            f"1:{minor}",
+            "htb",
+            "rate",
+            format_rate(rate * share // 100),
+            "ceil",
+            r,
+            "prio",
+            str(prio),
+        )
         tc(sb, "qdisc", "add", "dev", sb.dev, "parent", f"1:{minor}", "handle", f"{minor}:", "pfifo", "limit", "1000")
-    for tos, flow in (("0xb8", "1:10"), ("0x88", "1:20"), ("0x90", "1:20"), ("0x98", "1:20"),
-                      ("0x20", "1:40"), ("0x04", "1:40")):
-        tc(sb, "filter", "add", "dev", sb.dev, "parent", "1:", "protocol", "ip", "prio", "1", "u32",
-           "match", "ip", "dsfield", tos, "0xfc", "flowid", flow)
+    for tos, flow in (
+        ("0xb8", "1:10"),
+        ("0x88", "1:20"),
+        ("0x90", "1:20"),
+        ("0x98", "1:20"),
+        ("0x20", "1:40"),
+        ("0x04", "1:40"),
+    ):
+        tc(
+            sb,
+            "filter",
+            "add",
+            "dev",
+            sb.dev,
+            "parent",
+            "1:",
+            "protocol",
+            "ip",
+            "prio",
+            "1",
+            "u32",
+            "match",
+            "ip",
+            "dsfield",
+            tos,
+            "0xfc",
+            "flowid",
+            flow,
+        )
     return {}
 
 
@@ -87,10 +129,15 @@ def turbonode_setup(rate_pct: dict | None):
         dp = Datapath(sb.dev, sb.server)
         rss_before = psutil.Process().memory_info().rss
         result = dp.apply(QosConfig(rate_pct=rate_pct or {}), rate_bps=rate)
-        return {"datapath": dp, "prog_id": result["prog_id"], "rss_before": rss_before,
-                "rss_after": psutil.Process().memory_info().rss,
-                # The compile ran in a child (tc/classifier.py); its peak is the children's maxrss.
-                "loader_maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024}
+        return {
+            "datapath": dp,
+            "prog_id": result["prog_id"],
+            "rss_before": rss_before,
+            "rss_after": psutil.Process().memory_info().rss,
+            # The compile ran in a child (tc/classifier.py); its peak is the children's maxrss.
+            "loader_maxrss": resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024,
+        }
+
     return setup
 
 
@@ -112,22 +159,53 @@ def teardown(sb: Sandbox, ctx: dict) -> None:
 
 # ---- measurements -----------------------------------------------------------------
 
+
 def ping(sb: Sandbox, count: int, interval: float) -> dict:
-    out = sb.run(sb.server, "ping", "-n", "-Q", EF_TOS, "-i", str(interval), "-c", str(count),
-                 "-W", "1", sb.client_ip, timeout=count * interval + 20, check=False).stdout
+    out = sb.run(
+        sb.server,
+        "ping",
+        "-n",
+        "-Q",
+        EF_TOS,
+        "-i",
+        str(interval),
+        "-c",
+        str(count),
+        "-W",
+        "1",
+        sb.client_ip,
+        timeout=count * interval + 20,
+        check=False,
+    ).stdout
     rtts = [float(x) for x in RTT.findall(out)]
     return {"p50_ms": pct(rtts, 50), "p99_ms": pct(rtts, 99), "lost": count - len(rtts)}
 
 
 def rr(sb: Sandbox, count: int, gap: float, deadline: float) -> dict:
     rr_py = os.path.join(ROOT, "bench", "qos_rr.py")
-    server = sb.popen(sb.server, sys.executable, rr_py, "server", "--idle", str(deadline + 10),
-                      stdout=subprocess.PIPE, text=True)
+    server = sb.popen(
+        sb.server, sys.executable, rr_py, "server", "--idle", str(deadline + 10), stdout=subprocess.PIPE, text=True
+    )
     try:
         port = server.stdout.readline().strip()
-        out = sb.run(sb.client, sys.executable, rr_py, "client", sb.server_ip, port, "--size", str(RR_SIZE),
-                     "--count", str(count), "--gap", str(gap), "--deadline", str(deadline),
-                     timeout=deadline + 30, check=False)
+        out = sb.run(
+            sb.client,
+            sys.executable,
+            rr_py,
+            "client",
+            sb.server_ip,
+            port,
+            "--size",
+            str(RR_SIZE),
+            "--count",
+            str(count),
+            "--gap",
+            str(gap),
+            "--deadline",
+            str(deadline),
+            timeout=deadline + 30,
+            check=False,
+        )
         res = json.loads(out.stdout or '{"seconds": [], "timeouts": 1}')
     finally:
         server.kill()
@@ -137,16 +215,32 @@ def rr(sb: Sandbox, count: int, gap: float, deadline: float) -> dict:
 
 
 def root_bytes(sb: Sandbox) -> int:
-    out = subprocess.run(["tc", "-n", sb.server, "-s", "-j", "qdisc", "show", "dev", sb.dev, "root"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["tc", "-n", sb.server, "-s", "-j", "qdisc", "show", "dev", sb.dev, "root"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     return json.loads(out)[0]["bytes"]
 
 
 def start_bulk(sb: Sandbox, flows: int, seconds: float):
     server = sb.popen(sb.client, "iperf3", "-s", "-1", stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.3)
-    client = sb.popen(sb.server, "iperf3", "-c", sb.client_ip, "-P", str(flows), "-t", str(int(seconds)), "-J",
-                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    client = sb.popen(
+        sb.server,
+        "iperf3",
+        "-c",
+        sb.client_ip,
+        "-P",
+        str(flows),
+        "-t",
+        str(int(seconds)),
+        "-J",
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     return server, client
 
 
@@ -170,8 +264,7 @@ def run_setup(sb: Sandbox, name: str, args) -> dict:
             stats_fd = bpfobj.enable_run_time_stats()
             prog_fd = bpfobj.prog_fd_by_id(ctx["prog_id"])
             run0 = bpfobj.prog_run_stats(prog_fd)
-        res = {"unloaded_ping": ping(sb, args.ping_count, 0.01),
-               "unloaded_rr": rr(sb, args.rr_unloaded, 0.02, 10)}
+        res = {"unloaded_ping": ping(sb, args.ping_count, 0.01), "unloaded_rr": rr(sb, args.rr_unloaded, 0.02, 10)}
         loaded_s = 2 + args.ping_count * 0.01 + args.rr_count * (args.rr_gap + 0.05) + 6
         server, client = start_bulk(sb, args.flows, loaded_s)
         time.sleep(2)  # let the flows fill the queues
@@ -223,9 +316,11 @@ def classifier_cost(sb: Sandbox, args) -> dict:
         finally:
             os.close(stats_fd)  # accounting off again: it would be counted in the test runs
         for name, fd in progs:
-            out[f"{name}_test_run_ns"] = {case: bpfobj.prog_test_run(fd, frame, 200_000)[1]
-                                          for case, frame in frames(sb).items()
-                                          if case in ("ef", "ipv6_ef", "vlan_ef", "non_ip")}
+            out[f"{name}_test_run_ns"] = {
+                case: bpfobj.prog_test_run(fd, frame, 200_000)[1]
+                for case, frame in frames(sb).items()
+                if case in ("ef", "ipv6_ef", "vlan_ef", "non_ip")
+            }
     finally:
         if prog_fd is not None:
             os.close(prog_fd)
@@ -235,6 +330,7 @@ def classifier_cost(sb: Sandbox, args) -> dict:
 
 
 # ---- report -----------------------------------------------------------------------
+
 
 def fmt(v, spec=".3f") -> str:
     return "-" if v is None else format(v, spec)
@@ -274,8 +370,10 @@ def report(results: dict, rate: int) -> str:
 def cost_report(c: dict) -> str:
     lines = ["classifier cost per packet (ns/run)    classifier     no-op  difference"]
     d = _diff(c["classifier_real_ns"], c["noop_real_ns"])
-    lines.append(f"  real traffic, BPF_ENABLE_STATS     {fmt(c['classifier_real_ns'], '10.1f')} "
-                 f"{fmt(c['noop_real_ns'], '9.1f')} {fmt(d, '11.1f')}")
+    lines.append(
+        f"  real traffic, BPF_ENABLE_STATS     {fmt(c['classifier_real_ns'], '10.1f')} "
+        f"{fmt(c['noop_real_ns'], '9.1f')} {fmt(d, '11.1f')}"
+    )
     for case, ns in c["classifier_test_run_ns"].items():
         noop = c["noop_test_run_ns"][case]
         lines.append(f"  BPF_PROG_TEST_RUN {case:<16} {ns:10d} {noop:9d} {ns - noop:11d}")

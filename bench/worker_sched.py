@@ -62,19 +62,37 @@ class Bench:
         a = self.args
         encoder = PromptEncoder(self.components, self.backend.device, self.backend.dtype)
         self.encoders.append(encoder)
-        settings = EngineSettings(max_batch=a.max_batch, policy=policy, min_share=a.min_share,
-                                  queue_limit={"turbo": 1000, "fast": 1000, "other": 1000, "relax": 100000})
+        settings = EngineSettings(
+            max_batch=a.max_batch,
+            policy=policy,
+            min_share=a.min_share,
+            queue_limit={"turbo": 1000, "fast": 1000, "other": 1000, "relax": 100000},
+        )
         return Engine(self.backend, encoder, self.components, settings)
 
     def relax(self, i: int) -> JobRequest:
         a = self.args
-        return JobRequest(prompt=PROMPTS[i % len(PROMPTS)], tier="relax", steps=a.relax_steps, seed=i,
-                          guidance=RELAX_GUIDANCE, width=a.size, height=a.size)
+        return JobRequest(
+            prompt=PROMPTS[i % len(PROMPTS)],
+            tier="relax",
+            steps=a.relax_steps,
+            seed=i,
+            guidance=RELAX_GUIDANCE,
+            width=a.size,
+            height=a.size,
+        )
 
     def turbo(self, i: int) -> JobRequest:
         a = self.args
-        return JobRequest(prompt=f"turbo probe {i % 3}", tier="turbo", steps=a.turbo_steps, seed=10_000 + i,
-                          guidance=0.0, width=a.size, height=a.size)
+        return JobRequest(
+            prompt=f"turbo probe {i % 3}",
+            tier="turbo",
+            steps=a.turbo_steps,
+            seed=10_000 + i,
+            guidance=0.0,
+            width=a.size,
+            height=a.size,
+        )
 
     # ---- throughput ---------------------------------------------------------------------
 
@@ -84,16 +102,30 @@ class Bench:
 
         c, a = self.components, self.args
         pipe = StableDiffusionPipeline(
-            vae=c.vae, text_encoder=c.text_encoder, tokenizer=c.tokenizer, unet=c.unet,
+            vae=c.vae,
+            text_encoder=c.text_encoder,
+            tokenizer=c.tokenizer,
+            unet=c.unet,
             scheduler=DPMSolverMultistepScheduler.from_config(c.scheduler_config),
-            safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+            safety_checker=None,
+            feature_extractor=None,
+            requires_safety_checker=False,
+        )
         pipe.set_progress_bar_config(disable=True)
         pipe.to(self.backend.device)
 
         def run(n):
             for i in range(n):
-                pipe(PROMPTS[i % len(PROMPTS)], height=a.size, width=a.size, num_inference_steps=a.relax_steps,
-                     guidance_scale=RELAX_GUIDANCE, generator=torch.Generator().manual_seed(i), output_type="np")
+                pipe(
+                    PROMPTS[i % len(PROMPTS)],
+                    height=a.size,
+                    width=a.size,
+                    num_inference_steps=a.relax_steps,
+                    guidance_scale=RELAX_GUIDANCE,
+                    generator=torch.Generator().manual_seed(i),
+                    output_type="np",
+                )
+
         return run
 
     def engine_throughput(self):
@@ -105,6 +137,7 @@ class Bench:
             jobs = [engine.submit(self.relax(i)) for i in range(n)]
             for j in jobs:
                 j.future.result(600)
+
         return run
 
     def raw_batched(self):
@@ -113,8 +146,9 @@ class Bench:
         rows = 2 * a.max_batch
         lat = a.size // self.components.vae_scale_factor
         x = torch.randn(rows, 4, lat, lat, generator=torch.Generator().manual_seed(0)).to(b.device)
-        emb = torch.randn(rows, self.components.tokenizer.model_max_length,
-                          self.components.unet.config.cross_attention_dim).to(b.device)
+        emb = torch.randn(
+            rows, self.components.tokenizer.model_max_length, self.components.unet.config.cross_attention_dim
+        ).to(b.device)
         ts = torch.linspace(999, 0, a.relax_steps)
 
         @torch.inference_mode()
@@ -122,7 +156,8 @@ class Bench:
             for _ in range(max(1, n // a.max_batch)):
                 for t in ts:
                     b.predict_noise(x, torch.full((rows,), float(t)), emb)
-                b.decode(x[:a.max_batch])
+                b.decode(x[: a.max_batch])
+
         return run
 
     def throughput(self) -> dict[str, float]:
@@ -182,6 +217,7 @@ class Bench:
         def on_event(e):
             if e["kind"] == "step" and len(e["samples"]) == a.max_batch and all(s[1] == "relax" for s in e["samples"]):
                 full_steps.append(e["seconds"])
+
         engine.on_event = on_event
 
         for _ in range(a.flood + a.max_batch):
@@ -209,8 +245,12 @@ class Bench:
             engine.close_intake()
             engine.fail_all("benchmark over")
             engine.stop()
-        return {"latencies": latencies, "relax_queued_at_start": queued, "relax_images_per_s": relax_rate,
-                "full_batch_step_s": percentile(full_steps, 50)}
+        return {
+            "latencies": latencies,
+            "relax_queued_at_start": queued,
+            "relax_images_per_s": relax_rate,
+            "full_batch_step_s": percentile(full_steps, 50),
+        }
 
 
 def summarize(values):
@@ -236,55 +276,81 @@ def main(argv=None) -> int:
     torch.set_num_threads(a.threads)
     t_begin = time.perf_counter()
     bench = Bench(a)
-    print(f"tiny model, {a.size}px, max batch {a.max_batch} images (x2 rows with CFG), relax {a.relax_steps} "
-          f"steps dpmpp_2m cfg {RELAX_GUIDANCE}, turbo {a.turbo_steps} steps euler_a no cfg, "
-          f"{a.threads} torch threads, device {bench.backend.device}")
+    print(
+        f"tiny model, {a.size}px, max batch {a.max_batch} images (x2 rows with CFG), relax {a.relax_steps} "
+        f"steps dpmpp_2m cfg {RELAX_GUIDANCE}, turbo {a.turbo_steps} steps euler_a no cfg, "
+        f"{a.threads} torch threads, device {bench.backend.device}"
+    )
 
     tp = bench.throughput()
     seq, raw, eng = tp["pipeline"], tp["raw"], tp["engine"]
     print(f"\n== throughput at saturation (images/s, best of {a.rounds} interleaved rounds of {a.images}) ==")
     print(f"{'sequential StableDiffusionPipeline':<38} {seq:8.2f}")
     print(f"{'raw batched UNet+VAE (batch ' + str(a.max_batch) + ')':<38} {raw:8.2f}")
-    print(f"{'worker engine (step priority)':<38} {eng:8.2f}   {eng / seq:5.2f}x pipeline   "
-          f"{100 * eng / raw:5.1f}% of raw")
+    print(
+        f"{'worker engine (step priority)':<38} {eng:8.2f}   {eng / seq:5.2f}x pipeline   "
+        f"{100 * eng / raw:5.1f}% of raw"
+    )
 
     idle = bench.turbo_idle()
-    runs = {policy: bench.turbo_under_flood(policy) for policy in
-            (BatchPolicy.STEP_PRIORITY, BatchPolicy.JOB_PRIORITY, BatchPolicy.JOB_FIFO)}
+    runs = {
+        policy: bench.turbo_under_flood(policy)
+        for policy in (BatchPolicy.STEP_PRIORITY, BatchPolicy.JOB_PRIORITY, BatchPolicy.JOB_FIFO)
+    }
     idle_s = summarize(idle)
     step_s = runs[BatchPolicy.STEP_PRIORITY]["full_batch_step_s"]
     print(f"\n== turbo latency, {a.probes} open-loop probes, relax flood >= {a.flood} queued (seconds) ==")
-    print(f"{'policy':<34} {'p50':>7} {'p99':>7} {'relax img/s':>12} {'relax queued':>13}   (relax img/s: work done meanwhile)")
+    print(
+        f"{'policy':<34} {'p50':>7} {'p99':>7} {'relax img/s':>12} {'relax queued':>13}   (relax img/s: work done meanwhile)"
+    )
     print(f"{'idle (no load)':<34} {idle_s['p50']:7.3f} {idle_s['p99']:7.3f}")
     figures = {}
     for policy, run in runs.items():
         s = summarize(run["latencies"])
-        figures[policy.value] = {**s, "relax_images_per_s": run["relax_images_per_s"],
-                                 "relax_queued_at_start": run["relax_queued_at_start"]}
-        print(f"{policy.value:<34} {s['p50']:7.3f} {s['p99']:7.3f} {run['relax_images_per_s']:12.2f} "
-              f"{run['relax_queued_at_start']:13d}")
+        figures[policy.value] = {
+            **s,
+            "relax_images_per_s": run["relax_images_per_s"],
+            "relax_queued_at_start": run["relax_queued_at_start"],
+        }
+        print(
+            f"{policy.value:<34} {s['p50']:7.3f} {s['p99']:7.3f} {run['relax_images_per_s']:12.2f} "
+            f"{run['relax_queued_at_start']:13d}"
+        )
     target = idle_s["p99"] + (step_s or 0)
     got = figures[BatchPolicy.STEP_PRIORITY.value]["p99"]
-    print(f"target: step-priority p99 <= idle p99 + one max-batch step (median) = {idle_s['p99']:.3f} + {step_s or 0:.3f} "
-          f"= {target:.3f} s -> {got:.3f} s ({'met' if got <= target else 'NOT met'})")
+    print(
+        f"target: step-priority p99 <= idle p99 + one max-batch step (median) = {idle_s['p99']:.3f} + {step_s or 0:.3f} "
+        f"= {target:.3f} s -> {got:.3f} s ({'met' if got <= target else 'NOT met'})"
+    )
 
     hits = sum(e.hits for e in bench.encoders)
     misses = sum(e.misses for e in bench.encoders)
     rss = psutil.Process().memory_info().rss
     gc_max = max((p["pause_s"] for p in bench.gc.pauses), default=0.0)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-    print(f"\nRSS {rss / 2**20:.0f} MiB (peak {peak / 2**20:.0f} MiB); text-cache hit rate "
-          f"{100 * hits / max(1, hits + misses):.1f}% ({hits} hits, {misses} misses); "
-          f"GC {bench.gc.collections_total} collections, longest pause {gc_max * 1000:.1f} ms; "
-          f"wall {time.perf_counter() - t_begin:.0f} s")
+    print(
+        f"\nRSS {rss / 2**20:.0f} MiB (peak {peak / 2**20:.0f} MiB); text-cache hit rate "
+        f"{100 * hits / max(1, hits + misses):.1f}% ({hits} hits, {misses} misses); "
+        f"GC {bench.gc.collections_total} collections, longest pause {gc_max * 1000:.1f} ms; "
+        f"wall {time.perf_counter() - t_begin:.0f} s"
+    )
     if a.json_out:
-        Path(a.json_out).write_text(json.dumps({
-            "args": vars(a), "throughput_images_per_s": {"pipeline_sequential": seq, "raw_batched": raw,
-                                                          "engine": eng},
-            "turbo_idle": idle_s, "turbo_under_flood": figures, "max_batch_step_s": step_s,
-            "rss_bytes": rss, "peak_rss_bytes": peak, "text_cache": {"hits": hits, "misses": misses},
-            "gc": {"collections": bench.gc.collections_total, "longest_pause_s": gc_max},
-        }, indent=2))
+        Path(a.json_out).write_text(
+            json.dumps(
+                {
+                    "args": vars(a),
+                    "throughput_images_per_s": {"pipeline_sequential": seq, "raw_batched": raw, "engine": eng},
+                    "turbo_idle": idle_s,
+                    "turbo_under_flood": figures,
+                    "max_batch_step_s": step_s,
+                    "rss_bytes": rss,
+                    "peak_rss_bytes": peak,
+                    "text_cache": {"hits": hits, "misses": misses},
+                    "gc": {"collections": bench.gc.collections_total, "longest_pause_s": gc_max},
+                },
+                indent=2,
+            )
+        )
     return 0
 
 

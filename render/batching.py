@@ -40,12 +40,12 @@ CO_BATCH_SLACK = 0.25  # lower tiers join turbo while its step gets at most this
 
 @dataclass(frozen=True)
 class Candidate:
-    key: Hashable          # identifies the sample, e.g. (job_id, index)
+    key: Hashable  # identifies the sample, e.g. (job_id, index)
     tier: str
-    shape: tuple           # samples batch together only when shapes match
-    seq: int               # arrival order of the job (FIFO within a tier)
+    shape: tuple  # samples batch together only when shapes match
+    seq: int  # arrival order of the job (FIFO within a tier)
     started: bool = False  # has taken at least one step
-    rows: int = 1          # UNet rows: 2 with classifier-free guidance
+    rows: int = 1  # UNet rows: 2 with classifier-free guidance
 
 
 @dataclass(frozen=True)
@@ -76,7 +76,7 @@ def estimate_cost(rows: int, table: Mapping[int, float]) -> float | None:
 
 @dataclass(frozen=True)
 class Composition:
-    keys: tuple             # the samples to step, in batch order
+    keys: tuple  # the samples to step, in batch order
     credits: dict[str, float] = field(default_factory=dict)
 
 
@@ -88,8 +88,13 @@ def _fifo_key(c: Candidate):
     return (c.seq, str(c.key))
 
 
-def _fill(ordered: list[Candidate], chosen: list[Candidate], shape, capacity: int,
-          admit: Callable[[Candidate, list[Candidate]], bool] | None = None) -> None:
+def _fill(
+    ordered: list[Candidate],
+    chosen: list[Candidate],
+    shape,
+    capacity: int,
+    admit: Callable[[Candidate, list[Candidate]], bool] | None = None,
+) -> None:
     taken = {c.key for c in chosen}
     for c in ordered:
         if len(chosen) >= capacity:
@@ -101,6 +106,7 @@ def _fill(ordered: list[Candidate], chosen: list[Candidate], shape, capacity: in
 
 def _cheap_for_turbo(limits: Limits):
     """admit(): a lower-tier sample joins a turbo batch only if turbo's step stays nearly as fast."""
+
     def admit(c: Candidate, chosen: list[Candidate]) -> bool:
         if c.tier == PROTECTED_TIER:
             return True
@@ -113,6 +119,7 @@ def _cheap_for_turbo(limits: Limits):
         if alone is None or joined is None:
             return True  # nothing measured yet: batch, and learn the cost
         return joined <= alone * (1 + limits.co_batch_slack)
+
     return admit
 
 
@@ -162,8 +169,12 @@ def _step_priority(cands: list[Candidate], limits: Limits, credits: dict[str, fl
     return Composition(tuple(c.key for c in chosen), new_credits)
 
 
-def compose_batch(candidates: Iterable[Candidate], limits: Limits, credits: dict[str, float] | None = None,
-                  policy: BatchPolicy = BatchPolicy.STEP_PRIORITY) -> Composition:
+def compose_batch(
+    candidates: Iterable[Candidate],
+    limits: Limits,
+    credits: dict[str, float] | None = None,
+    policy: BatchPolicy = BatchPolicy.STEP_PRIORITY,
+) -> Composition:
     """The samples to run in the next UNet call (all of one shape, at most max_batch).
 
     Candidates of paused tiers are left out (they keep their state and wait). `credits`
@@ -179,6 +190,7 @@ def compose_batch(candidates: Iterable[Candidate], limits: Limits, credits: dict
 
 # ---- decoding ------------------------------------------------------------------------
 
+
 @dataclass(frozen=True)
 class Finished:
     key: Hashable
@@ -187,8 +199,9 @@ class Finished:
     seq: int
 
 
-def should_decode(finished_tiers: Iterable[str], runnable_tiers: Iterable[str], deferred: int,
-                  min_share: float) -> bool:
+def should_decode(
+    finished_tiers: Iterable[str], runnable_tiers: Iterable[str], deferred: int, min_share: float
+) -> bool:
     """Decode now, or take another step first?
 
     Finished latents of a tier at least as high as every runnable one decode at once.
@@ -205,8 +218,9 @@ def should_decode(finished_tiers: Iterable[str], runnable_tiers: Iterable[str], 
     return deferred + 1 >= patience
 
 
-def decode_chunk(finished: Iterable[Finished], max_batch: int, step_budget_s: float | None,
-                 decode_s_per_image: float | None) -> tuple:
+def decode_chunk(
+    finished: Iterable[Finished], max_batch: int, step_budget_s: float | None, decode_s_per_image: float | None
+) -> tuple:
     """Keys of the next decode batch: best tier first, one shape, at most max_batch.
 
     A decode cannot be interrupted, so below the top tier a chunk is kept to about one

@@ -50,8 +50,12 @@ class ControlHandlers:
             pauses = self.gc.since(cursor, GC_PAUSES_PER_STATUS)
             if since_gc_seq is None:  # "since the previous call" needs a cursor to move
                 self._gc_cursor = max(self._gc_cursor, pauses[-1]["seq"] if pauses else cursor)
-        return {"last_seq": self.gc.last_seq, "pauses": pauses, "collections_total": self.gc.collections_total,
-                "pause_seconds_total": round(self.gc.pause_seconds_total, 6)}
+        return {
+            "last_seq": self.gc.last_seq,
+            "pauses": pauses,
+            "collections_total": self.gc.collections_total,
+            "pause_seconds_total": round(self.gc.pause_seconds_total, 6),
+        }
 
     def status(self, since_gc_seq=None) -> dict:
         out = self.engine.snapshot()
@@ -59,25 +63,37 @@ class ControlHandlers:
         gpu = None
         if self.engine.backend.device.type == "cuda":
             gpu = torch.cuda.memory_allocated(self.engine.backend.device)
-        out.update({
-            "gc": self._gc(since_gc_seq),
-            "memory": {"rss_bytes": self._process.memory_info().rss, "gpu_allocated_bytes": gpu},
-            "throttle": throttle.describe(self.engine.throttle.now()) if throttle else None,
-            "backend": self.backend_info,
-            "text_cache": {"entries": len(self.engine.encoder), "hits": self.engine.encoder.hits,
-                           "misses": self.engine.encoder.misses, "hit_ratio": self.engine.encoder.hit_ratio},
-            "uptime_s": round(time.monotonic() - self.started, 3),
-        })
+        out.update(
+            {
+                "gc": self._gc(since_gc_seq),
+                "memory": {"rss_bytes": self._process.memory_info().rss, "gpu_allocated_bytes": gpu},
+                "throttle": throttle.describe(self.engine.throttle.now()) if throttle else None,
+                "backend": self.backend_info,
+                "text_cache": {
+                    "entries": len(self.engine.encoder),
+                    "hits": self.engine.encoder.hits,
+                    "misses": self.engine.encoder.misses,
+                    "hit_ratio": self.engine.encoder.hit_ratio,
+                },
+                "uptime_s": round(time.monotonic() - self.started, 3),
+            }
+        )
         return out
 
     def throttle(self, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=(), reason=None, ttl_s=None) -> dict:
         try:
-            t = self.engine.throttle.set(max_batch=max_batch, paused_tiers=paused_tiers, step_caps=step_caps,
-                                         shed_tiers=shed_tiers, reason=reason if reason is not None else "",
-                                         ttl_s=ttl_s)
+            t = self.engine.throttle.set(
+                max_batch=max_batch,
+                paused_tiers=paused_tiers,
+                step_caps=step_caps,
+                shed_tiers=shed_tiers,
+                reason=reason if reason is not None else "",
+                ttl_s=ttl_s,
+            )
         except ValueError as exc:
-            raise jsonrpc.RpcError(jsonrpc.INVALID_PARAMS, str(exc),
-                                   {"protected_tier": PROTECTED_TIER, "tiers": list(TIER_NAMES)}) from None
+            raise jsonrpc.RpcError(
+                jsonrpc.INVALID_PARAMS, str(exc), {"protected_tier": PROTECTED_TIER, "tiers": list(TIER_NAMES)}
+            ) from None
         log.info("throttle set: %s", t.describe(self.engine.throttle.now()))
         self.engine.wake()
         return t.describe(self.engine.throttle.now())

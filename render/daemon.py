@@ -54,19 +54,29 @@ class Worker:
         self.cfg = cfg
         torch_threads()
         components = load_components(cfg.model)
-        self.backend = make_backend(cfg.backend, components, cfg.device,
-                                    tensorrt_options=TensorRTOptions.from_config(cfg))
+        self.backend = make_backend(
+            cfg.backend, components, cfg.device, tensorrt_options=TensorRTOptions.from_config(cfg)
+        )
         encoder = PromptEncoder(components, self.backend.device, self.backend.dtype, cfg.text_cache_size)
         self.metrics = WorkerMetrics(CollectorRegistry())
         overrides = {"policy": policy} if policy is not None else {}
-        self.engine = Engine(self.backend, encoder, components, EngineSettings.from_config(cfg, **overrides),
-                             metrics=self.metrics)
+        self.engine = Engine(
+            self.backend, encoder, components, EngineSettings.from_config(cfg, **overrides), metrics=self.metrics
+        )
         self.metrics.watch(self.engine)
-        defaults = RequestDefaults(cfg.size, self.engine.size_multiple, self.engine.settings.steps,
-                                   self.engine.settings.guidance, size_check=self.backend.unsupported_size)
+        defaults = RequestDefaults(
+            cfg.size,
+            self.engine.size_multiple,
+            self.engine.settings.steps,
+            self.engine.settings.guidance,
+            size_check=self.backend.unsupported_size,
+        )
         self.api = Api(self.engine, self.metrics.registry, defaults, components.model_id)
-        self.backend_info = {**self.backend.describe(), "model": components.model_id,
-                             "fingerprint": components.fingerprint}
+        self.backend_info = {
+            **self.backend.describe(),
+            "model": components.model_id,
+            "fingerprint": components.fingerprint,
+        }
         del components
         freeze_after_load()
         self.gc = GcMonitor(observe=self.metrics.observe_gc)
@@ -90,9 +100,11 @@ class Worker:
         try:
             site = web.TCPSite(runner, host, port)
             await site.start()
-            self.control = ControlServer(self.cfg.control_socket,
-                                         ControlHandlers(self.engine, self.gc, backend_info=self.backend_info),
-                                         self.cfg.control_group).start()
+            self.control = ControlServer(
+                self.cfg.control_socket,
+                ControlHandlers(self.engine, self.gc, backend_info=self.backend_info),
+                self.cfg.control_group,
+            ).start()
         except OSError as exc:
             await self._shutdown(runner)
             raise ListenError(f"cannot listen on {self.cfg.listen}: {exc.strerror or exc}") from None
@@ -112,8 +124,9 @@ class Worker:
         log.info("stopping: no new jobs; finishing running ones (up to %ss)", self.cfg.drain_timeout)
         self.engine.close_intake()
         if not await loop.run_in_executor(None, self.engine.wait_idle, self.cfg.drain_timeout):
-            n = self.engine.fail_all(f"the worker stopped before the job finished "
-                                     f"(drain timeout {self.cfg.drain_timeout:g} s)")
+            n = self.engine.fail_all(
+                f"the worker stopped before the job finished (drain timeout {self.cfg.drain_timeout:g} s)"
+            )
             log.warning("failed %d unfinished jobs at shutdown", n)
         await self._shutdown(runner)
         return 0

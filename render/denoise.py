@@ -36,7 +36,7 @@ def denoise_step(backend: DiffusionBackend, samples: Sequence[Sample]) -> int:
     offset = 0
     for s, t in zip(samples, ts):
         req = s.job.request
-        eps = noise[offset:offset + rows(s)]
+        eps = noise[offset : offset + rows(s)]
         offset += len(eps)
         if req.cfg:
             uncond, cond = eps.chunk(2)

@@ -57,8 +57,13 @@ class PromptEncoder:
 
     @torch.inference_mode()
     def _encode(self, prompts: list[str]) -> torch.Tensor:
-        ids = self.tokenizer(prompts, padding="max_length", max_length=self.tokenizer.model_max_length,
-                             truncation=True, return_tensors="pt").input_ids
+        ids = self.tokenizer(
+            prompts,
+            padding="max_length",
+            max_length=self.tokenizer.model_max_length,
+            truncation=True,
+            return_tensors="pt",
+        ).input_ids
         out = self.text_encoder(ids.to(self.device), return_dict=False)[0]
         return out.to(self.dtype)
 

@@ -40,7 +40,7 @@ from .throttle import ThrottleState
 
 log = logging.getLogger(__name__)
 
-_DEFAULTS = WorkerConfig()   # the worker's defaults are the config's: one definition
+_DEFAULTS = WorkerConfig()  # the worker's defaults are the config's: one definition
 
 
 @dataclass
@@ -58,16 +58,31 @@ class EngineSettings:
     def from_config(cls, cfg: WorkerConfig, **overrides: Any) -> EngineSettings:
         base = cls()
         # a partial per-tier table in the file overrides only the tiers it names
-        return cls(max_batch=cfg.max_batch, steps={**base.steps, **cfg.steps},
-                   sampler={**base.sampler, **cfg.sampler}, guidance={**base.guidance, **cfg.guidance},
-                   queue_limit={**base.queue_limit, **cfg.queue_limit}, min_share=cfg.min_share, **overrides)
+        return cls(
+            max_batch=cfg.max_batch,
+            steps={**base.steps, **cfg.steps},
+            sampler={**base.sampler, **cfg.sampler},
+            guidance={**base.guidance, **cfg.guidance},
+            queue_limit={**base.queue_limit, **cfg.queue_limit},
+            min_share=cfg.min_share,
+            **overrides,
+        )
 
 
 class Engine:
-    def __init__(self, backend: DiffusionBackend, encoder: PromptEncoder, components: Any,
-                 settings: EngineSettings | None = None, *, throttle: ThrottleState | None = None,
-                 metrics: Any = None, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, on_event: Callable[[dict], None] | None = None):
+    def __init__(
+        self,
+        backend: DiffusionBackend,
+        encoder: PromptEncoder,
+        components: Any,
+        settings: EngineSettings | None = None,
+        *,
+        throttle: ThrottleState | None = None,
+        metrics: Any = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        on_event: Callable[[dict], None] | None = None,
+    ):
         self.backend = backend
         self.encoder = encoder
         vae_scale_factor = components.vae_scale_factor
@@ -78,8 +93,9 @@ class Engine:
         self.throttle = throttle or ThrottleState(clock=clock, wall=wall)
         self.clock, self.wall = clock, wall
         self.on_event = on_event
-        self.jobs = JobTable(self.settings.queue_limit, self.throttle, self._pace, clock=clock, wall=wall,
-                             metrics=metrics)
+        self.jobs = JobTable(
+            self.settings.queue_limit, self.throttle, self._pace, clock=clock, wall=wall, metrics=metrics
+        )
         self._credits: dict[str, float] = {}
         self._decode_deferred = 0
         self._stopping = False
@@ -107,8 +123,9 @@ class Engine:
             max_batch = min(max_batch, t.max_batch)
         # while draining, paused work runs too: shutdown must not wait on a throttle
         paused = t.paused_tiers if t is not None and self.jobs.accepting else frozenset()
-        return batching.Limits(max_batch, paused, self.settings.min_share,
-                               dict(self.step_cost), self.settings.co_batch_slack)
+        return batching.Limits(
+            max_batch, paused, self.settings.min_share, dict(self.step_cost), self.settings.co_batch_slack
+        )
 
     def steps_for(self, tier: str, requested: int) -> int:
         t = self.throttle.current()
@@ -158,8 +175,14 @@ class Engine:
 
     def _emit(self, kind: str, samples: list[Sample], seconds: float) -> None:
         if self.on_event is not None:
-            self.on_event({"kind": kind, "samples": [(s.job.id, s.job.tier, s.index, s.step) for s in samples],
-                           "seconds": seconds, "at": self.clock()})
+            self.on_event(
+                {
+                    "kind": kind,
+                    "samples": [(s.job.id, s.job.tier, s.index, s.step) for s in samples],
+                    "seconds": seconds,
+                    "at": self.clock(),
+                }
+            )
 
     def _encode(self, jobs: list[Job]) -> None:
         try:
@@ -237,8 +260,9 @@ class Engine:
                     runnable.append(s)
         if not runnable and not finished:
             return bool(to_encode)
-        if batching.should_decode([s.job.tier for s in finished], [s.job.tier for s in runnable],
-                                  self._decode_deferred, limits.min_share):
+        if batching.should_decode(
+            [s.job.tier for s in finished], [s.job.tier for s in runnable], self._decode_deferred, limits.min_share
+        ):
             self._decode_deferred = 0
             return self._run_decode(finished, limits)
         if finished:
@@ -249,14 +273,19 @@ class Engine:
         by_key = {s.key: s for s in finished}
         keys = batching.decode_chunk(
             [batching.Finished(s.key, s.job.tier, _shape(s), s.job.seq) for s in finished],
-            limits.max_batch, percentile(self.step_times, 50), self.decode_s_per_image)
+            limits.max_batch,
+            percentile(self.step_times, 50),
+            self.decode_s_per_image,
+        )
         self._decode([by_key[k] for k in keys])
         return True
 
     def _run_step(self, runnable: list[Sample], limits: batching.Limits) -> bool:
         by_key = {s.key: s for s in runnable}
-        cands = [batching.Candidate(s.key, s.job.tier, _shape(s), s.job.seq, s.scheduler is not None, rows(s))
-                 for s in runnable]
+        cands = [
+            batching.Candidate(s.key, s.job.tier, _shape(s), s.job.seq, s.scheduler is not None, rows(s))
+            for s in runnable
+        ]
         comp = batching.compose_batch(cands, limits, self._credits, self.settings.policy)
         self._credits = comp.credits
         if not comp.keys:
@@ -317,8 +346,11 @@ class Engine:
         steps = list(self.step_times)
         return {
             "tiers": tiers,
-            "step_time_s": {"last": steps[-1] if steps else None, "p50": percentile(steps, 50),
-                            "p99": percentile(steps, 99)},
+            "step_time_s": {
+                "last": steps[-1] if steps else None,
+                "p50": percentile(steps, 50),
+                "p99": percentile(steps, 99),
+            },
             "max_batch": self.limits().max_batch,
             "steps_total": self.steps_total,
             "accepting": self.jobs.accepting,

@@ -16,8 +16,13 @@ from typing import Callable
 
 
 class GcMonitor:
-    def __init__(self, keep: int = 512, observe: Callable[[int, float], None] | None = None,
-                 clock=time.perf_counter, wall=time.time):
+    def __init__(
+        self,
+        keep: int = 512,
+        observe: Callable[[int, float], None] | None = None,
+        clock=time.perf_counter,
+        wall=time.time,
+    ):
         self.pauses: collections.deque = collections.deque(maxlen=keep)
         self.collections_total = 0
         self.pause_seconds_total = 0.0
@@ -38,8 +43,7 @@ class GcMonitor:
         generation = info.get("generation", -1)
         self.collections_total += 1
         self.pause_seconds_total += pause
-        self.pauses.append({"seq": next(self._seq), "generation": generation,
-                            "pause_s": pause, "at": self._wall()})
+        self.pauses.append({"seq": next(self._seq), "generation": generation, "pause_s": pause, "at": self._wall()})
         if self._observe is not None:
             self._observe(generation, pause)
 

@@ -37,10 +37,29 @@ MAX_STEPS = 200
 MIN_PIXELS = 64
 MAX_PIXELS = 2048
 # OpenAI request fields that do not change what this worker renders; accepted and ignored.
-IGNORED_OPENAI_FIELDS = {"model", "quality", "style", "user", "background", "moderation",
-                         "output_compression", "output_format"}
-TURBONODE_FIELDS = {"prompt", "negative_prompt", "n", "size", "response_format", "tier", "steps",
-                    "seed", "guidance", "async", "stream"}
+IGNORED_OPENAI_FIELDS = {
+    "model",
+    "quality",
+    "style",
+    "user",
+    "background",
+    "moderation",
+    "output_compression",
+    "output_format",
+}
+TURBONODE_FIELDS = {
+    "prompt",
+    "negative_prompt",
+    "n",
+    "size",
+    "response_format",
+    "tier",
+    "steps",
+    "seed",
+    "guidance",
+    "async",
+    "stream",
+}
 
 
 class BadRequest(Exception):
@@ -73,7 +92,9 @@ def _size(value, defaults: RequestDefaults) -> tuple[int, int]:
     if value is None or value == "auto":
         return defaults.size, defaults.size
     if not isinstance(value, str) or "x" not in value:
-        raise BadRequest(f"'size' must be 'WIDTHxHEIGHT' (e.g. '{defaults.size}x{defaults.size}'), got {value!r}", "size")
+        raise BadRequest(
+            f"'size' must be 'WIDTHxHEIGHT' (e.g. '{defaults.size}x{defaults.size}'), got {value!r}", "size"
+        )
     w, _, h = value.partition("x")
     if not (w.isdigit() and h.isdigit()):
         raise BadRequest(f"'size' must be 'WIDTHxHEIGHT' with integer pixels, got {value!r}", "size")
@@ -81,9 +102,10 @@ def _size(value, defaults: RequestDefaults) -> tuple[int, int]:
     m = defaults.size_multiple
     for side in (width, height):
         if not max(m, MIN_PIXELS) <= side <= MAX_PIXELS or side % m:
-            raise BadRequest(f"'size' sides must be multiples of {m} between {max(m, MIN_PIXELS)} and {MAX_PIXELS}, "
-                             f"got {value!r}",
-                             "size")
+            raise BadRequest(
+                f"'size' sides must be multiples of {m} between {max(m, MIN_PIXELS)} and {MAX_PIXELS}, got {value!r}",
+                "size",
+            )
     reason = defaults.size_check(height, width) if defaults.size_check else None
     if reason:
         raise BadRequest(f"'size' {reason}", "size")
@@ -104,12 +126,14 @@ def parse_generation(body, header_tier: str | None, defaults: RequestDefaults) -
         raise BadRequest(f"'prompt' is longer than {MAX_PROMPT_CHARS} characters", "prompt")
     negative = body.get("negative_prompt") or ""
     if not isinstance(negative, str) or len(negative) > MAX_PROMPT_CHARS:
-        raise BadRequest(f"'negative_prompt' must be a string of at most {MAX_PROMPT_CHARS} characters",
-                         "negative_prompt")
+        raise BadRequest(
+            f"'negative_prompt' must be a string of at most {MAX_PROMPT_CHARS} characters", "negative_prompt"
+        )
     fmt = body.get("response_format") or "b64_json"
     if fmt != "b64_json":
-        raise BadRequest(f"'response_format' {fmt!r} is not supported; this worker answers b64_json only",
-                         "response_format")
+        raise BadRequest(
+            f"'response_format' {fmt!r} is not supported; this worker answers b64_json only", "response_format"
+        )
     if body.get("stream"):
         raise BadRequest("'stream' is not supported", "stream")
     tier = body.get("tier") or header_tier or DEFAULT_TIER
@@ -186,10 +210,13 @@ async def json_errors(request, handler):
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return web.json_response(error_body(exc.reason or exc.text or "error", "invalid_request_error"
-                                            if exc.status < 500 else "server_error"),
-                                 status=exc.status, headers={k: v for k, v in exc.headers.items()
-                                                             if k.lower() in ("allow", "retry-after")})
+        return web.json_response(
+            error_body(
+                exc.reason or exc.text or "error", "invalid_request_error" if exc.status < 500 else "server_error"
+            ),
+            status=exc.status,
+            headers={k: v for k, v in exc.headers.items() if k.lower() in ("allow", "retry-after")},
+        )
 
 
 class Api:
@@ -201,13 +228,15 @@ class Api:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[json_errors])
-        app.add_routes([
-            web.post("/v1/images/generations", self.generate),
-            web.get("/v1/jobs/{id}", self.get_job),
-            web.delete("/v1/jobs/{id}", self.delete_job),
-            web.get("/healthz", self.healthz),
-            web.get("/metrics", self.metrics),
-        ])
+        app.add_routes(
+            [
+                web.post("/v1/images/generations", self.generate),
+                web.get("/v1/jobs/{id}", self.get_job),
+                web.delete("/v1/jobs/{id}", self.delete_job),
+                web.get("/healthz", self.healthz),
+                web.get("/metrics", self.metrics),
+            ]
+        )
         return app
 
     async def _images(self, job) -> list[dict]:
@@ -233,11 +262,15 @@ class Api:
             if exc.retry_after is not None:
                 headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
             code = type(exc).__name__.lower()
-            return web.json_response(error_body(str(exc), "rate_limit_error" if exc.status == 429 else "server_error",
-                                                "tier", code), status=exc.status, headers=headers)
+            return web.json_response(
+                error_body(str(exc), "rate_limit_error" if exc.status == 429 else "server_error", "tier", code),
+                status=exc.status,
+                headers=headers,
+            )
         if run_async:
-            return web.json_response(job.describe(self.engine.clock()), status=202,
-                                     headers={"Location": f"/v1/jobs/{job.id}"})
+            return web.json_response(
+                job.describe(self.engine.clock()), status=202, headers={"Location": f"/v1/jobs/{job.id}"}
+            )
         try:
             await asyncio.shield(asyncio.wrap_future(job.future))
         except asyncio.CancelledError:
@@ -248,10 +281,14 @@ class Api:
             return web.json_response(error_body(str(exc), "invalid_request_error", None, "cancelled"), status=409)
         except JobFailed as exc:
             status = 503 if not self.engine.accepting else 500
-            return web.json_response(error_body(f"job failed: {exc}", "server_error", None, "job_failed"),
-                                     status=status)
-        answer = {"created": int(job.created), "data": await self._images(job),
-                  "turbonode": job.describe(self.engine.clock())}
+            return web.json_response(
+                error_body(f"job failed: {exc}", "server_error", None, "job_failed"), status=status
+            )
+        answer = {
+            "created": int(job.created),
+            "data": await self._images(job),
+            "turbonode": job.describe(self.engine.clock()),
+        }
         job.drop_images()  # delivered: a sync job's pixels are not kept
         return web.json_response(answer)
 
@@ -275,8 +312,11 @@ class Api:
 
     async def healthz(self, request: web.Request) -> web.Response:
         ok = self.engine.alive and self.engine.accepting
-        body = {"status": "ok" if ok else ("draining" if self.engine.alive else "engine stopped"),
-                "model": self.model_id, "backend": self.engine.backend.describe()}
+        body = {
+            "status": "ok" if ok else ("draining" if self.engine.alive else "engine stopped"),
+            "model": self.model_id,
+            "backend": self.engine.backend.describe(),
+        }
         return web.json_response(body, status=200 if ok else 503)
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -23,17 +23,25 @@ from turbonode.tiers import PRIORITY_ORDER
 from .jobs import Draining, Job, JobCancelled, JobFailed, JobRequest, JobState, QueueFull, TierShed
 from .throttle import ThrottleState
 
-RECENT = 512          # queue waits (and the engine's step times) kept for p50/p99 figures
+RECENT = 512  # queue waits (and the engine's step times) kept for p50/p99 figures
 KEEP_FINISHED = 1024  # terminal jobs kept for GET /v1/jobs/{id}
 
-Pace = Callable[[], "tuple[float | None, int]"]   # -> (median step seconds or None, max batch now)
+Pace = Callable[[], "tuple[float | None, int]"]  # -> (median step seconds or None, max batch now)
 
 
 class JobTable:
     keep_images = 64  # of the finished jobs kept, the newest done ones whose images are still held
 
-    def __init__(self, queue_limit: Mapping[str, int], throttle: ThrottleState, pace: Pace, *,
-                 clock: Callable[[], float], wall: Callable[[], float], metrics: Any = None):
+    def __init__(
+        self,
+        queue_limit: Mapping[str, int],
+        throttle: ThrottleState,
+        pace: Pace,
+        *,
+        clock: Callable[[], float],
+        wall: Callable[[], float],
+        metrics: Any = None,
+    ):
         self.queue_limit = queue_limit
         self.throttle = throttle
         self.pace = pace
@@ -41,14 +49,15 @@ class JobTable:
         self.metrics = metrics
         self.lock = threading.RLock()
         self.wake = threading.Condition(self.lock)
-        self._jobs: dict[str, Job] = {}                          # every job, live and recent
-        self._finished: collections.deque[str] = collections.deque()   # terminal job ids, oldest first
+        self._jobs: dict[str, Job] = {}  # every job, live and recent
+        self._finished: collections.deque[str] = collections.deque()  # terminal job ids, oldest first
         self._holding_images: collections.deque[Job] = collections.deque()  # done jobs with images, oldest first
-        self._active: dict[str, Job] = {}                        # not terminal yet
+        self._active: dict[str, Job] = {}  # not terminal yet
         self._seq = itertools.count()
         self._intake_open = True
         self.queue_waits: dict[str, collections.deque[float]] = {
-            t: collections.deque(maxlen=RECENT) for t in PRIORITY_ORDER}
+            t: collections.deque(maxlen=RECENT) for t in PRIORITY_ORDER
+        }
 
     # ---- intake (any thread) ----------------------------------------------------------
 
@@ -58,8 +67,7 @@ class JobTable:
     def _retry_after(self, tier: str) -> float:
         """Rough seconds until the tier's queue has room: its queued steps at the current pace."""
         step_s, max_batch = self.pace()
-        queued_steps = sum(s.total_steps - s.step for j in self._active.values() if j.tier == tier
-                           for s in j.samples)
+        queued_steps = sum(s.total_steps - s.step for j in self._active.values() if j.tier == tier for s in j.samples)
         return max(1.0, math.ceil((step_s or 0.1) * queued_steps / max(1, max_batch)))
 
     def submit(self, request: JobRequest) -> Job:
@@ -73,8 +81,10 @@ class JobTable:
                 raise TierShed(f"tier {request.tier} is shed by the node's throttle ({t.reason})", retry_after=left)
             limit = self.queue_limit[request.tier]
             if self._queued(request.tier) >= limit:
-                raise QueueFull(f"tier {request.tier} queue is full ({limit} jobs waiting)",
-                                retry_after=self._retry_after(request.tier))
+                raise QueueFull(
+                    f"tier {request.tier} queue is full ({limit} jobs waiting)",
+                    retry_after=self._retry_after(request.tier),
+                )
             job = Job(request, next(self._seq), self.clock(), self.wall())
             self._jobs[job.id] = job
             self._active[job.id] = job
@@ -159,8 +169,10 @@ class JobTable:
         """Refuse new jobs and fail those that have not started: shutdown finishes only what runs."""
         with self.lock:
             self._intake_open = False
-            self.fail([j for j in self._active.values() if j.state is JobState.QUEUED],
-                      "the worker is shutting down; the job did not start, resubmit it")
+            self.fail(
+                [j for j in self._active.values() if j.state is JobState.QUEUED],
+                "the worker is shutting down; the job did not start, resubmit it",
+            )
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = self.clock() + timeout

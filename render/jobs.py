@@ -17,9 +17,9 @@ from turbonode.errors import TurbonodeError
 
 
 class JobState(str, enum.Enum):
-    QUEUED = "queued"        # waiting for its first step
-    RUNNING = "running"      # denoising
-    DECODING = "decoding"    # every sample denoised, VAE decode pending
+    QUEUED = "queued"  # waiting for its first step
+    RUNNING = "running"  # denoising
+    DECODING = "decoding"  # every sample denoised, VAE decode pending
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
@@ -81,12 +81,12 @@ class JobRequest:
 class Sample:
     job: "Job"
     index: int
-    scheduler: Any = None     # built at the sample's first step (step caps apply then)
+    scheduler: Any = None  # built at the sample's first step (step caps apply then)
     latents: Any = None
     generator: Any = None
     step: int = 0
     total_steps: int = 0
-    image: Any = None         # uint8 HxWx3 numpy array once decoded
+    image: Any = None  # uint8 HxWx3 numpy array once decoded
 
     @property
     def key(self) -> tuple[str, int]:
@@ -105,14 +105,14 @@ class Sample:
 class Job:
     request: JobRequest
     seq: int
-    submitted: float                       # monotonic
-    created: float                         # wall clock, for API answers
+    submitted: float  # monotonic
+    created: float  # wall clock, for API answers
     id: str = field(default_factory=lambda: "job-" + uuid.uuid4().hex[:16])
     state: JobState = JobState.QUEUED
     error: str | None = None
     started: float | None = None
     finished: float | None = None
-    embeddings: Any = None                 # [rows, L, D]: (uncond, cond) with CFG, else (cond,)
+    embeddings: Any = None  # [rows, L, D]: (uncond, cond) with CFG, else (cond,)
     cancel_requested: bool = False
     images_dropped: bool = False
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)

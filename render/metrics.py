@@ -27,14 +27,22 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.step_seconds = Histogram(P + "step_duration_seconds", "Wall time of one batched UNet step",
-                                      buckets=STEP_BUCKETS, registry=r)
-        self.batch_size = Histogram(P + "batch_images", "Images in one UNet step",
-                                    buckets=(1, 2, 4, 8, 16, 32), registry=r)
-        self.queue_wait = Histogram(P + "queue_wait_seconds", "Time from submission to a job's first step",
-                                    ["tier"], buckets=WAIT_BUCKETS, registry=r)
-        self.gc_pause = Histogram(P + "gc_pause_seconds", "Pause of one garbage collection",
-                                  ["generation"], buckets=GC_BUCKETS, registry=r)
+        self.step_seconds = Histogram(
+            P + "step_duration_seconds", "Wall time of one batched UNet step", buckets=STEP_BUCKETS, registry=r
+        )
+        self.batch_size = Histogram(
+            P + "batch_images", "Images in one UNet step", buckets=(1, 2, 4, 8, 16, 32), registry=r
+        )
+        self.queue_wait = Histogram(
+            P + "queue_wait_seconds",
+            "Time from submission to a job's first step",
+            ["tier"],
+            buckets=WAIT_BUCKETS,
+            registry=r,
+        )
+        self.gc_pause = Histogram(
+            P + "gc_pause_seconds", "Pause of one garbage collection", ["generation"], buckets=GC_BUCKETS, registry=r
+        )
         self.jobs = Counter(P + "jobs", "Jobs that ended, by tier and outcome", ["tier", "outcome"], registry=r)
 
     def observe_step(self, seconds: float, images: int) -> None:
@@ -86,11 +94,11 @@ class EngineCollector:
             in_flight.add_metric([tier], snap["tiers"][tier]["in_flight"])
         yield queued
         yield in_flight
-        yield GaugeMetricFamily(P + "max_batch", "Largest UNet batch now allowed (throttle included)",
-                                value=snap["max_batch"])
+        yield GaugeMetricFamily(
+            P + "max_batch", "Largest UNet batch now allowed (throttle included)", value=snap["max_batch"]
+        )
         throttled = self.engine.throttle.current() is not None
-        yield GaugeMetricFamily(P + "throttled", "1 while a throttle from the agent is in force",
-                                value=int(throttled))
+        yield GaugeMetricFamily(P + "throttled", "1 while a throttle from the agent is in force", value=int(throttled))
         enc = self.engine.encoder
         yield CounterMetricFamily(P + "text_cache_hits", "Prompt embeddings served from the cache", value=enc.hits)
         yield CounterMetricFamily(P + "text_cache_misses", "Prompt embeddings computed", value=enc.misses)

@@ -26,9 +26,9 @@ class Components:
     text_encoder: Any
     tokenizer: Any
     scheduler_config: dict
-    model_id: str        # what the user asked for: 'tiny' or the directory
-    fingerprint: str     # changes when the weights change; keys the text-embedding cache
-    native_size: int     # pixels the model was trained at
+    model_id: str  # what the user asked for: 'tiny' or the directory
+    fingerprint: str  # changes when the weights change; keys the text-embedding cache
+    native_size: int  # pixels the model was trained at
     extra: dict = field(default_factory=dict)
 
     @property
@@ -47,8 +47,16 @@ def _tiny() -> Components:
         for name, tensor in module.state_dict().items():
             digest.update(name.encode())
             digest.update(tensor.detach().contiguous().numpy().tobytes())
-    return Components(unet, vae, text_encoder, tokenizer, dict(tiny.SCHEDULER_CONFIG), "tiny",
-                      "tiny-" + digest.hexdigest()[:16], tiny.IMAGE_SIZE)
+    return Components(
+        unet,
+        vae,
+        text_encoder,
+        tokenizer,
+        dict(tiny.SCHEDULER_CONFIG),
+        "tiny",
+        "tiny-" + digest.hexdigest()[:16],
+        tiny.IMAGE_SIZE,
+    )
 
 
 def _read_json(path: Path) -> dict:
@@ -86,8 +94,10 @@ def _directory(root: Path) -> Components:
 
     index = _read_json(root / "model_index.json")
     if "text_encoder_2" in index:
-        raise ModelError(f"{root}: two-text-encoder pipelines ({index.get('_class_name')}, e.g. SDXL) "
-                         "need pooled embeddings and time ids, which this worker does not support yet")
+        raise ModelError(
+            f"{root}: two-text-encoder pipelines ({index.get('_class_name')}, e.g. SDXL) "
+            "need pooled embeddings and time ids, which this worker does not support yet"
+        )
     scheduler_config = _read_json(root / "scheduler" / "scheduler_config.json")
     try:
         unet = UNet2DConditionModel.from_pretrained(root, subfolder="unet", local_files_only=True)
@@ -99,8 +109,7 @@ def _directory(root: Path) -> Components:
     for module in (unet, vae, text_encoder):
         module.eval().requires_grad_(False)
     native = unet.config.sample_size * 2 ** (len(vae.config.block_out_channels) - 1)
-    return Components(unet, vae, text_encoder, tokenizer, scheduler_config, str(root),
-                      _dir_fingerprint(root), native)
+    return Components(unet, vae, text_encoder, tokenizer, scheduler_config, str(root), _dir_fingerprint(root), native)
 
 
 def load_components(model: str) -> Components:

@@ -16,7 +16,7 @@ import torch
 from .jobs import Sample
 from .samplers import make_scheduler
 
-LATENT_CHANNELS = 4   # the UNet's input channels in the SD 1.x/2.x family the worker serves
+LATENT_CHANNELS = 4  # the UNet's input channels in the SD 1.x/2.x family the worker serves
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ MAX_TTL_S = 3600.0
 class Throttle(ThrottleLimits):
     reason: str = ""
     ttl_s: float = 0.0
-    set_at: float = 0.0      # monotonic
+    set_at: float = 0.0  # monotonic
     set_at_wall: float = 0.0
 
     @property
@@ -41,16 +41,33 @@ class Throttle(ThrottleLimits):
         }
 
 
-def make_throttle(*, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=(), reason="",
-                  ttl_s=None, now: float, now_wall: float) -> Throttle:
+def make_throttle(
+    *,
+    max_batch=None,
+    paused_tiers=(),
+    step_caps=None,
+    shed_tiers=(),
+    reason="",
+    ttl_s=None,
+    now: float,
+    now_wall: float,
+) -> Throttle:
     """Validate the `throttle` call's parameters; ValueError names the bad one."""
     limits = check_throttle(max_batch, paused_tiers, step_caps, shed_tiers)
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError("reason must be a non-empty string (it is logged and shown in status)")
     if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= MAX_TTL_S:
         raise ValueError(f"ttl_s must be a number of seconds in (0, {MAX_TTL_S:g}], got {ttl_s!r}")
-    return Throttle(limits.max_batch, limits.paused_tiers, limits.step_caps, limits.shed_tiers, reason.strip(),
-                    float(ttl_s), now, now_wall)
+    return Throttle(
+        limits.max_batch,
+        limits.paused_tiers,
+        limits.step_caps,
+        limits.shed_tiers,
+        reason.strip(),
+        float(ttl_s),
+        now,
+        now_wall,
+    )
 
 
 class ThrottleState:

@@ -73,33 +73,39 @@ def _seeded(build, offset: int):
 def build_unet():
     from diffusers import UNet2DConditionModel
 
-    return _seeded(lambda: UNet2DConditionModel(
-        sample_size=IMAGE_SIZE // 8,
-        in_channels=4,
-        out_channels=4,
-        block_out_channels=(32, 64),
-        layers_per_block=2,
-        down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-        up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-        cross_attention_dim=EMBED_DIM,
-    ), 1)
+    return _seeded(
+        lambda: UNet2DConditionModel(
+            sample_size=IMAGE_SIZE // 8,
+            in_channels=4,
+            out_channels=4,
+            block_out_channels=(32, 64),
+            layers_per_block=2,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
+            cross_attention_dim=EMBED_DIM,
+        ),
+        1,
+    )
 
 
 def build_vae():
     from diffusers import AutoencoderKL
 
     # Four blocks give SD's 8x latent scale; narrow channels keep a 256 px decode ~50 ms on CPU.
-    return _seeded(lambda: AutoencoderKL(
-        in_channels=3,
-        out_channels=3,
-        block_out_channels=(16, 16, 32, 32),
-        down_block_types=("DownEncoderBlock2D",) * 4,
-        up_block_types=("UpDecoderBlock2D",) * 4,
-        latent_channels=4,
-        layers_per_block=1,
-        norm_num_groups=16,
-        sample_size=IMAGE_SIZE,
-    ), 2)
+    return _seeded(
+        lambda: AutoencoderKL(
+            in_channels=3,
+            out_channels=3,
+            block_out_channels=(16, 16, 32, 32),
+            down_block_types=("DownEncoderBlock2D",) * 4,
+            up_block_types=("UpDecoderBlock2D",) * 4,
+            latent_channels=4,
+            layers_per_block=1,
+            norm_num_groups=16,
+            sample_size=IMAGE_SIZE,
+        ),
+        2,
+    )
 
 
 def build_text_encoder(vocab_size: int):

@@ -30,12 +30,12 @@ NEEDS = ("ip", "tc", "iperf3", "stress-ng")
 
 @dataclass
 class DemoSettings:
-    rate: str = "20mbit"           # the node's link, shaped in both phases
-    duration: float = 20.0         # seconds of load per phase
-    size: int = 256                # image size in pixels: big enough that the link matters
+    rate: str = "20mbit"  # the node's link, shaped in both phases
+    duration: float = 20.0  # seconds of load per phase
+    size: int = 256  # image size in pixels: big enough that the link matters
     clients: dict = field(default_factory=lambda: {"turbo": 1, "fast": 1, "other": 1, "relax": 2})
     bulk_flows: int = 4
-    stress: bool = True            # the fault: stress-ng on every CPU during the load
+    stress: bool = True  # the fault: stress-ng on every CPU during the load
 
 
 def preflight() -> None:
@@ -51,8 +51,10 @@ def run_demo(settings: DemoSettings, log: Callable[[str], object] = print) -> di
     """Both phases on one node; returns {"settings", "without", "with"}."""
     preflight()
     with DemoNode(settings, log) as node:
-        log(f"phase 1/2: without turbonode (FIFO at {settings.rate}, no agent), {settings.duration:g} s of load "
-            f"+ {settings.bulk_flows} bulk flows" + (" + stress-ng on every CPU" if settings.stress else ""))
+        log(
+            f"phase 1/2: without turbonode (FIFO at {settings.rate}, no agent), {settings.duration:g} s of load "
+            f"+ {settings.bulk_flows} bulk flows" + (" + stress-ng on every CPU" if settings.stress else "")
+        )
         node.plain_fifo()
         without = node.run_load(watch_agent=False)
         node.remove_fifo()

@@ -27,8 +27,8 @@ PATH = "/v1/images/generations"
 @dataclass
 class Outcome:
     tier: str
-    status: int          # HTTP status; 0 when no answer came (connection error, timeout)
-    latency: float       # seconds from sending the request to the end of the answer
+    status: int  # HTTP status; 0 when no answer came (connection error, timeout)
+    latency: float  # seconds from sending the request to the end of the answer
     error: str = ""
 
 
@@ -48,8 +48,13 @@ class _TosConnection(http.client.HTTPConnection):
 
 def request_image(url: str, tier: str, size: int = 64, steps: int | None = None, timeout: float = 60) -> Outcome:
     parts = urlsplit(url)
-    body = {"prompt": f"a {tier} tier test image", "n": 1, "size": f"{size}x{size}",
-            "response_format": "b64_json", "tier": tier}
+    body = {
+        "prompt": f"a {tier} tier test image",
+        "n": 1,
+        "size": f"{size}x{size}",
+        "response_format": "b64_json",
+        "tier": tier,
+    }
     if steps:
         body["steps"] = steps
     conn = _TosConnection(parts.hostname, parts.port or 80, tos_byte(tier), timeout)
@@ -66,8 +71,14 @@ def request_image(url: str, tier: str, size: int = 64, steps: int | None = None,
         conn.close()
 
 
-def run_load(url: str, clients: dict[str, int], duration: float, size: int = 64,
-             steps: dict[str, int] | None = None, timeout: float = 60) -> list[Outcome]:
+def run_load(
+    url: str,
+    clients: dict[str, int],
+    duration: float,
+    size: int = 64,
+    steps: dict[str, int] | None = None,
+    timeout: float = 60,
+) -> list[Outcome]:
     """`clients[tier]` closed-loop clients per tier for `duration` seconds; every outcome."""
     deadline = time.monotonic() + duration
     outcomes: list[Outcome] = []
@@ -81,8 +92,7 @@ def run_load(url: str, clients: dict[str, int], duration: float, size: int = 64,
             if out.status != 200:
                 time.sleep(0.2)  # 429/503/errors: back off instead of spinning
 
-    threads = [threading.Thread(target=client, args=(t,), daemon=True)
-               for t, n in clients.items() for _ in range(n)]
+    threads = [threading.Thread(target=client, args=(t,), daemon=True) for t, n in clients.items() for _ in range(n)]
     for th in threads:
         th.start()
     for th in threads:
@@ -99,9 +109,14 @@ def summarize(outcomes: list[Outcome]) -> dict[str, dict]:
             continue
         ok = [o.latency for o in mine if o.status == 200]
         rejected = sum(o.status in (429, 503) for o in mine)
-        out[tier] = {"requests": len(mine), "ok": len(ok), "rejected": rejected,
-                     "failed": len(mine) - len(ok) - rejected,
-                     "p50_s": percentile(ok, 50), "p99_s": percentile(ok, 99)}
+        out[tier] = {
+            "requests": len(mine),
+            "ok": len(ok),
+            "rejected": rejected,
+            "failed": len(mine) - len(ok) - rejected,
+            "p50_s": percentile(ok, 50),
+            "p99_s": percentile(ok, 99),
+        }
     return out
 
 
@@ -121,6 +136,7 @@ def _at_least(lo: float, kind: type = float):
         if v < lo:
             raise argparse.ArgumentTypeError(f"must be at least {lo}, got {value}")
         return v
+
     return convert
 
 
@@ -128,8 +144,14 @@ def main(argv: list[str] | None = None) -> int:
     """Send tiered image requests to URL for DURATION seconds; print every outcome as JSON."""
     parser = argparse.ArgumentParser(prog="python -m sandbox.loadgen", description=main.__doc__)
     parser.add_argument("url")
-    parser.add_argument("--clients", type=_tier_count, action="append", default=[], metavar="TIER=N",
-                        help="closed-loop clients per tier (repeatable)")
+    parser.add_argument(
+        "--clients",
+        type=_tier_count,
+        action="append",
+        default=[],
+        metavar="TIER=N",
+        help="closed-loop clients per tier (repeatable)",
+    )
     parser.add_argument("--duration", type=_at_least(0.1), default=10.0, help="seconds (default 10)")
     parser.add_argument("--size", type=_at_least(8, int), default=64, help="image size in pixels (default 64)")
     parser.add_argument("--timeout", type=_at_least(0.1), default=60.0, help="seconds per request (default 60)")

@@ -48,10 +48,24 @@ class Sandbox:
                 _ip("netns", "add", ns)
                 self._created.append(ns)
                 _ip("-n", ns, "link", "set", "lo", "up")
-            _ip("-n", self.server, "link", "add", self.dev, "type", "veth", "peer", "name", self.peer_dev,
-                "netns", self.client)
-            for ns, dev, v4, v6 in ((self.server, self.dev, self.server_ip, self.server_ip6),
-                                    (self.client, self.peer_dev, self.client_ip, self.client_ip6)):
+            _ip(
+                "-n",
+                self.server,
+                "link",
+                "add",
+                self.dev,
+                "type",
+                "veth",
+                "peer",
+                "name",
+                self.peer_dev,
+                "netns",
+                self.client,
+            )
+            for ns, dev, v4, v6 in (
+                (self.server, self.dev, self.server_ip, self.server_ip6),
+                (self.client, self.peer_dev, self.client_ip, self.client_ip6),
+            ):
                 _ip("-n", ns, "addr", "add", f"{v4}/24", "dev", dev)
                 _ip("-n", ns, "-6", "addr", "add", f"{v6}/64", "dev", dev, "nodad")
                 _ip("-n", ns, "link", "set", dev, "up")

@@ -59,12 +59,17 @@ class DemoNode:
             f'[worker]\nlisten = "0.0.0.0:{WORKER_PORT}"\ncontrol_socket = "{self.tmp}/worker.sock"\n'
             f'model = "tiny"\ndevice = "cpu"\nsize = {self.s.size}\nmax_batch = 4\ndrain_timeout = 2.0\n'
             # fewer steps than the defaults: more requests per phase, so p99 means something
-            'steps = { turbo = 2, fast = 4, other = 6, relax = 8 }\n'
+            "steps = { turbo = 2, fast = 4, other = 6, relax = 8 }\n"
             f'[agent]\nsocket = "{self.tmp}/agent.sock"\nworker_socket = "{self.tmp}/worker.sock"\n'
-            f'metrics = "127.0.0.1:0"\nsample_period = 0.25\n')
-        self.log(f"node: netns {sb.server} ({sb.server_ip}, {sb.dev} shaped to {self.s.rate}); "
-                 f"client: netns {sb.client} ({sb.client_ip}); logs in {self.tmp}")
-        self.worker = self._spawn("worker", sb.cmd(sb.server, *self._turboctl("worker", "run", "--config", str(self.config))))
+            f'metrics = "127.0.0.1:0"\nsample_period = 0.25\n'
+        )
+        self.log(
+            f"node: netns {sb.server} ({sb.server_ip}, {sb.dev} shaped to {self.s.rate}); "
+            f"client: netns {sb.client} ({sb.client_ip}); logs in {self.tmp}"
+        )
+        self.worker = self._spawn(
+            "worker", sb.cmd(sb.server, *self._turboctl("worker", "run", "--config", str(self.config)))
+        )
         self.worker_rpc = ControlClient(f"{self.tmp}/worker.sock", timeout=2.0)
         self._wait(self.worker, lambda: self.worker_rpc.call("ping"), 180, "worker")
         self.log(f"worker: tiny model serving http://{sb.server_ip}:{WORKER_PORT}")
@@ -94,8 +99,14 @@ class DemoNode:
 
     def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
         with open(self.tmp / f"{name}.log", "a") as out:
-            proc = subprocess.Popen(argv, env=self.env, stdin=subprocess.DEVNULL, stdout=out,
-                                    stderr=subprocess.STDOUT, start_new_session=True)
+            proc = subprocess.Popen(
+                argv,
+                env=self.env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
         self.procs.append(proc)
         return proc
 
@@ -103,8 +114,10 @@ class DemoNode:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise DemoError(f"the {name} exited ({proc.returncode}): see {self.tmp}/{name}.log\n"
-                                + _tail(self.tmp / f"{name}.log"))
+                raise DemoError(
+                    f"the {name} exited ({proc.returncode}): see {self.tmp}/{name}.log\n"
+                    + _tail(self.tmp / f"{name}.log")
+                )
             try:
                 probe()
                 return
@@ -121,10 +134,25 @@ class DemoNode:
     def plain_fifo(self) -> None:
         """What the node has without turbonode: one FIFO shaped to the link rate."""
         sb, rate = self.sandbox, str(parse_rate(self.s.rate))
-        for args in (("qdisc", "replace", "dev", sb.dev, "root", "handle", "1:", "htb", "default", "1"),
-                     ("class", "add", "dev", sb.dev, "parent", "1:", "classid", "1:1", "htb",
-                      "rate", f"{rate}bit", "quantum", "1514"),
-                     ("qdisc", "add", "dev", sb.dev, "parent", "1:1", "pfifo", "limit", "1000")):
+        for args in (
+            ("qdisc", "replace", "dev", sb.dev, "root", "handle", "1:", "htb", "default", "1"),
+            (
+                "class",
+                "add",
+                "dev",
+                sb.dev,
+                "parent",
+                "1:",
+                "classid",
+                "1:1",
+                "htb",
+                "rate",
+                f"{rate}bit",
+                "quantum",
+                "1514",
+            ),
+            ("qdisc", "add", "dev", sb.dev, "parent", "1:1", "pfifo", "limit", "1000"),
+        ):
             sb.run(sb.server, "tc", *args)
 
     def remove_fifo(self) -> None:
@@ -143,19 +171,36 @@ class DemoNode:
         sb, d = self.sandbox, self.s.duration
         started = [self._spawn("iperf3-server", sb.cmd(sb.client, "iperf3", "-s", "-1"))]
         time.sleep(0.5)
-        started.append(self._spawn("iperf3", sb.cmd(sb.server, "iperf3", "-c", sb.client_ip, "-P", str(self.s.bulk_flows),
-                                                    "-t", str(int(d) + 3))))
+        started.append(
+            self._spawn(
+                "iperf3",
+                sb.cmd(sb.server, "iperf3", "-c", sb.client_ip, "-P", str(self.s.bulk_flows), "-t", str(int(d) + 3)),
+            )
+        )
         if self.s.stress:
-            started.append(self._spawn("stress-ng", ["stress-ng", "--cpu", str(os.cpu_count() or 1),
-                                                     "--timeout", f"{int(d) + 2}s", "--quiet"]))
+            started.append(
+                self._spawn(
+                    "stress-ng",
+                    ["stress-ng", "--cpu", str(os.cpu_count() or 1), "--timeout", f"{int(d) + 2}s", "--quiet"],
+                )
+            )
         watcher = _AgentWatch(self.agent_rpc) if watch_agent else None
         try:
-            argv = [sys.executable, "-m", "sandbox.loadgen", f"http://{sb.server_ip}:{WORKER_PORT}",
-                    "--duration", str(d), "--size", str(self.s.size), "--timeout", "30"]
+            argv = [
+                sys.executable,
+                "-m",
+                "sandbox.loadgen",
+                f"http://{sb.server_ip}:{WORKER_PORT}",
+                "--duration",
+                str(d),
+                "--size",
+                str(self.s.size),
+                "--timeout",
+                "30",
+            ]
             for tier, n in self.s.clients.items():
                 argv += ["--clients", f"{tier}={n}"]
-            res = subprocess.run(sb.cmd(sb.client, *argv), env=self.env, capture_output=True, text=True,
-                                 timeout=d + 60)
+            res = subprocess.run(sb.cmd(sb.client, *argv), env=self.env, capture_output=True, text=True, timeout=d + 60)
             if res.returncode != 0:
                 raise DemoError(f"the load generator failed: {res.stderr.strip()[-2000:]}")
             outcomes = [Outcome(**o) for o in json.loads(res.stdout)]
@@ -194,9 +239,12 @@ class _AgentWatch:
 
     def summary(self) -> dict:
         top = max(self.levels, default=0)
-        return {"max_level": LEVELS[top], "reasons": sorted(self.reasons),
-                "throttled_share": len(self.throttles) / len(self.levels) if self.levels else 0.0,
-                "last_throttle": self.throttles[-1] if self.throttles else None}
+        return {
+            "max_level": LEVELS[top],
+            "reasons": sorted(self.reasons),
+            "throttled_share": len(self.throttles) / len(self.levels) if self.levels else 0.0,
+            "last_throttle": self.throttles[-1] if self.throttles else None,
+        }
 
 
 def _stop(proc: subprocess.Popen, timeout: float = 15) -> None:

@@ -18,31 +18,41 @@ def comparison(result: dict) -> str:
     a, b = result["without"]["tiers"], result["with"]["tiers"]
     empty = {"ok": 0, "requests": 0, "rejected": 0, "failed": 0, "p50_s": None, "p99_s": None}
     for tier in [t for t in TIER_NAMES if t in a or t in b]:
-        cells = [f"{s['ok']:>3}/{s['requests']:<4} {s['rejected'] + s['failed']:>7} {_ms(s['p50_s']):>7} "
-                 f"{_ms(s['p99_s']):>7}" for s in (a.get(tier, empty), b.get(tier, empty))]
+        cells = [
+            f"{s['ok']:>3}/{s['requests']:<4} {s['rejected'] + s['failed']:>7} {_ms(s['p50_s']):>7} "
+            f"{_ms(s['p99_s']):>7}"
+            for s in (a.get(tier, empty), b.get(tier, empty))
+        ]
         lines.append(f"{tier:6}  {cells[0]}  {cells[1]}")
     agent = result["with"].get("agent") or {}
     if agent:
         lines.append("")
-        lines.append(f"agent: highest level {agent['max_level']}"
-                     + (f" ({', '.join(agent['reasons'])})" if agent["reasons"] else "")
-                     + f", worker throttled {agent['throttled_share']:.0%} of the time"
-                     + (f", last throttle {agent['last_throttle']}" if agent["last_throttle"] else ""))
-    lines.append("Latency: per image request, send to last byte, seen from the client namespace. "
-                 "Refused: 429/503 answers (a shed or paused tier) and errors.")
+        lines.append(
+            f"agent: highest level {agent['max_level']}"
+            + (f" ({', '.join(agent['reasons'])})" if agent["reasons"] else "")
+            + f", worker throttled {agent['throttled_share']:.0%} of the time"
+            + (f", last throttle {agent['last_throttle']}" if agent["last_throttle"] else "")
+        )
+    lines.append(
+        "Latency: per image request, send to last byte, seen from the client namespace. "
+        "Refused: 429/503 answers (a shed or paused tier) and errors."
+    )
     return "\n".join(lines)
 
 
 def traffic(traffic: dict, rate_bps: int) -> str:
     """Each tier's share of the link under the mixed flows (sandbox.traffic), and the EF ping."""
-    lines = [f"Mixed traffic through a {format_rate(rate_bps)} link, one TCP flow per tier at once "
-             "(turbo paced to 20 %, the others as fast as they can):"]
+    lines = [
+        f"Mixed traffic through a {format_rate(rate_bps)} link, one TCP flow per tier at once "
+        "(turbo paced to 20 %, the others as fast as they can):"
+    ]
     for tier, bps in traffic["throughput_bps"].items():
         share = f"{bps / 1e6:6.1f} Mbit/s ({bps / rate_bps:4.0%} of the link)" if bps else "no result"
         lines.append(f"  {tier:<6} {share}")
     rtts = traffic["ef_ping_ms"]
     if rtts:
         p99 = rtts[min(len(rtts) - 1, int(0.99 * (len(rtts) - 1)))]
-        lines.append(f"  EF ping under that load: p50 {rtts[len(rtts) // 2]:.3f} ms, p99 {p99:.3f} ms "
-                     f"({len(rtts)} replies)")
+        lines.append(
+            f"  EF ping under that load: p50 {rtts[len(rtts) // 2]:.3f} ms, p99 {p99:.3f} ms ({len(rtts)} replies)"
+        )
     return "\n".join(lines)

@@ -45,20 +45,59 @@ def apply_qos(sb: Sandbox, rate_bps: int) -> Datapath:
 
 def run_mixed_traffic(sb: Sandbox, seconds: float, rate_bps: int) -> dict:
     """One iperf3 flow per tier from the node, all at once, plus an EF ping train; bounded."""
-    servers = [sb.popen(sb.client, "iperf3", "-s", "-1", "-p", str(BASE_PORT + i),
-                        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for i in range(len(FLOWS))]
+    servers = [
+        sb.popen(
+            sb.client,
+            "iperf3",
+            "-s",
+            "-1",
+            "-p",
+            str(BASE_PORT + i),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for i in range(len(FLOWS))
+    ]
     clients = {}
     try:
         time.sleep(0.3)
         for i, (tier, pace) in enumerate(FLOWS):
             paced = ["-b", str(int(rate_bps * pace)), "-l", "8K"] if pace else []  # small writes: no bursts
-            clients[tier] = sb.popen(sb.server, "iperf3", "-c", sb.client_ip, "-p", str(BASE_PORT + i),
-                                     "-S", str(tos_byte(tier)), "-t", str(int(seconds)), "-J", *paced,
-                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+            clients[tier] = sb.popen(
+                sb.server,
+                "iperf3",
+                "-c",
+                sb.client_ip,
+                "-p",
+                str(BASE_PORT + i),
+                "-S",
+                str(tos_byte(tier)),
+                "-t",
+                str(int(seconds)),
+                "-J",
+                *paced,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                text=True,
+            )
         time.sleep(1)
         count = int((seconds - 2) / PING_INTERVAL_S)
-        ping = sb.run(sb.server, "ping", "-n", "-Q", hex(tos_byte("turbo")), "-i", str(PING_INTERVAL_S),
-                      "-c", str(count), "-W", "1", sb.client_ip, timeout=seconds + 10, check=False).stdout
+        ping = sb.run(
+            sb.server,
+            "ping",
+            "-n",
+            "-Q",
+            hex(tos_byte("turbo")),
+            "-i",
+            str(PING_INTERVAL_S),
+            "-c",
+            str(count),
+            "-W",
+            "1",
+            sb.client_ip,
+            timeout=seconds + 10,
+            check=False,
+        ).stdout
         rates = {}
         for tier, proc in clients.items():
             out, _ = proc.communicate(timeout=seconds + 15)
@@ -90,8 +129,9 @@ def run_qos_only(rate_bps: int, seconds: float, log: Callable[[str], object] = p
     sb = dp = None
     try:
         sb = build_node()
-        log(f"sandbox node: netns {sb.server} ({sb.dev}) <-> netns {sb.client}; "
-            f"applying QoS at {format_rate(rate_bps)}")
+        log(
+            f"sandbox node: netns {sb.server} ({sb.dev}) <-> netns {sb.client}; applying QoS at {format_rate(rate_bps)}"
+        )
         dp = apply_qos(sb, rate_bps)
         traffic = run_mixed_traffic(sb, seconds, rate_bps)
         return dp.show(), traffic

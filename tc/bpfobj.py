@@ -92,7 +92,7 @@ class PinnedMap:
         _check(_libbpf().bpf_map_lookup_elem(self.fd, ctypes.byref(k), buf), f"lookup key {key} in {self.path}")
         raw = buf.raw
         if self.percpu:
-            return [raw[i * slot:i * slot + self.value_size] for i in range(n)]
+            return [raw[i * slot : i * slot + self.value_size] for i in range(n)]
         return raw
 
     def update(self, key: int, value: bytes) -> None:
@@ -150,20 +150,36 @@ def prog_run_stats(prog_fd: int, procfs: str = "/proc") -> tuple[int, int]:
 
 class _TestRunOpts(ctypes.Structure):
     """struct bpf_test_run_opts (libbpf)."""
-    _fields_ = [("sz", ctypes.c_size_t), ("data_in", ctypes.c_void_p), ("data_out", ctypes.c_void_p),
-                ("data_size_in", ctypes.c_uint32), ("data_size_out", ctypes.c_uint32),
-                ("ctx_in", ctypes.c_void_p), ("ctx_out", ctypes.c_void_p),
-                ("ctx_size_in", ctypes.c_uint32), ("ctx_size_out", ctypes.c_uint32),
-                ("retval", ctypes.c_uint32), ("repeat", ctypes.c_int), ("duration", ctypes.c_uint32),
-                ("flags", ctypes.c_uint32), ("cpu", ctypes.c_uint32), ("batch_size", ctypes.c_uint32)]
+
+    _fields_ = [
+        ("sz", ctypes.c_size_t),
+        ("data_in", ctypes.c_void_p),
+        ("data_out", ctypes.c_void_p),
+        ("data_size_in", ctypes.c_uint32),
+        ("data_size_out", ctypes.c_uint32),
+        ("ctx_in", ctypes.c_void_p),
+        ("ctx_out", ctypes.c_void_p),
+        ("ctx_size_in", ctypes.c_uint32),
+        ("ctx_size_out", ctypes.c_uint32),
+        ("retval", ctypes.c_uint32),
+        ("repeat", ctypes.c_int),
+        ("duration", ctypes.c_uint32),
+        ("flags", ctypes.c_uint32),
+        ("cpu", ctypes.c_uint32),
+        ("batch_size", ctypes.c_uint32),
+    ]
 
 
 def prog_test_run(prog_fd: int, frame: bytes, repeat: int) -> tuple[int, int]:
     """BPF_PROG_TEST_RUN: run the program `repeat` times on `frame`; (retval, mean ns per run)."""
     frame = frame.ljust(64, b"\0")  # the kernel wants at least an Ethernet minimum frame
     buf = ctypes.create_string_buffer(frame, len(frame))
-    opts = _TestRunOpts(sz=ctypes.sizeof(_TestRunOpts), data_in=ctypes.cast(buf, ctypes.c_void_p),
-                        data_size_in=len(frame), repeat=repeat)
+    opts = _TestRunOpts(
+        sz=ctypes.sizeof(_TestRunOpts),
+        data_in=ctypes.cast(buf, ctypes.c_void_p),
+        data_size_in=len(frame),
+        repeat=repeat,
+    )
     lib = _libbpf()
     lib.bpf_prog_test_run_opts.argtypes = [ctypes.c_int, ctypes.c_void_p]
     _check(lib.bpf_prog_test_run_opts(prog_fd, ctypes.byref(opts)), "BPF_PROG_TEST_RUN")

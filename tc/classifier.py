@@ -21,7 +21,7 @@ from . import bpfobj
 from .tree import PROG_PREFIX, Tree
 
 NTIERS = len(TIERS)
-COUNTER_SLOTS = NTIERS + 1         # the last slot counts frames that could not be parsed
+COUNTER_SLOTS = NTIERS + 1  # the last slot counts frames that could not be parsed
 _ERRORS = {"bpf": BpfUnavailableError, "device": NoDeviceError, "root": NotRootError, "datapath": DatapathError}
 
 
@@ -64,12 +64,18 @@ def load_and_attach(dev: str, netns: str | None, pin_dir: str, dscp_table, tier_
         try:
             from bcc import BPF
         except ImportError:
-            raise BpfUnavailableError("bcc Python bindings not importable: install python3-bpfcc "
-                                      "(scripts/setup.sh) and use a venv with system site packages") from None
+            raise BpfUnavailableError(
+                "bcc Python bindings not importable: install python3-bpfcc "
+                "(scripts/setup.sh) and use a venv with system site packages"
+            ) from None
         os.makedirs(pin_dir, exist_ok=True)
         default = BY_NAME[DEFAULT_TIER]
-        cflags = [f'-DPIN_DIR="{pin_dir}"', f"-DNTIERS={NTIERS}", f"-DDEFAULT_TIER={default.index}",
-                  f"-DDEFAULT_MINOR={default.class_minor:#x}"]
+        cflags = [
+            f'-DPIN_DIR="{pin_dir}"',
+            f"-DNTIERS={NTIERS}",
+            f"-DDEFAULT_TIER={default.index}",
+            f"-DDEFAULT_MINOR={default.class_minor:#x}",
+        ]
         try:
             b = BPF(src_file=source("classifier.c"), cflags=cflags)
             fn = b.load_func("classify", BPF.SCHED_CLS)
@@ -82,20 +88,33 @@ def load_and_attach(dev: str, netns: str | None, pin_dir: str, dscp_table, tier_
 
 def _headers_hint(stderr: str) -> str:
     if "kernel headers" in stderr or ("linux/" in stderr and "file not found" in stderr):
-        return ("no kernel headers for bcc: install linux-headers-$(uname -r) or run scripts/setup.sh "
-                "(links the generic headers)")
+        return (
+            "no kernel headers for bcc: install linux-headers-$(uname -r) or run scripts/setup.sh "
+            "(links the generic headers)"
+        )
     return ""
 
 
 def attach_in_child(dev: str, netns: str | None, pin_dir: str, tree: Tree, timeout: float = 60) -> int:
     """Run load_and_attach in a child process; return the program id or raise its error."""
-    request = {"dev": dev, "netns": netns, "pin_dir": pin_dir,
-               "dscp_table": list(tree.dscp_table), "tier_minors": list(tree.tier_minors)}
+    request = {
+        "dev": dev,
+        "netns": netns,
+        "pin_dir": pin_dir,
+        "dscp_table": list(tree.dscp_table),
+        "tier_minors": list(tree.tier_minors),
+    }
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     try:
-        proc = subprocess.run([sys.executable, "-m", "tc.classifier"], input=json.dumps(request),
-                              capture_output=True, text=True, timeout=timeout, env=env)
+        proc = subprocess.run(
+            [sys.executable, "-m", "tc.classifier"],
+            input=json.dumps(request),
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env=env,
+        )
     except subprocess.TimeoutExpired:
         raise DatapathError(f"loading the classifier took longer than {timeout:.0f} s") from None
     lines = proc.stdout.strip().splitlines()

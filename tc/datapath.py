@@ -32,8 +32,9 @@ from .tree import Tree, build_tree, with_rate
 
 
 class Datapath:
-    def __init__(self, dev: str, netns: str | None = None, *, bpffs: str = "/sys/fs/bpf",
-                 run_dir: str = "/run/turbonode"):
+    def __init__(
+        self, dev: str, netns: str | None = None, *, bpffs: str = "/sys/fs/bpf", run_dir: str = "/run/turbonode"
+    ):
         if not dev:
             raise DatapathError("no device given")
         self.dev = dev
@@ -73,9 +74,13 @@ class Datapath:
     def inputs(config=None, rate_bps: int | None = None) -> dict:
         """build_tree() keyword arguments from a QosConfig (or defaults) and an optional rate."""
         qos = config or QosConfig()
-        return {"rate_bps": rate_bps or parse_rate(qos.rate), "rate_pct": dict(qos.rate_pct),
-                "ceil_pct": dict(qos.ceil_pct), "leaf_limit": qos.leaf_limit,
-                "dscp": {int(k): v for k, v in qos.dscp.items()}}
+        return {
+            "rate_bps": rate_bps or parse_rate(qos.rate),
+            "rate_pct": dict(qos.rate_pct),
+            "ceil_pct": dict(qos.ceil_pct),
+            "leaf_limit": qos.leaf_limit,
+            "dscp": {int(k): v for k, v in qos.dscp.items()},
+        }
 
     def state(self) -> dict | None:
         return reconcile.load_state(self.places.state_file)
@@ -119,8 +124,7 @@ class Datapath:
             state["prog_name"] = name
             reconcile.save_state(self.places.state_file, state)
             reconcile.read_back(link, tree, name)
-        return {"changes": changes, "prog_id": state["prog_id"], "leaf_kind": state["leaf_kind"],
-                "compiled": compiled}
+        return {"changes": changes, "prog_id": state["prog_id"], "leaf_kind": state["leaf_kind"], "compiled": compiled}
 
     def show(self) -> dict:
         """Per-tier counters and class statistics, plus "unparsed" and the applied link rate."""
@@ -130,8 +134,14 @@ class Datapath:
         paths = classifier.pin_paths(self.places.pin_dir)
         counters = bpfobj.read_counters(paths["counters"], classifier.COUNTER_SLOTS)
         dscp_table = bpfobj.read_u32_array(paths["dscp_map"], 64)
-        return {"dev": self.dev, "netns": self.netns, "rate_bps": tree.rate_bps, "leaf_kind": state.get("leaf_kind"),
-                "prog_id": state.get("prog_id"), "tiers": tier_rows(counters, classes, dscp_table)}
+        return {
+            "dev": self.dev,
+            "netns": self.netns,
+            "rate_bps": tree.rate_bps,
+            "leaf_kind": state.get("leaf_kind"),
+            "prog_id": state.get("prog_id"),
+            "tiers": tier_rows(counters, classes, dscp_table),
+        }
 
     def set_map(self, mapping: dict[int, str]) -> None:
         """Change DSCP -> tier entries in the live map (the program is not reloaded). Until

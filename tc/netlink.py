@@ -155,8 +155,15 @@ class Link:
         return None
 
     def replace_htb_root(self, default_minor: int) -> None:
-        self._tc("replace the root qdisc with htb 1:", "replace", "htb", self.ifindex, ROOT_HANDLE,
-                 parent=TC_H_ROOT, default=default_minor)
+        self._tc(
+            "replace the root qdisc with htb 1:",
+            "replace",
+            "htb",
+            self.ifindex,
+            ROOT_HANDLE,
+            parent=TC_H_ROOT,
+            default=default_minor,
+        )
 
     def delete_root(self) -> None:
         self._tc("delete the root qdisc", "del", index=self.ifindex, parent=TC_H_ROOT)
@@ -174,9 +181,20 @@ class Link:
     # ---- HTB classes ----------------------------------------------------------------
 
     def replace_class(self, c: HtbClass) -> None:
-        self._tc(f"replace class {fmt_handle(c.handle)}", "replace-class", "htb", self.ifindex, c.handle,
-                 parent=c.parent, rate=c.rate_bps // 8, ceil=c.ceil_bps // 8, prio=c.prio,
-                 burst=c.burst, cburst=c.cburst, quantum=c.quantum)
+        self._tc(
+            f"replace class {fmt_handle(c.handle)}",
+            "replace-class",
+            "htb",
+            self.ifindex,
+            c.handle,
+            parent=c.parent,
+            rate=c.rate_bps // 8,
+            ceil=c.ceil_bps // 8,
+            prio=c.prio,
+            burst=c.burst,
+            cburst=c.cburst,
+            quantum=c.quantum,
+        )
 
     def delete_class(self, handle: int) -> None:
         self._tc(f"delete class {fmt_handle(handle)}", "del-class", "htb", self.ifindex, handle)
@@ -194,25 +212,43 @@ class Link:
             basic = stats2.get_attr("TCA_STATS_BASIC") if stats2 else None
             queue = stats2.get_attr("TCA_STATS_QUEUE") if stats2 else None
             app = stats2.get_attr("TCA_STATS_APP") if stats2 else None
-            out.append(ClassState(
-                handle=msg["handle"], parent=msg["parent"],
-                rate_bps=8 * (rate64 or parms.get("rate", 0)),
-                ceil_bps=8 * (ceil64 or parms.get("ceil", 0)),
-                prio=parms.get("prio", 0), quantum=parms.get("quantum", 0),
-                bytes=basic["bytes"] if basic else 0, packets=basic["packets"] if basic else 0,
-                drops=queue["drops"] if queue else 0, backlog_bytes=queue["backlog"] if queue else 0,
-                backlog_packets=queue["qlen"] if queue else 0,
-                borrows=app["borrows"] if app else 0, lends=app["lends"] if app else 0,
-            ))
+            out.append(
+                ClassState(
+                    handle=msg["handle"],
+                    parent=msg["parent"],
+                    rate_bps=8 * (rate64 or parms.get("rate", 0)),
+                    ceil_bps=8 * (ceil64 or parms.get("ceil", 0)),
+                    prio=parms.get("prio", 0),
+                    quantum=parms.get("quantum", 0),
+                    bytes=basic["bytes"] if basic else 0,
+                    packets=basic["packets"] if basic else 0,
+                    drops=queue["drops"] if queue else 0,
+                    backlog_bytes=queue["backlog"] if queue else 0,
+                    backlog_packets=queue["qlen"] if queue else 0,
+                    borrows=app["borrows"] if app else 0,
+                    lends=app["lends"] if app else 0,
+                )
+            )
         return out
 
     # ---- the classifier filter ------------------------------------------------------
 
     def replace_bpf_filter(self, prog_fd: int, name: str) -> None:
         """Attach (or atomically swap) the classifier on 1: at a fixed prio/handle."""
-        self._tc("attach the classifier", "replace-filter", "bpf", self.ifindex, FILTER_HANDLE,
-                 parent=ROOT_HANDLE, prio=FILTER_PRIO, protocol=ETH_P_ALL, fd=prog_fd, name=name,
-                 classid=ROOT_HANDLE, direct_action=True)
+        self._tc(
+            "attach the classifier",
+            "replace-filter",
+            "bpf",
+            self.ifindex,
+            FILTER_HANDLE,
+            parent=ROOT_HANDLE,
+            prio=FILTER_PRIO,
+            protocol=ETH_P_ALL,
+            fd=prog_fd,
+            name=name,
+            classid=ROOT_HANDLE,
+            direct_action=True,
+        )
 
     def filters(self, parent: int = ROOT_HANDLE) -> list[FilterState]:
         out = []
@@ -222,11 +258,16 @@ class Link:
             if kind is None or (kind == "bpf" and opts is None):
                 continue  # the per-prio chain header the kernel dumps before the filters
             flags = opts.get_attr("TCA_BPF_FLAGS") if kind == "bpf" else 0
-            out.append(FilterState(
-                kind=kind, parent=msg["parent"], prio=msg["info"] >> 16, handle=msg["handle"],
-                name=opts.get_attr("TCA_BPF_NAME") if kind == "bpf" else None,
-                prog_id=opts.get_attr("TCA_BPF_ID") if kind == "bpf" else None,
-                classid=opts.get_attr("TCA_BPF_CLASSID") if kind == "bpf" else None,
-                direct_action=bool((flags or 0) & 1),
-            ))
+            out.append(
+                FilterState(
+                    kind=kind,
+                    parent=msg["parent"],
+                    prio=msg["info"] >> 16,
+                    handle=msg["handle"],
+                    name=opts.get_attr("TCA_BPF_NAME") if kind == "bpf" else None,
+                    prog_id=opts.get_attr("TCA_BPF_ID") if kind == "bpf" else None,
+                    classid=opts.get_attr("TCA_BPF_CLASSID") if kind == "bpf" else None,
+                    direct_action=bool((flags or 0) & 1),
+                )
+            )
         return out

@@ -22,6 +22,7 @@ from .tree import LEAF_KINDS, PROG_PREFIX, ROOT_HANDLE, HtbClass, Tree, fmt_hand
 @dataclass(frozen=True)
 class Places:
     """Where an interface's pinned maps and state live."""
+
     pin_dir: str
     state_file: str
 
@@ -52,8 +53,13 @@ def save_state(path: str, state: dict) -> None:
 def _same_class(have, want: HtbClass) -> bool:
     # The kernel reports a class attached directly to the qdisc with parent TC_H_ROOT.
     parent = ROOT_HANDLE if have.parent == TC_H_ROOT else have.parent
-    return (parent == want.parent and have.rate_bps == want.rate_bps // 8 * 8
-            and have.ceil_bps == want.ceil_bps // 8 * 8 and have.prio == want.prio and have.quantum == want.quantum)
+    return (
+        parent == want.parent
+        and have.rate_bps == want.rate_bps // 8 * 8
+        and have.ceil_bps == want.ceil_bps // 8 * 8
+        and have.prio == want.prio
+        and have.quantum == want.quantum
+    )
 
 
 def owns_root(link: Link, state: dict | None) -> bool:
@@ -72,8 +78,10 @@ def claim_root(link: Link, tree: Tree, state: dict | None, state_file: str) -> d
     if not ours and root is not None and root.handle != 0:
         # A handle of 0 means the kernel attached it (noqueue, pfifo_fast, mq...): deleting ours
         # brings it back. Anything else somebody configured; replacing it would lose their setup.
-        raise DatapathError(f"{link.where} has a root qdisc {root.kind} {fmt_handle(root.handle)} that "
-                            "turbonode did not create: remove it first (tc qdisc del dev ... root)")
+        raise DatapathError(
+            f"{link.where} has a root qdisc {root.kind} {fmt_handle(root.handle)} that "
+            "turbonode did not create: remove it first (tc qdisc del dev ... root)"
+        )
     if state is None:
         # Without a state file our own HTB may already be there: the kernel default comes back
         # when it is deleted, and that default's kind is not known any more.
@@ -130,8 +138,10 @@ def read_back(link: Link, tree: Tree, prog_name: str) -> None:
     for want in tree.classes:
         got = have.get(want.handle)
         if got is None or not _same_class(got, want):
-            raise DatapathError(f"read-back: class {fmt_handle(want.handle)} on {link.where} is {got}, "
-                                f"wanted rate {want.rate_bps} ceil {want.ceil_bps} prio {want.prio}")
+            raise DatapathError(
+                f"read-back: class {fmt_handle(want.handle)} on {link.where} is {got}, "
+                f"wanted rate {want.rate_bps} ceil {want.ceil_bps} prio {want.prio}"
+            )
     filters = link.filters()
     ours = [f for f in filters if f.kind == "bpf" and f.name == prog_name]
     if len(ours) != 1 or len(filters) != 1:
@@ -158,5 +168,9 @@ def remove(link: Link, state: dict | None, where: Places) -> dict:
             pass
     now = link.root_qdisc()
     previous = (state or {}).get("previous_root", {}).get("kind")
-    return {"removed": removed, "root": now.kind if now else None, "previous_root": previous,
-            "restored": previous is None or (now is not None and now.kind == previous)}
+    return {
+        "removed": removed,
+        "root": now.kind if now else None,
+        "previous_root": previous,
+        "restored": previous is None or (now is not None and now.kind == previous),
+    }

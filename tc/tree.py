@@ -15,15 +15,15 @@ from dataclasses import dataclass
 from turbonode.rates import format_rate
 from turbonode.tiers import BY_NAME, DEFAULT_TIER, TIERS, full_dscp_map
 
-ROOT_HANDLE = 0x10000        # qdisc 1:
-ROOT_CLASS = 0x10001         # class 1:1
+ROOT_HANDLE = 0x10000  # qdisc 1:
+ROOT_CLASS = 0x10001  # class 1:1
 FILTER_PRIO = 1
 FILTER_HANDLE = 1
-PROG_PREFIX = "turbonode_"   # TCA_BPF_NAME prefix of our classifier filter: marks the tree as ours
-MTU = 1514                   # Ethernet frame without FCS
-HTB_QUANTUM_MIN = 1000       # HTB warns "quantum is small" below this
-HTB_QUANTUM_MAX = 200000     # ... and "quantum is big" above
-BURST_TIME_S = 0.001         # token bucket depth: 1 ms at the class's rate (tc's default at HZ=1000)
+PROG_PREFIX = "turbonode_"  # TCA_BPF_NAME prefix of our classifier filter: marks the tree as ours
+MTU = 1514  # Ethernet frame without FCS
+HTB_QUANTUM_MIN = 1000  # HTB warns "quantum is small" below this
+HTB_QUANTUM_MAX = 200000  # ... and "quantum is big" above
+BURST_TIME_S = 0.001  # token bucket depth: 1 ms at the class's rate (tc's default at HZ=1000)
 LEAF_KINDS = ("fq_codel", "pfifo")  # preference order; the kernel decides which exists
 
 
@@ -37,20 +37,20 @@ def leaf_handle(minor: int) -> int:
 
 
 def fmt_handle(handle: int) -> str:
-    return f"{handle >> 16:x}:{handle & 0xffff:x}"
+    return f"{handle >> 16:x}:{handle & 0xFFFF:x}"
 
 
 @dataclass(frozen=True)
 class HtbClass:
-    tier: str | None      # None for the root class 1:1
+    tier: str | None  # None for the root class 1:1
     minor: int
-    parent: int           # parent class handle (1:1) or the qdisc handle (1:) for the root class
+    parent: int  # parent class handle (1:1) or the qdisc handle (1:) for the root class
     rate_bps: int
     ceil_bps: int
     prio: int
-    burst: int            # bytes
-    cburst: int           # bytes
-    quantum: int          # bytes
+    burst: int  # bytes
+    cburst: int  # bytes
+    quantum: int  # bytes
 
     @property
     def handle(self) -> int:
@@ -60,9 +60,9 @@ class HtbClass:
 @dataclass(frozen=True)
 class Leaf:
     tier: str
-    parent: int           # class handle
+    parent: int  # class handle
     handle: int
-    limit: int            # packets
+    limit: int  # packets
 
 
 @dataclass(frozen=True)
@@ -71,8 +71,8 @@ class Tree:
     default_minor: int
     classes: tuple[HtbClass, ...]
     leaves: tuple[Leaf, ...]
-    dscp_table: tuple[int, ...]           # 64 entries: DSCP -> tier index
-    tier_minors: tuple[int, ...]          # tier index -> class minor
+    dscp_table: tuple[int, ...]  # 64 entries: DSCP -> tier index
+    tier_minors: tuple[int, ...]  # tier index -> class minor
 
     def tier_class(self, name: str) -> HtbClass:
         for c in self.classes:
@@ -93,12 +93,26 @@ def quantum_bytes(rate_bps: int) -> int:
 
 
 def htb_class(tier: str | None, minor: int, parent: int, rate_bps: int, ceil_bps: int, prio: int) -> HtbClass:
-    return HtbClass(tier, minor, parent, rate_bps, ceil_bps, prio,
-                    burst_bytes(rate_bps), burst_bytes(ceil_bps), quantum_bytes(rate_bps))
+    return HtbClass(
+        tier,
+        minor,
+        parent,
+        rate_bps,
+        ceil_bps,
+        prio,
+        burst_bytes(rate_bps),
+        burst_bytes(ceil_bps),
+        quantum_bytes(rate_bps),
+    )
 
 
-def build_tree(rate_bps: int, rate_pct: dict[str, int] | None = None, ceil_pct: dict[str, int] | None = None,
-               leaf_limit: int = 1000, dscp: dict[int, str] | None = None) -> Tree:
+def build_tree(
+    rate_bps: int,
+    rate_pct: dict[str, int] | None = None,
+    ceil_pct: dict[str, int] | None = None,
+    leaf_limit: int = 1000,
+    dscp: dict[int, str] | None = None,
+) -> Tree:
     """The desired tree for a link of `rate_bps`, tier shares from the tier table with
     per-tier percent overrides. Raises ValueError naming the bad value."""
     if rate_bps <= 0:

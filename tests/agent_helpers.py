@@ -26,18 +26,26 @@ class MiniWorker:
         if t and time.monotonic() > t["expires"]:
             self.throttle_state = t = None
         pauses = [p for p in self.pauses if since_gc_seq is None or p["seq"] > since_gc_seq]
-        return {"tiers": {"turbo": {"queued": 0, "in_flight": 0, "oldest_wait_s": self.turbo_wait,
-                                    "queue_wait_p99_s": 0.0}},
-                "step_time_s": {"last": 0.04, "p50": 0.04, "p99": 0.05}, "max_batch": 4,
-                "gc": {"last_seq": self.pauses[-1]["seq"] if self.pauses else 0, "pauses": pauses},
-                "throttle": t and {k: v for k, v in t.items() if k != "expires"}}
+        return {
+            "tiers": {
+                "turbo": {"queued": 0, "in_flight": 0, "oldest_wait_s": self.turbo_wait, "queue_wait_p99_s": 0.0}
+            },
+            "step_time_s": {"last": 0.04, "p50": 0.04, "p99": 0.05},
+            "max_batch": 4,
+            "gc": {"last_seq": self.pauses[-1]["seq"] if self.pauses else 0, "pauses": pauses},
+            "throttle": t and {k: v for k, v in t.items() if k != "expires"},
+        }
 
     def throttle(self, reason, ttl_s, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=()):
         if "turbo" in list(paused_tiers) + list(shed_tiers) + list(step_caps or {}):
             raise RpcError(INVALID_PARAMS, "turbo is never throttled")
         self.calls.append(("throttle", reason))
-        self.throttle_state = {"max_batch": max_batch, "paused_tiers": list(paused_tiers), "reason": reason,
-                               "expires": time.monotonic() + ttl_s}
+        self.throttle_state = {
+            "max_batch": max_batch,
+            "paused_tiers": list(paused_tiers),
+            "reason": reason,
+            "expires": time.monotonic() + ttl_s,
+        }
         return {"ok": True}
 
     def release(self, reason=""):
@@ -50,8 +58,9 @@ class MiniWorker:
 
     def serve(self, path: str) -> UnixRpcServer:
         self.client = ControlClient(path, timeout=1.0)
-        return UnixRpcServer(path, {"status": self.status, "throttle": self.throttle, "release": self.release,
-                                   "ping": lambda: "pong"}).start()
+        return UnixRpcServer(
+            path, {"status": self.status, "throttle": self.throttle, "release": self.release, "ping": lambda: "pong"}
+        ).start()
 
 
 @pytest.fixture

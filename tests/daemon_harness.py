@@ -89,8 +89,9 @@ class Output:
 
 
 def start(argv: list[str], env: dict, cwd: Path = ROOT) -> tuple[subprocess.Popen, Output]:
-    proc = subprocess.Popen(argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        argv, env=env, cwd=cwd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     return proc, Output(proc.stdout)
 
 

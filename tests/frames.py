@@ -10,7 +10,7 @@ import time
 
 from pyroute2.netns import create_socket
 
-MAGIC = b"TNQOSTST"     # every test frame carries it, so the receiver counts only ours
+MAGIC = b"TNQOSTST"  # every test frame carries it, so the receiver counts only ours
 ETH_P_ALL = 0x0003
 DST_MAC = bytes.fromhex("020000000002")
 SRC_MAC = bytes.fromhex("020000000001")
@@ -36,8 +36,9 @@ def udp(payload: bytes = MAGIC) -> bytes:
 
 def ipv4(tos: int, src: str, dst: str, payload: bytes | None = None) -> bytes:
     payload = udp() if payload is None else payload
-    hdr = struct.pack("!BBHHHBBH4s4s", 0x45, tos, 20 + len(payload), 1, 0, 64, 17, 0,
-                      socket.inet_aton(src), socket.inet_aton(dst))
+    hdr = struct.pack(
+        "!BBHHHBBH4s4s", 0x45, tos, 20 + len(payload), 1, 0, 64, 17, 0, socket.inet_aton(src), socket.inet_aton(dst)
+    )
     hdr = hdr[:10] + struct.pack("!H", _csum(hdr)) + hdr[12:]
     return hdr + payload
 
@@ -45,8 +46,12 @@ def ipv4(tos: int, src: str, dst: str, payload: bytes | None = None) -> bytes:
 def ipv6(tclass: int, src: str, dst: str, payload: bytes | None = None) -> bytes:
     payload = udp() if payload is None else payload
     first = (6 << 28) | (tclass << 20) | 0x12345  # version, traffic class, flow label
-    return (struct.pack("!IHBB", first, len(payload), 17, 64) + ipaddress.IPv6Address(src).packed
-            + ipaddress.IPv6Address(dst).packed + payload)
+    return (
+        struct.pack("!IHBB", first, len(payload), 17, 64)
+        + ipaddress.IPv6Address(src).packed
+        + ipaddress.IPv6Address(dst).packed
+        + payload
+    )
 
 
 def frames(sb) -> dict[str, bytes]:
@@ -64,11 +69,11 @@ def frames(sb) -> dict[str, bytes]:
         "ipv6_af41": eth(0x86DD, ipv6(34 << 2, sb.server_ip6, sb.client_ip6)),
         "vlan_ef": eth(0x0800, ipv4(46 << 2, sb.server_ip, sb.client_ip), vlan=100),
         "8021ad_ef": eth(0x0800, ipv4(46 << 2, sb.server_ip, sb.client_ip), vlan=7, tpid=0x88A8),
-        "truncated_ipv4": eth(0x0800, b"\x45\xb8" + MAGIC),           # 10 bytes of an IPv4 header
+        "truncated_ipv4": eth(0x0800, b"\x45\xb8" + MAGIC),  # 10 bytes of an IPv4 header
         "truncated_ipv6": eth(0x86DD, b"\x6b\x80" + MAGIC + b"\0" * 20),  # 30 of 40 bytes
         "bad_version": eth(0x0800, b"\x65\xb8" + ipv4(46 << 2, sb.server_ip, sb.client_ip)[2:]),
-        "non_ip": eth(0x88B5, MAGIC * 4),                           # IEEE local experimental type
-        "runt": DST_MAC + SRC_MAC + b"\x08\x00" + MAGIC[:2],        # shorter than any header
+        "non_ip": eth(0x88B5, MAGIC * 4),  # IEEE local experimental type
+        "runt": DST_MAC + SRC_MAC + b"\x08\x00" + MAGIC[:2],  # shorter than any header
     }
 
 

@@ -13,7 +13,7 @@ from turbonode.jsonrpc import ControlClient
 
 
 def test_worker_watcher_reports_new_gc_pauses_only(worker):
-    worker.gc(0.5)          # history before the agent looked: not news
+    worker.gc(0.5)  # history before the agent looked: not news
     ww = WorkerWatcher(worker.client)
     assert ww.sample(0)["gc_pause_s"] is None and ww.ok
     worker.gc(0.007)
@@ -21,7 +21,7 @@ def test_worker_watcher_reports_new_gc_pauses_only(worker):
     worker.turbo_wait = 0.8
     sig = ww.sample(0.25)
     assert sig["gc_pause_s"] == 0.009 and sig["turbo_wait_s"] == 0.8
-    assert ww.sample(0.5)["gc_pause_s"] is None   # nothing new since
+    assert ww.sample(0.5)["gc_pause_s"] is None  # nothing new since
 
 
 def test_absent_worker_is_a_state_not_a_crash(tmp_path):
@@ -37,22 +37,22 @@ def test_throttle_renewed_then_released(worker):
     acts = Actions(50, {"max_batch": 2, "paused_tiers": ["relax"]})
     act.apply(acts, "pressured: cpu_load=0.9 > 0.75", "cpu_load", 0.0)
     assert worker.throttle_state["max_batch"] == 2 and worker.calls == [("throttle", "pressured: cpu_load=0.9 > 0.75")]
-    act.apply(acts, "r", "cpu_load", 0.1)          # fresh: nothing sent
+    act.apply(acts, "r", "cpu_load", 0.1)  # fresh: nothing sent
     assert len(worker.calls) == 1
-    act.apply(acts, "r", "cpu_load", 0.25)         # a third of the TTL passed: renew
+    act.apply(acts, "r", "cpu_load", 0.25)  # a third of the TTL passed: renew
     assert len(worker.calls) == 2
     assert act.counts == {("throttle", "cpu_load"): 1, ("renew", "cpu_load"): 1}
     act.apply(Actions(), "recovered", "cpu_load", 0.5)
     assert worker.calls[-1] == ("release", "recovered") and worker.throttle_state is None
     act.apply(Actions(), "recovered", "cpu_load", 0.75)
-    assert len(worker.calls) == 3                   # released once, not every sample
+    assert len(worker.calls) == 3  # released once, not every sample
 
 
 def test_throttle_expires_when_agent_stops_renewing(worker):
     act = Actuator(worker.client, ttl_s=0.3)
     act.apply(Actions(None, {"max_batch": 1}), "critical", "gc_pause_s", 0.0)
     assert worker.status()["throttle"]["max_batch"] == 1
-    time.sleep(0.4)   # the agent "died": no renewal
+    time.sleep(0.4)  # the agent "died": no renewal
     assert worker.status()["throttle"] is None
 
 
@@ -78,7 +78,10 @@ def test_relax_ceil_lowered_and_restored():
     act = Actuator(None, datapath=dp, relax_rate_bps=10_000_000, relax_ceil_bps=100_000_000, link_bps=100_000_000)
     act.apply(Actions(50), "p", "cpu_load", 0)
     act.apply(Actions(50), "p", "cpu_load", 1)
-    act.apply(Actions(5), "c", "cpu_load", 2)       # never below the guaranteed rate
+    act.apply(Actions(5), "c", "cpu_load", 2)  # never below the guaranteed rate
     act.apply(Actions(), "n", "cpu_load", 3)
-    assert dp.calls == [("relax", 10_000_000, 50_000_000), ("relax", 10_000_000, 10_000_000),
-                        ("relax", 10_000_000, 100_000_000)]
+    assert dp.calls == [
+        ("relax", 10_000_000, 50_000_000),
+        ("relax", 10_000_000, 10_000_000),
+        ("relax", 10_000_000, 100_000_000),
+    ]

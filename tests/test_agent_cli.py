@@ -11,23 +11,47 @@ from turbonode.rpc_server import UnixRpcServer
 from turbonode.errors import TurbonodeError
 
 SNAPSHOT = {
-    "level": "degraded", "level_index": 2,
+    "level": "degraded",
+    "level_index": 2,
     "active": [{"signal": "netrx_cpu_share", "value": 0.41, "threshold": 0.25, "crossed": "above enter"}],
-    "last_change": {"at": 1000.0, "from": "pressured", "to": "degraded",
-                    "reasons": [{"signal": "netrx_cpu_share", "value": 0.41, "threshold": 0.25,
-                                 "crossed": "above enter"}]},
+    "last_change": {
+        "at": 1000.0,
+        "from": "pressured",
+        "to": "degraded",
+        "reasons": [{"signal": "netrx_cpu_share", "value": 0.41, "threshold": 0.25, "crossed": "above enter"}],
+    },
     "signals": {"netrx_cpu_share": 0.41},
-    "watchers": {"softirq": {"ok": True, "error": None, "mode": "procfs", "bpf_error": "tracepoints missing"},
-                 "gpu": {"ok": False, "error": "NVML unavailable: no driver"}},
-    "actions": {"applied": {"relax_ceil_pct": 25, "throttle": {"max_batch": 2, "paused_tiers": ["relax"]}},
-                "dry_run": False},
-    "qos": {"turbo": {"packets": 120, "bytes": 90000, "drops": 0, "backlog_bytes": 0,
-                      "rate_bps": 40_000_000, "ceil_bps": 100_000_000},
-            "relax": {"packets": 5, "bytes": 700, "drops": 3, "backlog_bytes": 1500,
-                      "rate_bps": 10_000_000, "ceil_bps": 25_000_000}},
-    "worker": {"state": "ok", "tiers": {"turbo": {"queued": 1, "in_flight": 2, "oldest_wait_s": 0.012,
-                                                  "queue_wait_p99_s": 0.03}},
-               "throttle": {"max_batch": 2, "paused_tiers": ["relax"], "step_caps": {}, "expires_in_s": 2.1}},
+    "watchers": {
+        "softirq": {"ok": True, "error": None, "mode": "procfs", "bpf_error": "tracepoints missing"},
+        "gpu": {"ok": False, "error": "NVML unavailable: no driver"},
+    },
+    "actions": {
+        "applied": {"relax_ceil_pct": 25, "throttle": {"max_batch": 2, "paused_tiers": ["relax"]}},
+        "dry_run": False,
+    },
+    "qos": {
+        "turbo": {
+            "packets": 120,
+            "bytes": 90000,
+            "drops": 0,
+            "backlog_bytes": 0,
+            "rate_bps": 40_000_000,
+            "ceil_bps": 100_000_000,
+        },
+        "relax": {
+            "packets": 5,
+            "bytes": 700,
+            "drops": 3,
+            "backlog_bytes": 1500,
+            "rate_bps": 10_000_000,
+            "ceil_bps": 25_000_000,
+        },
+    },
+    "worker": {
+        "state": "ok",
+        "tiers": {"turbo": {"queued": 1, "in_flight": 2, "oldest_wait_s": 0.012, "queue_wait_p99_s": 0.03}},
+        "throttle": {"max_batch": 2, "paused_tiers": ["relax"], "step_caps": {}, "expires_in_s": 2.1},
+    },
 }
 
 
@@ -62,10 +86,10 @@ def test_status_socket_is_not_stolen_from_a_live_agent(tmp_path):
     finally:
         srv.close()
     stale = str(tmp_path / "stale.sock")
-    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:   # what a killed agent leaves
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as dead:  # what a killed agent leaves
         dead.bind(stale)
     UnixRpcServer(stale, {}).close()
-    (tmp_path / "file.sock").write_bytes(b"")   # not a socket at all: never unlinked
+    (tmp_path / "file.sock").write_bytes(b"")  # not a socket at all: never unlinked
     with pytest.raises(TurbonodeError, match="not a socket"):
         UnixRpcServer(str(tmp_path / "file.sock"), {})
 

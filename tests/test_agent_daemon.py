@@ -27,12 +27,19 @@ ROOT = str(Path(__file__).resolve().parents[1])
 def start_agent(tmp_path, worker_sock, extra="", args=()):
     port = free_port()
     cfg = tmp_path / "agent.toml"
-    cfg.write_text(f'[agent]\nsocket = "{tmp_path}/agent.sock"\nworker_socket = "{worker_sock}"\n'
-                   f'metrics = "127.0.0.1:{port}"\nthrottle_ttl = 1.0\n{extra}')
+    cfg.write_text(
+        f'[agent]\nsocket = "{tmp_path}/agent.sock"\nworker_socket = "{worker_sock}"\n'
+        f'metrics = "127.0.0.1:{port}"\nthrottle_ttl = 1.0\n{extra}'
+    )
     env = {**os.environ, "PYTHONPATH": ROOT}
-    with open(tmp_path / "agent.log", "w") as log:   # a file, not a pipe nobody drains while it runs
-        proc = subprocess.Popen([sys.executable, "-m", "turboctl", "agent", "run", "--config", str(cfg), *args],
-                                env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
+    with open(tmp_path / "agent.log", "w") as log:  # a file, not a pipe nobody drains while it runs
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "turboctl", "agent", "run", "--config", str(cfg), *args],
+            env=env,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
     proc.log_path = tmp_path / "agent.log"
     agent = ControlClient(f"{tmp_path}/agent.sock", timeout=1.0, peer="agent")
 
@@ -41,6 +48,7 @@ def start_agent(tmp_path, worker_sock, extra="", args=()):
             return agent.call("status").get("level")
         except Exception:
             return None
+
     if not wait_for(ready, 20):
         proc.kill()
         proc.wait()
@@ -75,7 +83,7 @@ class FakeProc:
         self.jiffies = [self.jiffies[0] + busy, self.jiffies[1] + 10 - busy]
         tmp = self.root / "stat.tmp"
         tmp.write_text(f"cpu  {self.jiffies[0]} 0 0 {self.jiffies[1]} 0 0 0 0 0 0\n")
-        tmp.rename(self.root / "stat")   # atomic: the agent never reads half a file
+        tmp.rename(self.root / "stat")  # atomic: the agent never reads half a file
 
     def _run(self):
         while not self._stop.wait(0.02):
@@ -91,9 +99,12 @@ def test_cpu_load_throttles_worker_then_recovers(tmp_path, worker):
     proc_root = tmp_path / "proc"
     proc_root.mkdir()
     fake = FakeProc(proc_root)
-    proc, agent, port = start_agent(tmp_path, tmp_path / "worker.sock",
-                                    f'procfs = "{proc_root}"\n[policy]\nexit_samples = 4\nmin_change_interval = 0.5\n'
-                                    'disabled = ["netrx_cpu_share", "netrx_latency_p99_s"]\n')
+    proc, agent, port = start_agent(
+        tmp_path,
+        tmp_path / "worker.sock",
+        f'procfs = "{proc_root}"\n[policy]\nexit_samples = 4\nmin_change_interval = 0.5\n'
+        'disabled = ["netrx_cpu_share", "netrx_latency_p99_s"]\n',
+    )
     try:
         assert wait_for(lambda: agent.call("status")["level"] == "normal", 10)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
@@ -113,10 +124,10 @@ def test_cpu_load_throttles_worker_then_recovers(tmp_path, worker):
         assert "worker:   ok" in result.output
         js = CliRunner().invoke(main, ["status", "--json", "--socket", f"{tmp_path}/agent.sock"])
         assert json.loads(js.output)["worker"]["state"] == "ok"
-        fake.busy = 0.72        # inside the hysteresis band: the level holds
+        fake.busy = 0.72  # inside the hysteresis band: the level holds
         time.sleep(2)
         assert agent.call("status")["level"] != "normal"
-        fake.busy = 0.2         # load gone: steps down one level per dwell, then releases
+        fake.busy = 0.2  # load gone: steps down one level per dwell, then releases
         assert wait_for(lambda: agent.call("status")["level"] == "normal", 20), agent.call("status")
         assert wait_for(lambda: worker.calls and worker.calls[-1][0] == "release", 2)
         assert worker.throttle_state is None
@@ -127,14 +138,18 @@ def test_cpu_load_throttles_worker_then_recovers(tmp_path, worker):
         rc, out = stop(proc)
         fake.close()
     assert rc == 0, out
-    assert "escalate normal -> pressured: cpu_load=0.9 > 0.75" in out   # the decision, value and threshold
+    assert "escalate normal -> pressured: cpu_load=0.9 > 0.75" in out  # the decision, value and threshold
     assert "recover pressured -> normal" in out
     assert not os.path.exists(f"{tmp_path}/agent.sock")
 
 
 def test_absent_worker_and_dry_run(tmp_path):
-    proc, agent, _ = start_agent(tmp_path, tmp_path / "nobody.sock", "[policy]\nenter_samples = 1\n"
-                                 "[policy.rules.cpu_load]\nenter = 0.0\nexit = 0.0\n", ["--dry-run"])
+    proc, agent, _ = start_agent(
+        tmp_path,
+        tmp_path / "nobody.sock",
+        "[policy]\nenter_samples = 1\n[policy.rules.cpu_load]\nenter = 0.0\nexit = 0.0\n",
+        ["--dry-run"],
+    )
     try:
         st = wait_for(lambda: (s := agent.call("status"))["level"] != "normal" and s, 10)
         assert st, "a zero threshold must escalate"

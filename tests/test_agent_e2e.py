@@ -18,8 +18,10 @@ from tests.conftest import needs_bcc
 
 pytestmark = [needs_bcc, pytest.mark.root, pytest.mark.slow]
 
-POLICY = ('[policy]\ndisabled = ["cpu_load", "netrx_cpu_share", "netrx_latency_p99_s"]\n'
-          'exit_samples = 4\nmin_change_interval = 0.5\n')
+POLICY = (
+    '[policy]\ndisabled = ["cpu_load", "netrx_cpu_share", "netrx_latency_p99_s"]\n'
+    "exit_samples = 4\nmin_change_interval = 0.5\n"
+)
 
 
 def test_gc_fault_throttles_real_worker_then_releases_and_expires(tmp_path):
@@ -31,7 +33,7 @@ def test_gc_fault_throttles_real_worker_then_releases_and_expires(tmp_path):
         assert wait_for(lambda: level() == "normal", 10)
         assert relax_ceil() == 100_000_000
 
-        node.worker.send_signal(signal.SIGUSR1)       # fault onset: garbage in the worker
+        node.worker.send_signal(signal.SIGUSR1)  # fault onset: garbage in the worker
         t = wait_for(node.throttle, 5)
         assert t, node.log("agent")[-2000:]
         assert "gc_pause_s" in t["reason"]
@@ -40,7 +42,7 @@ def test_gc_fault_throttles_real_worker_then_releases_and_expires(tmp_path):
         assert change["reasons"][0]["signal"] == "gc_pause_s" and change["reasons"][0]["value"] > 0.005
         assert wait_for(lambda: relax_ceil() < 100_000_000, 3)
 
-        node.worker.send_signal(signal.SIGUSR2)       # fault over
+        node.worker.send_signal(signal.SIGUSR2)  # fault over
         assert wait_for(lambda: level() == "normal", 30), status()
         assert wait_for(lambda: node.throttle() is None, 2)
         assert wait_for(lambda: relax_ceil() == 100_000_000, 3)
@@ -55,5 +57,5 @@ def test_gc_fault_throttles_real_worker_then_releases_and_expires(tmp_path):
         died = time.monotonic()
         node.worker.send_signal(signal.SIGUSR2)
         assert wait_for(lambda: node.throttle() is None, 3), node.throttle()
-        assert time.monotonic() - died <= 2.5          # ttl 1 s, renewed every ttl/3 at most
+        assert time.monotonic() - died <= 2.5  # ttl 1 s, renewed every ttl/3 at most
         assert dp.show()["tiers"]["turbo"]["class"] == "1:10"

@@ -31,8 +31,8 @@ def noisy(mean, sd, n, seed=4):
 
 
 def test_healthy_noise_with_spikes_over_threshold_changes_nothing():
-    values = noisy(0.65, 0.05, 4 * 60 * 5)      # 5 minutes of samples
-    assert sum(v > 0.75 for v in values) > 10   # single spikes do cross the enter threshold
+    values = noisy(0.65, 0.05, 4 * 60 * 5)  # 5 minutes of samples
+    assert sum(v > 0.75 for v in values) > 10  # single spikes do cross the enter threshold
     assert changes(run(DegradationPolicy((CPU,)), values)) == []
 
 
@@ -57,9 +57,9 @@ def test_step_change_escalates_within_enter_samples():
 
 def test_one_change_per_interval_and_fresh_evidence_per_step():
     p = DegradationPolicy((CPU,), enter_samples=3, min_change_interval=1.0)
-    d = run(p, [0.99] * 40)   # 10 s of saturation
+    d = run(p, [0.99] * 40)  # 10 s of saturation
     ch = changes(d)
-    assert [c[2] for c in ch] == [1, 2, 3]            # one step at a time, stops at critical
+    assert [c[2] for c in ch] == [1, 2, 3]  # one step at a time, stops at critical
     times = [c[0] * PERIOD for c in ch]
     assert all(b - a >= 1.0 for a, b in zip(times, times[1:]))
 
@@ -81,9 +81,9 @@ def test_recovery_waits_its_dwell_step_by_step():
 
 def test_hysteresis_band_holds_the_level():
     p = DegradationPolicy((CPU,), enter_samples=3, exit_samples=4)
-    d = run(p, [0.9] * 3 + [0.72] * 40)   # between exit (0.70) and enter (0.75)
+    d = run(p, [0.9] * 3 + [0.72] * 40)  # between exit (0.70) and enter (0.75)
     assert levels(d)[-1] == 1 and len(changes(d)) == 1
-    assert "cpu_load=0.72 (held until < 0.7)" in d[-1].describe()   # why the level holds, honestly
+    assert "cpu_load=0.72 (held until < 0.7)" in d[-1].describe()  # why the level holds, honestly
     d = run(p, [0.5] * 4, start=20)
     assert levels(d)[-1] == 0
 
@@ -118,14 +118,17 @@ def test_any_active_signal_holds_level():
     assert d.level == 1
     for t in range(2, 10):
         d = p.update({"cpu_load": 0.1, "turbo_wait_s": 0.8 if t < 4 else 0.4}, t * 0.25)
-    assert d.level >= 1   # turbo wait stuck in its band keeps the level
+    assert d.level >= 1  # turbo wait stuck in its band keeps the level
 
 
 def test_config_defaults_and_actions():
     cfg = PolicyConfig()
     p = policy_from_config(cfg)
-    assert {r.signal for r in p.rules} == set(POLICY_RULES) == {"cpu_load", "gc_pause_s", "netrx_latency_p99_s",
-                                                                "netrx_cpu_share", "turbo_wait_s"}
+    assert (
+        {r.signal for r in p.rules}
+        == set(POLICY_RULES)
+        == {"cpu_load", "gc_pause_s", "netrx_latency_p99_s", "netrx_cpu_share", "turbo_wait_s"}
+    )
     cpu = next(r for r in p.rules if r.signal == "cpu_load")
     assert (cpu.enter, cpu.exit, cpu.enter_samples, cpu.exit_samples) == (0.75, 0.70, 3, 12)
     table = actions_table(cfg)
@@ -139,15 +142,17 @@ def test_config_defaults_and_actions():
 
 def test_config_overrides_one_level_and_names_bad_keys(tmp_path):
     f = tmp_path / "t.toml"
-    f.write_text('[policy.rules.cpu_load]\nenter = 0.9\n[policy.actions.pressured]\nmax_batch = 3\n')
+    f.write_text("[policy.rules.cpu_load]\nenter = 0.9\n[policy.actions.pressured]\nmax_batch = 3\n")
     cfg = load_config(str(f), env={})
     table = actions_table(cfg.policy)
     assert table[1] == Actions(None, {"max_batch": 3})
-    assert table[2].relax_ceil_pct == 25      # untouched levels keep their defaults
-    for text, key in [('[policy.rules.cpu_load]\nenter = 1.5\n', "policy.rules"),
-                      ('[policy]\nbogus = 1\n', "policy.bogus"),
-                      ('[policy.actions.critical]\nshed_tiers = ["turbo"]\n', "policy.actions"),
-                      ('[policy.actions.panic]\nmax_batch = 1\n', "policy.actions")]:
+    assert table[2].relax_ceil_pct == 25  # untouched levels keep their defaults
+    for text, key in [
+        ("[policy.rules.cpu_load]\nenter = 1.5\n", "policy.rules"),
+        ("[policy]\nbogus = 1\n", "policy.bogus"),
+        ('[policy.actions.critical]\nshed_tiers = ["turbo"]\n', "policy.actions"),
+        ("[policy.actions.panic]\nmax_batch = 1\n", "policy.actions"),
+    ]:
         f.write_text(text)
         with pytest.raises(ConfigError) as exc:
             load_config(str(f), env={})
@@ -168,22 +173,26 @@ def test_config_overrides_one_level_and_names_bad_keys(tmp_path):
 
 def test_each_rule_owns_its_thresholds_and_dwell(tmp_path):
     f = tmp_path / "t.toml"
-    f.write_text('[policy]\nenter_samples = 5\n'
-                 '[policy.rules.gc_pause_s]\nenter_samples = 1\n[policy.rules.cpu_load]\nenter = 0.9\n')
+    f.write_text(
+        "[policy]\nenter_samples = 5\n"
+        "[policy.rules.gc_pause_s]\nenter_samples = 1\n[policy.rules.cpu_load]\nenter = 0.9\n"
+    )
     cfg = load_config(str(f), env={}).policy
     p = policy_from_config(cfg)
     rules = {r.signal: r for r in p.rules}
     # a partial table keeps the other defaults; a rule without its own dwell takes the policy's
     assert (rules["cpu_load"].enter, rules["cpu_load"].exit, rules["cpu_load"].enter_samples) == (0.9, 0.70, 5)
     assert rules["gc_pause_s"].enter_samples == 1 and rules["gc_pause_s"].exit_samples == 12
-    assert p.update({"gc_pause_s": 0.02, "cpu_load": 0.1}, 0).level == 1          # one long pause suffices
+    assert p.update({"gc_pause_s": 0.02, "cpu_load": 0.1}, 0).level == 1  # one long pause suffices
     cpu = policy_from_config(cfg)
-    assert levels(run(cpu, [0.95] * 5)) == [0, 0, 0, 0, 1]                          # cpu_load needs five
-    for text, match in [('[policy.rules.cpu_load]\nenter_samples = 0\n', "cpu_load.enter_samples: must be a positive"),
-                        ('[policy.rules.psi]\nenter = 1\n', "unknown signal 'psi'"),
-                        ('[policy.rules.cpu_load]\nbogus = 1\n', "cpu_load.bogus: unknown key"),
-                        ('[policy.rules.cpu_load]\nexit = 0.8\n', r"cpu_load.exit: must not exceed cpu_load.enter \(0.75\)"),
-                        ('[policy.rules.gc_pause_s]\nenter = "5ms"\n', "gc_pause_s.enter: expected a number")]:
+    assert levels(run(cpu, [0.95] * 5)) == [0, 0, 0, 0, 1]  # cpu_load needs five
+    for text, match in [
+        ("[policy.rules.cpu_load]\nenter_samples = 0\n", "cpu_load.enter_samples: must be a positive"),
+        ("[policy.rules.psi]\nenter = 1\n", "unknown signal 'psi'"),
+        ("[policy.rules.cpu_load]\nbogus = 1\n", "cpu_load.bogus: unknown key"),
+        ("[policy.rules.cpu_load]\nexit = 0.8\n", r"cpu_load.exit: must not exceed cpu_load.enter \(0.75\)"),
+        ('[policy.rules.gc_pause_s]\nenter = "5ms"\n', "gc_pause_s.enter: expected a number"),
+    ]:
         f.write_text(text)
         with pytest.raises(ConfigError, match=match) as exc:
             load_config(str(f), env={})

@@ -31,7 +31,7 @@ def test_probe_sees_net_rx_time_and_latency(watcher, sandbox):
     sig = watcher.sample(time.monotonic())
     assert watcher.ok and watcher.mode == "bpf"
     runs = sum(watcher.probe.runs(NET_RX)) - runs0
-    assert runs >= 3000, runs                      # each echo and reply is received through NET_RX
+    assert runs >= 3000, runs  # each echo and reply is received through NET_RX
     assert sum(watcher.probe.time_ns(NET_RX)) > time0
     assert sig["netrx_per_s"] > 0 and 0 < sig["netrx_cpu_share"] <= 1
     assert sig["netrx_latency_p99_s"] is not None and 0 < sig["netrx_latency_p99_s"] < 1.0
@@ -43,7 +43,7 @@ def test_probe_sees_net_rx_time_and_latency(watcher, sandbox):
 
 
 def test_missing_tracepoints_fall_back_to_procfs(tmp_path):
-    w = SoftirqWatcher(sysfs=str(tmp_path))   # an empty sysfs root: no tracefs at all
+    w = SoftirqWatcher(sysfs=str(tmp_path))  # an empty sysfs root: no tracefs at all
     assert w.probe is None and "tracefs not mounted" in w.bpf_error
     w.sample(0)
     assert w.ok and w.mode == "procfs"

@@ -28,10 +28,10 @@ STAT = "cpu  {u} 0 {s} {i} 0 0 {si} {st} 0 0\ncpu0 {u} 0 {s} {i} 0 0 {si} {st} 0
 def test_cpu_busy_share_includes_softirq_and_steal(tmp_path):
     write(tmp_path, "stat", STAT.format(u=100, s=50, i=800, si=10, st=5))
     w = CpuWatcher(str(tmp_path))
-    assert w.sample(0.0) == {"cpu_load": None}     # first sample: no rate yet
+    assert w.sample(0.0) == {"cpu_load": None}  # first sample: no rate yet
     write(tmp_path, "stat", STAT.format(u=150, s=75, i=820, si=30, st=25))
     sig = w.sample(1.0)
-    assert sig["cpu_load"] == pytest.approx(1 - 20 / 135)   # deltas: 50+25+20 idle+20 softirq+20 steal
+    assert sig["cpu_load"] == pytest.approx(1 - 20 / 135)  # deltas: 50+25+20 idle+20 softirq+20 steal
     assert sig["cpu_softirq"] == pytest.approx(20 / 135) and sig["cpu_steal"] == pytest.approx(20 / 135)
     assert "cpu0" in w.detail["per_cpu"]
 
@@ -53,6 +53,7 @@ def test_cpu_missing_file_is_reported_not_raised(tmp_path):
 
 
 # ---- softnet_stat -----------------------------------------------------------------------
+
 
 def softnet_row(processed, dropped, squeeze, ncols, cpu=None):
     cols = [processed, dropped, squeeze] + [0] * (ncols - 3)
@@ -112,9 +113,12 @@ def test_missing_psi_is_a_reported_state(tmp_path):
 
 # ---- softirqs ---------------------------------------------------------------------------
 
+
 def test_proc_softirqs_fallback(tmp_path):
-    text = ("                    CPU0       CPU1\n          HI:          1          0\n"
-            "      NET_RX:        {a}        {b}\n BLOCK_IOPOLL:          0          0\n")
+    text = (
+        "                    CPU0       CPU1\n          HI:          1          0\n"
+        "      NET_RX:        {a}        {b}\n BLOCK_IOPOLL:          0          0\n"
+    )
     write(tmp_path, "softirqs", text.format(a=100, b=50))
     assert parse_softirqs(text.format(a=1, b=2))["BLOCK_IOPOLL"] == {"cpu0": 0, "cpu1": 0}
     w = SoftirqWatcher(str(tmp_path), use_bpf=False)
@@ -127,8 +131,8 @@ def test_proc_softirqs_fallback(tmp_path):
 
 def test_log2_quantile_interpolates_inside_slot():
     counts = [0] * 32
-    counts[10] = 99      # [512, 1024) ns
-    counts[18] = 1       # [131072, 262144) ns
+    counts[10] = 99  # [512, 1024) ns
+    counts[18] = 1  # [131072, 262144) ns
     assert 512e-9 <= quantile(counts, 0.5) < 1024e-9
     assert quantile(counts, 0.99) == pytest.approx(1024e-9)
     assert 131072e-9 < quantile(counts, 1.0) <= 262144e-9
@@ -136,6 +140,7 @@ def test_log2_quantile_interpolates_inside_slot():
 
 
 # ---- GPU (NVML cannot exist here: a fake stands in for the library) -----------------------
+
 
 class FakeNvml:
     class NVMLError(Exception):
@@ -185,6 +190,7 @@ def test_absent_nvml_is_reported():
 
 # ---- the real /proc of this machine -------------------------------------------------------
 
+
 def test_real_proc_stat_softnet_and_psi():
     watchers = [CpuWatcher(), SoftnetWatcher(), PsiWatcher()]
     for w in watchers:
@@ -200,7 +206,7 @@ def test_real_proc_stat_softnet_and_psi():
         pytest.skip("this kernel has no PSI")
     assert watchers[2].ok and 0 <= sig["psi_cpu_some"] <= 1
     trig = PsiTriggers()
-    try:   # either armed or, where the kernel refuses triggers, reported
+    try:  # either armed or, where the kernel refuses triggers, reported
         assert trig.fds or trig.error
     finally:
         trig.close()

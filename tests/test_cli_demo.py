@@ -22,8 +22,11 @@ def test_demo_shapes_mixed_traffic_and_cleans_up():
         assert rows[tier][1] == f"1:{ {'turbo': 10, 'fast': 20, 'other': 30, 'relax': 40}[tier] }"
         assert int(rows[tier][3]) > 100, f"{tier} classified almost nothing: {rows[tier]}"
     # Every tier got traffic through and the borrowing tiers stayed above their guarantee.
-    shares = {line.split()[0]: float(line.split()[1]) for line in out.splitlines()
-              if line.startswith("  ") and "Mbit/s" in line}
+    shares = {
+        line.split()[0]: float(line.split()[1])
+        for line in out.splitlines()
+        if line.startswith("  ") and "Mbit/s" in line
+    }
     assert shares["relax"] >= 5 and shares["other"] >= 10 and shares["turbo"] >= 15
     # Its own namespaces are gone (other tests may be creating theirs meanwhile).
     created = re.search(r"netns (\S+) \(\S+\) <-> netns (\S+);", out).groups()

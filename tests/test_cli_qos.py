@@ -66,15 +66,18 @@ def test_qos_commands_end_to_end(sandbox, target, tmp_path):
     assert res.exit_code == 1 and "no turbonode QoS on" in res.output and "qos apply" in res.output
 
 
-@pytest.mark.parametrize("args, code, message", [
-    (["apply", "--rate", "10furlong"], 2, "bad rate '10furlong': unknown unit 'furlong'"),
-    (["apply", "--rate", "0mbit"], 2, "must be positive"),
-    (["set-map", "64=turbo"], 2, "expected DSCP=TIER with DSCP 0..63"),
-    (["set-map", "46=gold"], 2, "unknown tier 'gold'"),
-    (["set-map", "46"], 2, "expected DSCP=TIER"),
-    (["set-rate", "gold", "1mbit"], 2, "'gold' is not one of"),
-    (["set-rate", "relax", "fast"], 2, "bad rate 'fast'"),
-])
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["apply", "--rate", "10furlong"], 2, "bad rate '10furlong': unknown unit 'furlong'"),
+        (["apply", "--rate", "0mbit"], 2, "must be positive"),
+        (["set-map", "64=turbo"], 2, "expected DSCP=TIER with DSCP 0..63"),
+        (["set-map", "46=gold"], 2, "unknown tier 'gold'"),
+        (["set-map", "46"], 2, "expected DSCP=TIER"),
+        (["set-rate", "gold", "1mbit"], 2, "'gold' is not one of"),
+        (["set-rate", "relax", "fast"], 2, "bad rate 'fast'"),
+    ],
+)
 def test_bad_arguments_are_named(args, code, message):
     res = run(*args, "--dev", "eth-unused")
     assert res.exit_code == code and message in res.output, res.output
@@ -110,16 +113,21 @@ def test_not_root_is_named(sandbox, monkeypatch):
 
 FAKE_BCC = {
     "missing": "raise ImportError('No module named bcc')\n",
-    "headers": ("import sys\nclass BPF:\n    SCHED_CLS = 3\n    def __init__(self, **kw):\n"
-                "        print('Unable to find kernel headers. Try rebuilding kernel with CONFIG_IKHEADERS=m',"
-                " file=sys.stderr)\n        raise Exception('Failed to compile BPF module')\n"),
+    "headers": (
+        "import sys\nclass BPF:\n    SCHED_CLS = 3\n    def __init__(self, **kw):\n"
+        "        print('Unable to find kernel headers. Try rebuilding kernel with CONFIG_IKHEADERS=m',"
+        " file=sys.stderr)\n        raise Exception('Failed to compile BPF module')\n"
+    ),
 }
 
 
-@pytest.mark.parametrize("case, message", [
-    ("missing", "bcc Python bindings not importable: install python3-bpfcc"),
-    ("headers", "no kernel headers for bcc: install linux-headers-$(uname -r)"),
-])
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "bcc Python bindings not importable: install python3-bpfcc"),
+        ("headers", "no kernel headers for bcc: install linux-headers-$(uname -r)"),
+    ],
+)
 def test_no_bcc_and_no_headers_are_named(sandbox, tmp_path, monkeypatch, case, message):
     # A stand-in bcc package on the loader child's path reproduces a host without bcc or headers.
     (tmp_path / "bcc").mkdir()

@@ -27,8 +27,17 @@ def test_tier_table_matches_design():
     assert tos_byte("turbo") == 0xB8
 
 
-@pytest.mark.parametrize("text,bits", [("100mbit", 100_000_000), ("1gbit", 10**9), ("1.5mbit", 1_500_000),
-                                       ("10mbps", 80_000_000), ("800", 800), (" 2 Gbit ", 2 * 10**9)])
+@pytest.mark.parametrize(
+    "text,bits",
+    [
+        ("100mbit", 100_000_000),
+        ("1gbit", 10**9),
+        ("1.5mbit", 1_500_000),
+        ("10mbps", 80_000_000),
+        ("800", 800),
+        (" 2 Gbit ", 2 * 10**9),
+    ],
+)
 def test_parse_rate(text, bits):
     assert parse_rate(text) == bits
 
@@ -49,24 +58,27 @@ def test_config_defaults_env_and_flags(tmp_path):
     path.write_text('[agent]\nsample_period = 1\n[qos]\nrate = "100mbit"\n')
     cfg = load_config(str(path), env={"TURBONODE_QOS_RATE": "200mbit"}, overrides={"agent.dry_run": True})
     assert cfg.agent.sample_period == 1.0 and isinstance(cfg.agent.sample_period, float)
-    assert cfg.qos.rate == "200mbit"          # environment beats the file
-    assert cfg.agent.dry_run is True           # flags beat everything
-    assert cfg.worker.steps["turbo"] == 4      # untouched default
+    assert cfg.qos.rate == "200mbit"  # environment beats the file
+    assert cfg.agent.dry_run is True  # flags beat everything
+    assert cfg.worker.steps["turbo"] == 4  # untouched default
 
 
-@pytest.mark.parametrize("text,key", [
-    ("[agent]\nsampl_period = 1\n", "agent.sampl_period"),
-    ("[worker]\nmax_batch = 0\n", "worker.max_batch"),
-    ("[worker]\nsteps = { turbo = -1 }\n", "worker.steps"),
-    ("[worker]\nqueue_limit = { ultra = 3 }\n", "worker.queue_limit"),
-    ('[worker]\nsampler = { turbo = "heun9" }\n', "worker.sampler"),
-    ("[worker]\nguidance = { relax = 99 }\n", "worker.guidance"),
-    ("[worker]\ndrain_timeout = 0\n", "worker.drain_timeout"),
-    ('[qos]\nrate = "fast"\n', "qos.rate"),
-    ("[qos]\ndscp = { 64 = 'turbo' }\n", "qos.dscp"),
-    ("[agent]\ndry_run = 'yes'\n", "agent.dry_run"),
-    ("nonsense = 1\n", "nonsense"),
-])
+@pytest.mark.parametrize(
+    "text,key",
+    [
+        ("[agent]\nsampl_period = 1\n", "agent.sampl_period"),
+        ("[worker]\nmax_batch = 0\n", "worker.max_batch"),
+        ("[worker]\nsteps = { turbo = -1 }\n", "worker.steps"),
+        ("[worker]\nqueue_limit = { ultra = 3 }\n", "worker.queue_limit"),
+        ('[worker]\nsampler = { turbo = "heun9" }\n', "worker.sampler"),
+        ("[worker]\nguidance = { relax = 99 }\n", "worker.guidance"),
+        ("[worker]\ndrain_timeout = 0\n", "worker.drain_timeout"),
+        ('[qos]\nrate = "fast"\n', "qos.rate"),
+        ("[qos]\ndscp = { 64 = 'turbo' }\n", "qos.dscp"),
+        ("[agent]\ndry_run = 'yes'\n", "agent.dry_run"),
+        ("nonsense = 1\n", "nonsense"),
+    ],
+)
 def test_config_names_the_bad_key(tmp_path, text, key):
     path = tmp_path / "bad.toml"
     path.write_text(text)

@@ -37,7 +37,7 @@ def _imports(path: Path, package: str) -> set[str]:
             names |= {a.name.split(".")[0] for a in node.names}
         elif isinstance(node, ast.ImportFrom):
             if node.level:
-                names.add((parts[:-node.level] or (package,))[0])
+                names.add((parts[: -node.level] or (package,))[0])
             elif node.module:
                 names.add(node.module.split(".")[0])
     return names
@@ -64,30 +64,49 @@ def test_agent_and_render_never_import_each_other():
 
 
 def test_only_the_cli_imports_click():
-    users = [str(p.relative_to(ROOT)) for package in MAY_IMPORT if package != "turboctl"
-             for p in _sources(package) if "click" in _imports(p, package)]
+    users = [
+        str(p.relative_to(ROOT))
+        for package in MAY_IMPORT
+        if package != "turboctl"
+        for p in _sources(package)
+        if "click" in _imports(p, package)
+    ]
     assert not users, f"click outside turboctl/: {users}"
 
 
 def test_the_rules_see_real_imports():
     """The checker itself: it finds absolute, relative and lazy imports."""
-    assert {"turbonode", "tc"} <= _imports(ROOT / "agent" / "daemon.py", "agent")      # lazy: from tc.datapath
-    assert "agent" in _imports(ROOT / "agent" / "loop.py", "agent")                    # relative: from .policy
+    assert {"turbonode", "tc"} <= _imports(ROOT / "agent" / "daemon.py", "agent")  # lazy: from tc.datapath
+    assert "agent" in _imports(ROOT / "agent" / "loop.py", "agent")  # relative: from .policy
     assert "click" in _imports(ROOT / "turboctl" / "__init__.py", "turboctl")
 
 
-AGENT_SIDE = ["agent.daemon", "agent.loop", "agent.policy", "agent.actuator", "agent.metrics", "agent.mounts",
-              *[f"agent.watchers.{p.stem}" for p in sorted((ROOT / "agent" / "watchers").glob("[a-z]*.py"))],
-              "tc.datapath", "tc.classifier", "sandbox.demo", "sandbox.traffic", "sandbox.loadgen", "turboctl",
-              *[f"turbonode.{p.stem}" for p in sorted((ROOT / "turbonode").glob("[a-z]*.py"))]]
+AGENT_SIDE = [
+    "agent.daemon",
+    "agent.loop",
+    "agent.policy",
+    "agent.actuator",
+    "agent.metrics",
+    "agent.mounts",
+    *[f"agent.watchers.{p.stem}" for p in sorted((ROOT / "agent" / "watchers").glob("[a-z]*.py"))],
+    "tc.datapath",
+    "tc.classifier",
+    "sandbox.demo",
+    "sandbox.traffic",
+    "sandbox.loadgen",
+    "turboctl",
+    *[f"turbonode.{p.stem}" for p in sorted((ROOT / "turbonode").glob("[a-z]*.py"))],
+]
 
 
 def test_importing_the_agent_side_never_imports_torch():
-    code = ("import importlib, sys\n"
-            f"for name in {AGENT_SIDE!r}:\n"
-            "    importlib.import_module(name)\n"
-            "heavy = sorted({'torch', 'diffusers', 'render'} & set(sys.modules))\n"
-            "sys.exit(f'imported {heavy}' if heavy else 0)\n")
+    code = (
+        "import importlib, sys\n"
+        f"for name in {AGENT_SIDE!r}:\n"
+        "    importlib.import_module(name)\n"
+        "heavy = sorted({'torch', 'diffusers', 'render'} & set(sys.modules))\n"
+        "sys.exit(f'imported {heavy}' if heavy else 0)\n"
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr or proc.stdout

@@ -21,11 +21,21 @@ UNPARSED = "unparsed"
 
 # case -> (tier, counted as unparsed)
 EXPECT = {
-    "ef": ("turbo", False), "ef_ecn": ("turbo", False), "af41": ("fast", False), "cs1": ("relax", False),
-    "le": ("relax", False), "unmarked": ("other", False), "ipv6_ef": ("turbo", False),
-    "ipv6_af41": ("fast", False), "vlan_ef": ("turbo", False), "8021ad_ef": ("turbo", False),
-    "truncated_ipv4": ("other", True), "truncated_ipv6": ("other", True), "bad_version": ("other", True),
-    "non_ip": ("other", True), "runt": ("other", True),
+    "ef": ("turbo", False),
+    "ef_ecn": ("turbo", False),
+    "af41": ("fast", False),
+    "cs1": ("relax", False),
+    "le": ("relax", False),
+    "unmarked": ("other", False),
+    "ipv6_ef": ("turbo", False),
+    "ipv6_af41": ("fast", False),
+    "vlan_ef": ("turbo", False),
+    "8021ad_ef": ("turbo", False),
+    "truncated_ipv4": ("other", True),
+    "truncated_ipv6": ("other", True),
+    "bad_version": ("other", True),
+    "non_ip": ("other", True),
+    "runt": ("other", True),
 }
 
 
@@ -35,8 +45,14 @@ def tc_text(sb, *args) -> str:
 
 def cli(*args, check=True) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=ROOT)
-    return subprocess.run([sys.executable, "-c", "from turboctl import main; main()", *args], capture_output=True, text=True,
-                          env=env, timeout=120, check=check)
+    return subprocess.run(
+        [sys.executable, "-c", "from turboctl import main; main()", *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        check=check,
+    )
 
 
 def snapshot(dp) -> dict:
@@ -112,12 +128,17 @@ EXPECT_TIERS = ("turbo", "fast", "other", "relax")
 
 
 def test_apply_is_idempotent(sandbox, datapath):
-    tree = (tc_text(sandbox, "qdisc", "show", "dev", sandbox.dev), tc_text(sandbox, "class", "show", "dev", sandbox.dev))
+    tree = (
+        tc_text(sandbox, "qdisc", "show", "dev", sandbox.dev),
+        tc_text(sandbox, "class", "show", "dev", sandbox.dev),
+    )
     filters = tc_text(sandbox, "filter", "show", "dev", sandbox.dev)
     again = datapath.apply(rate_bps=RATE)
     assert again["changes"] == 0 and not again["compiled"]
-    assert (tc_text(sandbox, "qdisc", "show", "dev", sandbox.dev),
-            tc_text(sandbox, "class", "show", "dev", sandbox.dev)) == tree
+    assert (
+        tc_text(sandbox, "qdisc", "show", "dev", sandbox.dev),
+        tc_text(sandbox, "class", "show", "dev", sandbox.dev),
+    ) == tree
     assert tc_text(sandbox, "filter", "show", "dev", sandbox.dev) == filters
     assert filters.count("direct-action") == 1
     # A different rate changes the classes in place, still one filter.
@@ -147,8 +168,28 @@ def test_refuses_to_replace_a_root_qdisc_it_did_not_create(sandbox):
     from tc.datapath import Datapath
     from turbonode.errors import DatapathError
 
-    subprocess.run(["tc", "-n", sandbox.server, "qdisc", "add", "dev", sandbox.dev, "root", "handle", "5:",
-                    "tbf", "rate", "10mbit", "burst", "10kb", "latency", "50ms"], check=True)
+    subprocess.run(
+        [
+            "tc",
+            "-n",
+            sandbox.server,
+            "qdisc",
+            "add",
+            "dev",
+            sandbox.dev,
+            "root",
+            "handle",
+            "5:",
+            "tbf",
+            "rate",
+            "10mbit",
+            "burst",
+            "10kb",
+            "latency",
+            "50ms",
+        ],
+        check=True,
+    )
     dp = Datapath(sandbox.dev, sandbox.server)
     with pytest.raises(DatapathError, match="tbf 5:0 that turbonode did not create"):
         dp.apply(rate_bps=RATE)
@@ -184,8 +225,20 @@ def test_reload_keeps_pinned_counters_and_traffic_flows(sandbox, datapath):
     wire.close()  # its receive buffer would overflow with the pings below
     first = datapath.show()
     # Swap the program (as an upgraded agent would) while pings run: no gap, counters kept.
-    ping = sandbox.popen(sandbox.server, "ping", "-q", "-i", "0.005", "-c", "300", "-Q", "0xb8", sandbox.client_ip,
-                         stdout=subprocess.PIPE, text=True)
+    ping = sandbox.popen(
+        sandbox.server,
+        "ping",
+        "-q",
+        "-i",
+        "0.005",
+        "-c",
+        "300",
+        "-Q",
+        "0xb8",
+        sandbox.client_ip,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
     swapped = datapath.apply(rate_bps=RATE, reload=True)
     out, _ = ping.communicate(timeout=30)
     assert swapped["compiled"] and swapped["prog_id"] != first["prog_id"]
@@ -228,8 +281,9 @@ def test_live_set_rate_changes_class_without_reload(sandbox, datapath):
     filters = tc_text(sandbox, "filter", "show", "dev", sandbox.dev)
     r = datapath.set_rate("relax", 5_000_000, 20_000_000)
     assert r == {"tier": "relax", "rate_bps": 5_000_000, "ceil_bps": 20_000_000}
-    assert "class htb 1:40 parent 1:1 leaf 40: prio 3 rate 5Mbit ceil 20Mbit" in \
-        tc_text(sandbox, "class", "show", "dev", sandbox.dev)
+    assert "class htb 1:40 parent 1:1 leaf 40: prio 3 rate 5Mbit ceil 20Mbit" in tc_text(
+        sandbox, "class", "show", "dev", sandbox.dev
+    )
     assert datapath.show()["prog_id"] == prog
     assert tc_text(sandbox, "filter", "show", "dev", sandbox.dev) == filters
 
@@ -242,8 +296,12 @@ def test_shaping_is_real(sandbox, datapath):
         server = sandbox.popen(sandbox.client, "iperf3", "-s", "-1", stdout=subprocess.DEVNULL)
         time.sleep(0.3)
         try:
-            out = subprocess.run(sandbox.cmd(sandbox.server, "iperf3", "-c", sandbox.client_ip, "-t", "1", "-J"),
-                                 capture_output=True, text=True, timeout=30)
+            out = subprocess.run(
+                sandbox.cmd(sandbox.server, "iperf3", "-c", sandbox.client_ip, "-t", "1", "-J"),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
         finally:
             server.kill()
             server.wait()

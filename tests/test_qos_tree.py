@@ -2,8 +2,17 @@
 
 import pytest
 
-from tc.tree import (HTB_QUANTUM_MAX, HTB_QUANTUM_MIN, MTU, ROOT_CLASS, ROOT_HANDLE, build_tree, fmt_handle,
-                     leaf_handle, with_rate)
+from tc.tree import (
+    HTB_QUANTUM_MAX,
+    HTB_QUANTUM_MIN,
+    MTU,
+    ROOT_CLASS,
+    ROOT_HANDLE,
+    build_tree,
+    fmt_handle,
+    leaf_handle,
+    with_rate,
+)
 from turbonode.tiers import TIERS
 
 
@@ -20,7 +29,11 @@ def test_default_tree_follows_the_tier_table():
     assert all(c.parent == ROOT_CLASS for c in tiers)
     assert tree.default_minor == 0x30
     assert [(fmt_handle(l.parent), fmt_handle(l.handle), l.limit) for l in tree.leaves] == [
-        ("1:10", "10:0", 1000), ("1:20", "20:0", 1000), ("1:30", "30:0", 1000), ("1:40", "40:0", 1000)]
+        ("1:10", "10:0", 1000),
+        ("1:20", "20:0", 1000),
+        ("1:30", "30:0", 1000),
+        ("1:40", "40:0", 1000),
+    ]
     assert tree.tier_minors == (0x10, 0x20, 0x30, 0x40)
 
 

@@ -17,8 +17,17 @@ from conftest import needs_bcc
 
 from sandbox.loadgen import request_image
 from turbonode.jsonrpc import ControlClient
-from daemon_harness import (PROMTOOL_SKIP, ROOT, NotifyListener, daemon_env, promtool_check, scrape, start, stop,
-                            turboctl_argv)
+from daemon_harness import (
+    PROMTOOL_SKIP,
+    ROOT,
+    NotifyListener,
+    daemon_env,
+    promtool_check,
+    scrape,
+    start,
+    stop,
+    turboctl_argv,
+)
 
 WATCHDOG_USEC = 400_000  # the daemon must ping every 0.2 s
 
@@ -34,10 +43,15 @@ def root_qdisc(sandbox) -> str:
     return sandbox.run(sandbox.server, "tc", "qdisc", "show", "dev", sandbox.dev, "root").stdout
 
 
-@pytest.mark.parametrize("daemon,bad,key", [("agent", "[agent]\nsample_period = -1\n", "agent.sample_period"),
-                                            ("agent", "[qos]\nrate = \"fast\"\n", "qos.rate"),
-                                            ("worker", "[worker]\nmax_batch = 0\n", "worker.max_batch"),
-                                            ("worker", "[worker]\nlisten = \"nowhere\"\n", "worker.listen")])
+@pytest.mark.parametrize(
+    "daemon,bad,key",
+    [
+        ("agent", "[agent]\nsample_period = -1\n", "agent.sample_period"),
+        ("agent", '[qos]\nrate = "fast"\n', "qos.rate"),
+        ("worker", "[worker]\nmax_batch = 0\n", "worker.max_batch"),
+        ("worker", '[worker]\nlisten = "nowhere"\n', "worker.listen"),
+    ],
+)
 def test_bad_config_refused_at_start(tmp_path, notify, daemon, bad, key):
     cfg = tmp_path / "bad.toml"
     cfg.write_text(bad)
@@ -70,8 +84,9 @@ def test_agent_daemon_notify_metrics_and_fail_static(sandbox, tmp_path, notify):
     try:
         for round_, keep in enumerate((True, False), 1):
             cfg = _agent_config(tmp_path, sandbox, keep)
-            proc, out = start(turboctl_argv("-v", "agent", "run", "--config", str(cfg)),
-                              daemon_env(notify, WATCHDOG_USEC))
+            proc, out = start(
+                turboctl_argv("-v", "agent", "run", "--config", str(cfg)), daemon_env(notify, WATCHDOG_USEC)
+            )
             try:
                 ready = notify.wait_for("READY=1", 90, count=round_, proc=proc)
                 assert ready, out.text
@@ -92,8 +107,12 @@ def test_agent_daemon_notify_metrics_and_fail_static(sandbox, tmp_path, notify):
             # fail-static: the datapath stays unless qos.keep_on_stop = false
             assert ("htb" in root_qdisc(sandbox)) is keep, root_qdisc(sandbox)
     finally:
-        subprocess.run(turboctl_argv("qos", "remove", "--dev", sandbox.dev, "--netns", sandbox.server),
-                       env=daemon_env(), capture_output=True, timeout=60)
+        subprocess.run(
+            turboctl_argv("qos", "remove", "--dev", sandbox.dev, "--netns", sandbox.server),
+            env=daemon_env(),
+            capture_output=True,
+            timeout=60,
+        )
 
 
 NOBODY = 65534
@@ -128,8 +147,16 @@ drain_timeout = 1.0
     os.chmod(notify.path, 0o666)  # systemd's socket accepts every service user
     argv = turboctl_argv("worker", "run", "--config", str(cfg))
     if os.geteuid() == 0:
-        argv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--inh-caps=-all",
-                "--bounding-set=-all", "--no-new-privs", *argv]
+        argv = [
+            "setpriv",
+            f"--reuid={NOBODY}",
+            f"--regid={NOBODY}",
+            "--clear-groups",
+            "--inh-caps=-all",
+            "--bounding-set=-all",
+            "--no-new-privs",
+            *argv,
+        ]
     env = daemon_env(notify, WATCHDOG_USEC, HOME=str(worker_dir), XDG_CACHE_HOME=str(worker_dir / "cache"))
     proc, out = start(argv, env)
     try:
@@ -189,25 +216,33 @@ def test_agent_runs_with_only_the_units_capabilities(sandbox, tmp_path, notify):
     if not {"CAP_BPF", "CAP_PERFMON"} <= set(caps):
         pytest.skip("kernel without CAP_BPF/CAP_PERFMON (< 5.8): the unit needs the CAP_SYS_ADMIN drop-in there")
     cfg = tmp_path / "agent.toml"
-    cfg.write_text(f'[qos]\ndev = "{sandbox.dev}"\nrate = "100mbit"\nkeep_on_stop = false\n'
-                   f'[agent]\nsocket = "{tmp_path}/agent.sock"\nworker_socket = "{tmp_path}/none.sock"\n'
-                   f'metrics = "127.0.0.1:0"\nsample_period = 0.1\n')
+    cfg.write_text(
+        f'[qos]\ndev = "{sandbox.dev}"\nrate = "100mbit"\nkeep_on_stop = false\n'
+        f'[agent]\nsocket = "{tmp_path}/agent.sock"\nworker_socket = "{tmp_path}/none.sock"\n'
+        f'metrics = "127.0.0.1:0"\nsample_period = 0.1\n'
+    )
     bounding = ",".join(["-all"] + ["+" + c.removeprefix("CAP_").lower() for c in caps])
     # `ip netns exec` gives the agent the node's namespace and a fresh /sys without bpffs/tracefs:
     # mounting them there is the unit's ExecStartPre.
-    script = ("mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf; "
-              "mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing; "
-              f'exec setpriv --bounding-set={bounding} --inh-caps=-all "$@"')
-    argv = sandbox.cmd(sandbox.server, "sh", "-c", script, "sh",
-                       *turboctl_argv("-v", "agent", "run", "--config", str(cfg)))
+    script = (
+        "mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf; "
+        "mountpoint -q /sys/kernel/tracing || mount -t tracefs tracefs /sys/kernel/tracing; "
+        f'exec setpriv --bounding-set={bounding} --inh-caps=-all "$@"'
+    )
+    argv = sandbox.cmd(
+        sandbox.server, "sh", "-c", script, "sh", *turboctl_argv("-v", "agent", "run", "--config", str(cfg))
+    )
     proc, out = start(argv, daemon_env(notify, WATCHDOG_USEC))
     try:
         assert notify.wait_for("READY=1", 90, proc=proc), out.text
         status = ControlClient(f"{tmp_path}/agent.sock", peer="agent").call("status")
         assert status["watchers"]["softirq"]["ok"] and status["watchers"]["htb"]["ok"], status["watchers"]
         assert "htb" in root_qdisc(sandbox)
-        assert re.search(r"^CapBnd:\s*0*{:x}$".format(sum(1 << CAP_BITS[c] for c in caps)),
-                         Path(f"/proc/{proc.pid}/status").read_text(), re.M)
+        assert re.search(
+            r"^CapBnd:\s*0*{:x}$".format(sum(1 << CAP_BITS[c] for c in caps)),
+            Path(f"/proc/{proc.pid}/status").read_text(),
+            re.M,
+        )
     finally:
         rc = stop(proc, 30)
     assert rc == 0, out.text

@@ -20,12 +20,22 @@ from turboctl import demo_cmd as demo_cli
 from turboctl import main
 
 RESULT = {
-    "without": {"tiers": {"turbo": {"requests": 2, "ok": 2, "rejected": 0, "failed": 0, "p50_s": 8.3, "p99_s": 10.1}},
-                "agent": None},
-    "with": {"tiers": {"turbo": {"requests": 5, "ok": 5, "rejected": 0, "failed": 0, "p50_s": 3.9, "p99_s": 5.8},
-                       "relax": {"requests": 2, "ok": 0, "rejected": 1, "failed": 1, "p50_s": None, "p99_s": None}},
-             "agent": {"max_level": "critical", "reasons": ["cpu_load"], "throttled_share": 0.5,
-                       "last_throttle": {"max_batch": 1}}},
+    "without": {
+        "tiers": {"turbo": {"requests": 2, "ok": 2, "rejected": 0, "failed": 0, "p50_s": 8.3, "p99_s": 10.1}},
+        "agent": None,
+    },
+    "with": {
+        "tiers": {
+            "turbo": {"requests": 5, "ok": 5, "rejected": 0, "failed": 0, "p50_s": 3.9, "p99_s": 5.8},
+            "relax": {"requests": 2, "ok": 0, "rejected": 1, "failed": 1, "p50_s": None, "p99_s": None},
+        },
+        "agent": {
+            "max_level": "critical",
+            "reasons": ["cpu_load"],
+            "throttled_share": 0.5,
+            "last_throttle": {"max_batch": 1},
+        },
+    },
 }
 
 

@@ -57,7 +57,10 @@ def config_problems(docs) -> list[str]:
         mounts = _mounts(c, pod)
         cfg_path = c["command"][c["command"].index("--config") + 1]
         vol = mounts.get(os.path.dirname(cfg_path), {})
-        if vol.get("configMap", {}).get("name") != cm["metadata"]["name"] or os.path.basename(cfg_path) not in cm["data"]:
+        if (
+            vol.get("configMap", {}).get("name") != cm["metadata"]["name"]
+            or os.path.basename(cfg_path) not in cm["data"]
+        ):
             problems.append(f"{name}: --config {cfg_path} is not the ConfigMap's file")
     return problems
 
@@ -70,8 +73,9 @@ def _common_problems(docs, role: str, port: int) -> tuple[dict, dict, list[str]]
     problems = []
     if c["command"][:3] != ["turboctl", role, "run"]:
         problems.append(f"{role}: command {c['command']}")
-    if [p["containerPort"] for p in c["ports"]] != [port] or \
-            template["metadata"]["annotations"].get("prometheus.io/port") != str(port):
+    if [p["containerPort"] for p in c["ports"]] != [port] or template["metadata"]["annotations"].get(
+        "prometheus.io/port"
+    ) != str(port):
         problems.append(f"{role}: port is not {port}")
     return pod, c, problems
 
@@ -156,8 +160,14 @@ def test_checks_catch_broken_manifests():
     worker["containers"][0]["ports"][0]["containerPort"] = 8000
     worker["containers"][0]["command"][-1] = "/etc/other.toml"
     problems = agent_problems(broken, cfg) + worker_problems(broken, cfg) + config_problems(broken)
-    for expected in ("hostNetwork", "capabilities", "procfs root", "/run/turbonode is not shared",
-                     "worker: port is not 8460", "--config /etc/other.toml"):
+    for expected in (
+        "hostNetwork",
+        "capabilities",
+        "procfs root",
+        "/run/turbonode is not shared",
+        "worker: port is not 8460",
+        "--config /etc/other.toml",
+    ):
         assert any(expected in p for p in problems), (expected, problems)
 
 

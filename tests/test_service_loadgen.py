@@ -45,8 +45,14 @@ def test_request_marks_tier_in_body_header_and_tos(server):
     assert out.status == 200 and out.latency > 0
     path, header, body = seen[0]
     assert path == loadgen.PATH and header == "turbo"
-    assert body == {"prompt": "a turbo tier test image", "n": 1, "size": "32x32", "response_format": "b64_json",
-                    "tier": "turbo", "steps": 3}
+    assert body == {
+        "prompt": "a turbo tier test image",
+        "n": 1,
+        "size": "32x32",
+        "response_format": "b64_json",
+        "tier": "turbo",
+        "steps": 3,
+    }
     conn = loadgen._TosConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), 0xB8, 5)
     conn.connect()
     assert conn.sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 0xB8
@@ -58,7 +64,10 @@ def test_run_load_and_summary(server):
     outcomes = loadgen.run_load(url, {"turbo": 2, "relax": 1}, duration=0.5)
     summary = loadgen.summarize(outcomes)
     assert set(summary) == {"turbo", "relax"}
-    assert summary["turbo"]["ok"] == summary["turbo"]["requests"] > 2 and summary["turbo"]["p99_s"] >= summary["turbo"]["p50_s"]
+    assert (
+        summary["turbo"]["ok"] == summary["turbo"]["requests"] > 2
+        and summary["turbo"]["p99_s"] >= summary["turbo"]["p50_s"]
+    )
     assert summary["relax"]["rejected"] == summary["relax"]["requests"] >= 1 and summary["relax"]["p50_s"] is None
     dead = loadgen.request_image("http://127.0.0.1:1", "fast", timeout=2)
     assert dead.status == 0 and dead.error

@@ -43,15 +43,24 @@ def defined_metric_patterns(roots=SOURCES) -> set[str]:
     for root in roots:
         for path in (ROOT / root).rglob("*.py"):
             tree = ast.parse(path.read_text())
-            consts = {t.id: n.value.value for n in tree.body if isinstance(n, ast.Assign)
-                      and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
-                      for t in n.targets if isinstance(t, ast.Name)}
+            consts = {
+                t.id: n.value.value
+                for n in tree.body
+                if isinstance(n, ast.Assign) and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+                for t in n.targets
+                if isinstance(t, ast.Name)
+            }
             for node in ast.walk(tree):
                 text = None
                 if isinstance(node, ast.Constant) and isinstance(node.value, str):
                     text = re.escape(node.value)
-                elif (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and isinstance(node.left, ast.Name)
-                      and node.left.id in consts and isinstance(node.right, ast.Constant)):
+                elif (
+                    isinstance(node, ast.BinOp)
+                    and isinstance(node.op, ast.Add)
+                    and isinstance(node.left, ast.Name)
+                    and node.left.id in consts
+                    and isinstance(node.right, ast.Constant)
+                ):
                     text = re.escape(consts[node.left.id] + str(node.right.value))
                 elif isinstance(node, ast.JoinedStr):
                     text = "".join(re.escape(v.value) if isinstance(v, ast.Constant) else r"\w+" for v in node.values)
@@ -95,17 +104,24 @@ def test_dashboard_queries_only_defined_metrics():
     patterns = defined_metric_patterns()
     assert undefined(names, patterns) == []
     # the check can fail: a misspelt name and a regex that matches nothing are reported
-    assert undefined({"turbonode_tier_byte_total", "re:turbonode_nothing_.+"}, patterns) == \
-        ["re:turbonode_nothing_.+", "turbonode_tier_byte_total"]
+    assert undefined({"turbonode_tier_byte_total", "re:turbonode_nothing_.+"}, patterns) == [
+        "re:turbonode_nothing_.+",
+        "turbonode_tier_byte_total",
+    ]
 
 
 def test_dashboard_covers_the_issue():
     """Per-tier latency and traffic, degradation level and reasons, throttling, GC, GPU."""
     dashboard = json.loads(DASHBOARD.read_text())
     names = dashboard_metric_names(dashboard)
-    for needed in ("turbonode_tier_bytes_total", "turbonode_worker_queue_wait_seconds_bucket",
-                   "turbonode_degradation_level", "turbonode_throttle_actions_total",
-                   "turbonode_worker_gc_pause_seconds_bucket", "turbonode_gpu_utilization_ratio"):
+    for needed in (
+        "turbonode_tier_bytes_total",
+        "turbonode_worker_queue_wait_seconds_bucket",
+        "turbonode_degradation_level",
+        "turbonode_throttle_actions_total",
+        "turbonode_worker_gc_pause_seconds_bucket",
+        "turbonode_gpu_utilization_ratio",
+    ):
         assert needed in names
     ids = [p["id"] for p in dashboard["panels"]]
     assert len(ids) == len(set(ids)) and dashboard["uid"] and dashboard["templating"]["list"]
@@ -114,7 +130,6 @@ def test_dashboard_covers_the_issue():
 
 
 # ---- the scrape configurations documented in docs/service.md ------------------------------
-
 
 
 def _doc_yaml_blocks() -> list[str]:
@@ -134,8 +149,9 @@ def test_documented_file_sd_config_passes_promtool(tmp_path):
     (tmp_path / "turbonode-nodes.yaml").write_text(yaml.safe_dump(targets))
     file_sd["scrape_configs"][0]["file_sd_configs"][0]["files"] = [str(tmp_path / "turbonode-*.yaml")]
     (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(file_sd))
-    res = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")],
-                         capture_output=True, text=True, timeout=30)
+    res = subprocess.run(
+        ["promtool", "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True, text=True, timeout=30
+    )
     assert res.returncode == 0 and "WARNING" not in res.stdout + res.stderr, res.stdout + res.stderr
     ports = {t.rsplit(":", 1)[1] for group in targets for t in group["targets"]}
     assert ports == {"9465", "8460"}

@@ -30,8 +30,9 @@ PREFIX = "/opt/turbonode/.venv/bin/"
 # Exposure scores recorded in docs/service.md; a change that weakens the sandbox fails here.
 MAX_EXPOSURE = {"turbonode-agent.service": 2.8, "turbonode-worker.service": 1.7}
 
-needs_analyze = pytest.mark.skipif(shutil.which("systemd-analyze") is None,
-                                   reason="systemd-analyze not installed (package systemd)")
+needs_analyze = pytest.mark.skipif(
+    shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed (package systemd)"
+)
 
 
 def unit_sections(name: str) -> dict[str, dict[str, str]]:
@@ -81,7 +82,9 @@ def test_units_verify_clean(unit_dir):
 def test_verify_catches_a_broken_unit(unit_dir):
     """The check above can fail: a typo'd key and a missing binary are both reported."""
     unit = unit_dir / UNITS[0]
-    unit.write_text(unit.read_text().replace("NoNewPrivileges=", "NoNewPrivilege=").replace(venv_bin(), "/nonexistent/"))
+    unit.write_text(
+        unit.read_text().replace("NoNewPrivileges=", "NoNewPrivilege=").replace(venv_bin(), "/nonexistent/")
+    )
     res = analyze("verify", str(unit))
     assert res.returncode != 0
     assert "Unknown key 'NoNewPrivilege'" in res.stderr and "/nonexistent/turboctl" in res.stderr
@@ -129,22 +132,32 @@ def test_units_match_the_contracts():
     assert dropin["CapabilityBoundingSet"] == dropin["AmbientCapabilities"] == "CAP_SYS_ADMIN"
 
 
-@pytest.mark.skipif(shutil.which("systemd-sysusers") is None or shutil.which("systemd-tmpfiles") is None,
-                    reason="systemd-sysusers/systemd-tmpfiles not installed")
+@pytest.mark.skipif(
+    shutil.which("systemd-sysusers") is None or shutil.which("systemd-tmpfiles") is None,
+    reason="systemd-sysusers/systemd-tmpfiles not installed",
+)
 @pytest.mark.skipif(os.geteuid() != 0, reason="systemd-tmpfiles --root chowns: needs root")
 def test_sysusers_and_tmpfiles_in_a_scratch_root(tmp_path):
     root = tmp_path / "root"
     (root / "etc").mkdir(parents=True)
-    res = subprocess.run(["systemd-sysusers", f"--root={root}", str(SYSTEMD / "turbonode.sysusers.conf")],
-                         capture_output=True, text=True, timeout=30)
+    res = subprocess.run(
+        ["systemd-sysusers", f"--root={root}", str(SYSTEMD / "turbonode.sysusers.conf")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert res.returncode == 0, res.stderr
     users = {line.split(":")[0]: line.split(":") for line in (root / "etc/passwd").read_text().splitlines()}
     groups = {line.split(":")[0]: line.split(":") for line in (root / "etc/group").read_text().splitlines()}
     assert {"turbonode", "video", "render"} <= groups.keys()
     worker = users["turbonode-worker"]
     assert worker[3] == groups["turbonode"][2] and worker[6] == "/usr/sbin/nologin"
-    res = subprocess.run(["systemd-tmpfiles", f"--root={root}", "--create", str(SYSTEMD / "turbonode.tmpfiles.conf")],
-                         capture_output=True, text=True, timeout=30)
+    res = subprocess.run(
+        ["systemd-tmpfiles", f"--root={root}", "--create", str(SYSTEMD / "turbonode.tmpfiles.conf")],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert res.returncode == 0, res.stderr
     st = (root / "run/turbonode").stat()
     assert oct(st.st_mode & 0o7777) == "0o770" and st.st_uid == 0 and str(st.st_gid) == groups["turbonode"][2]
@@ -174,8 +187,11 @@ def test_example_config_is_generated_complete_and_loads():
 
 
 def test_example_renders_non_defaults_that_load_back():
-    cfg = load_config(None, env={}, overrides={"qos.dscp": {"10": "relax"}, "qos.rate": "100mbit",
-                                              "agent.dry_run": True, "worker.min_share": 0.25})
+    cfg = load_config(
+        None,
+        env={},
+        overrides={"qos.dscp": {"10": "relax"}, "qos.rate": "100mbit", "agent.dry_run": True, "worker.min_share": 0.25},
+    )
     data = tomllib.loads(render_example(cfg))
     assert data["qos"]["dscp"] == {"10": "relax"} and data["agent"]["dry_run"] is True
     assert toml_value('a "b"\n') == r'"a \"b\"\n"' and toml_value([1, 2.5]) == "[1, 2.5]"

@@ -14,8 +14,13 @@ import pytest
 import torch
 
 from render.backends.select import make_backend
-from render.backends.tensorrt import (TensorRTOptions, latent_profile, tensorrt_unavailable_reason,
-                                      unet_profile, vae_profile)
+from render.backends.tensorrt import (
+    TensorRTOptions,
+    latent_profile,
+    tensorrt_unavailable_reason,
+    unet_profile,
+    vae_profile,
+)
 from render.backends.torch_backend import TorchBackend
 from render.model import load_components
 from turbonode.config import BACKEND_NAMES, WorkerConfig
@@ -35,6 +40,7 @@ def components():
 
 
 # ---- profiles (pure) --------------------------------------------------------------------
+
 
 def test_profile_spans_all_configured_sizes_with_first_as_opt(tmp_path):
     opts = TensorRTOptions(cache_dir=tmp_path, max_batch=8, sizes=((512, 512), (768, 512), (512, 384)))
@@ -60,11 +66,16 @@ def test_options_reject_bad_values(tmp_path, bad):
 def test_options_from_worker_config():
     cfg = WorkerConfig(max_batch=6, size=768, engine_cache_dir="/tmp/engines")
     opts = TensorRTOptions.from_config(cfg)
-    assert (opts.max_batch, opts.sizes, str(opts.cache_dir), opts.precision) == \
-        (6, ((768, 768),), "/tmp/engines", "fp16")
+    assert (opts.max_batch, opts.sizes, str(opts.cache_dir), opts.precision) == (
+        6,
+        ((768, 768),),
+        "/tmp/engines",
+        "fp16",
+    )
 
 
 # ---- availability and selection (this machine has no GPU; the GPU side is simulated) ------
+
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_unavailable_reason_without_gpu():
@@ -101,8 +112,7 @@ def test_auto_without_gpu_falls_back_to_torch_and_says_why(components, caplog):
     with caplog.at_level(logging.WARNING, logger="render.backends.select"):
         backend = make_backend("auto", components, "auto")
     assert isinstance(backend, TorchBackend) and backend.device.type == "cpu"
-    assert any("backend auto: using torch on cpu" in r.message and "no CUDA GPU" in r.message
-               for r in caplog.records)
+    assert any("backend auto: using torch on cpu" in r.message and "no CUDA GPU" in r.message for r in caplog.records)
 
 
 def test_auto_with_tensorrt_but_a_cpu_device_falls_back(components, gpu_claimed, caplog):
@@ -137,13 +147,13 @@ def test_unknown_backend_is_named(components):
 
 # ---- real engines (GPU) ---------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def engines(tmp_path_factory):
     from render.backends.tensorrt import TensorRTBackend
 
     comps = load_components("tiny")
-    opts = TensorRTOptions(cache_dir=tmp_path_factory.mktemp("engines"), max_batch=4,
-                           sizes=((256, 256), (192, 320)))
+    opts = TensorRTOptions(cache_dir=tmp_path_factory.mktemp("engines"), max_batch=4, sizes=((256, 256), (192, 320)))
     trt_backend = TensorRTBackend(comps, torch.device("cuda"), opts)
     return comps, opts, trt_backend, TorchBackend(comps, torch.device("cuda"))
 
@@ -201,21 +211,34 @@ def test_gpu_second_start_loads_from_cache_and_corrupt_engine_is_rebuilt(engines
     assert unet_engine.stat().st_size > 64 and again.describe()["name"] == "tensorrt"
 
 
-
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_cli_worker_run_backend_tensorrt_without_gpu_is_a_click_error(tmp_path):
     from click.testing import CliRunner
 
     from turboctl import main
 
-    result = CliRunner().invoke(main, ["worker", "run", "--backend", "tensorrt", "--model", "tiny",
-                                       "--listen", "127.0.0.1:0", "--control", str(tmp_path / "w.sock")])
+    result = CliRunner().invoke(
+        main,
+        [
+            "worker",
+            "run",
+            "--backend",
+            "tensorrt",
+            "--model",
+            "tiny",
+            "--listen",
+            "127.0.0.1:0",
+            "--control",
+            str(tmp_path / "w.sock"),
+        ],
+    )
     assert result.exit_code == 1, result.output
     assert "Error: tensorrt backend unavailable: torch sees no CUDA GPU" in result.output
     assert "Traceback" not in result.output
 
 
 # ---- engine-build glue, with TensorRT faked (it cannot exist without a GPU) ---------------
+
 
 class FakeTRT:
     """Just the TensorRT surface build_serialized_engine touches, recording what it is told."""
@@ -309,8 +332,9 @@ def test_sizes_outside_the_engines_are_a_400_before_queueing(tmp_path):
     backend = types.SimpleNamespace(options=opts, scale=8)  # what unsupported_size reads; no GPU needed
     check = TensorRTBackend.unsupported_size.__get__(backend)
     assert check(512, 512) is None and check(512, 640) is None and check(512, 768) is None
-    assert check(768, 512) == ("512x768 is outside what this node's TensorRT engines were built for "
-                               "(512x512 to 768x512; worker.size sets it)")
+    assert check(768, 512) == (
+        "512x768 is outside what this node's TensorRT engines were built for (512x512 to 768x512; worker.size sets it)"
+    )
     defaults = RequestDefaults(512, 8, {"turbo": 4}, {"turbo": 0.0}, size_check=check)
     request, _ = parse_generation({"prompt": "a cat", "size": "768x512", "tier": "turbo"}, None, defaults)
     assert (request.width, request.height) == (768, 512)

@@ -12,18 +12,45 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def _run_file(path: Path, mode: str, calls_per_s: dict[int, float]) -> str:
-    results = [{"batch": b, "mean_ms": 1000 / v, "p50_ms": 1000 / v, "p99_ms": 1100 / v, "unet_calls_per_s": v,
-                "sample_steps_per_s": b * v, "first_call_s": 1.0} for b, v in calls_per_s.items()]
-    path.write_text(json.dumps({"mode": mode, "gpu": "NVIDIA H200", "compute_capability": "9.0",
-                                "torch": "2.11.0+cu130", "size": 512, "iters": 30, "setup_s": 2.0,
-                                "info": {}, "results": results}))
+    results = [
+        {
+            "batch": b,
+            "mean_ms": 1000 / v,
+            "p50_ms": 1000 / v,
+            "p99_ms": 1100 / v,
+            "unet_calls_per_s": v,
+            "sample_steps_per_s": b * v,
+            "first_call_s": 1.0,
+        }
+        for b, v in calls_per_s.items()
+    ]
+    path.write_text(
+        json.dumps(
+            {
+                "mode": mode,
+                "gpu": "NVIDIA H200",
+                "compute_capability": "9.0",
+                "torch": "2.11.0+cu130",
+                "size": 512,
+                "iters": 30,
+                "setup_s": 2.0,
+                "info": {},
+                "results": results,
+            }
+        )
+    )
     return str(path)
 
 
 def _report(*paths: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_unet.py"), "--report", *paths],
-                          capture_output=True, text=True, env=env, timeout=60)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "gpu_unet.py"), "--report", *paths],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
 
 
 def test_report_puts_modes_side_by_side_with_ratios_and_the_target(tmp_path):

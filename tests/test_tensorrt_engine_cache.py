@@ -14,9 +14,17 @@ import pytest
 from render.backends.engine_cache import EngineCache, EngineKey
 from turbonode.errors import BackendUnavailable
 
-BASE = EngineKey(component="unet", model_hash="tiny-0123456789abcdef", trt_version="11.4.0.106",
-                 gpu_name="NVIDIA H200", compute_capability=(9, 0), min_batch=1, max_batch=8,
-                 resolutions=((512, 512),), precision="fp16")
+BASE = EngineKey(
+    component="unet",
+    model_hash="tiny-0123456789abcdef",
+    trt_version="11.4.0.106",
+    gpu_name="NVIDIA H200",
+    compute_capability=(9, 0),
+    min_batch=1,
+    max_batch=8,
+    resolutions=((512, 512),),
+    precision="fp16",
+)
 
 CHANGES = {
     "component": "vae_decoder",

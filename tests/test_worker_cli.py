@@ -48,8 +48,26 @@ def test_ping_status_throttle_release(control_path):
     obj = ControlClient(control_path)  # the context object the commands use
     r = runner.invoke(main, ["worker", "ping", "--json"], obj=obj)
     assert r.exit_code == 0 and json.loads(r.output)["pong"] is True
-    r = runner.invoke(main, ["throttle", "--max-batch", "2", "--pause", "relax", "--step-cap", "other=5",
-                             "--shed", "fast", "--reason", "cli test", "--ttl", "30", "--json"], obj=obj)
+    r = runner.invoke(
+        main,
+        [
+            "throttle",
+            "--max-batch",
+            "2",
+            "--pause",
+            "relax",
+            "--step-cap",
+            "other=5",
+            "--shed",
+            "fast",
+            "--reason",
+            "cli test",
+            "--ttl",
+            "30",
+            "--json",
+        ],
+        obj=obj,
+    )
     assert r.exit_code == 0, r.output
     assert json.loads(r.output)["step_caps"] == {"other": 5}
     r = runner.invoke(main, ["worker", "status", "--socket", control_path])  # --socket instead of obj
@@ -80,14 +98,47 @@ def test_render_writes_png(tmp_path):
     runner = CliRunner()
     with serve() as s:
         out = tmp_path / "cat.png"
-        r = runner.invoke(main, ["render", "a cat", "--tier", "turbo", "--out", str(out), "--url", s.url,
-                                 "--size", "64x64", "--steps", "2", "--seed", "5", "--json"])
+        r = runner.invoke(
+            main,
+            [
+                "render",
+                "a cat",
+                "--tier",
+                "turbo",
+                "--out",
+                str(out),
+                "--url",
+                s.url,
+                "--size",
+                "64x64",
+                "--steps",
+                "2",
+                "--seed",
+                "5",
+                "--json",
+            ],
+        )
         assert r.exit_code == 0, r.output
         meta = json.loads(r.output)
         assert meta["tier"] == "turbo" and meta["seed"] == 5 and meta["files"] == [str(out)]
         assert Image.open(out).size == (64, 64)
-        r = runner.invoke(main, ["render", "two", "-n", "2", "--out", str(tmp_path / "two.png"), "--url", s.url,
-                                 "--size", "64x64", "--steps", "1"])
+        r = runner.invoke(
+            main,
+            [
+                "render",
+                "two",
+                "-n",
+                "2",
+                "--out",
+                str(tmp_path / "two.png"),
+                "--url",
+                s.url,
+                "--size",
+                "64x64",
+                "--steps",
+                "1",
+            ],
+        )
         assert r.exit_code == 0 and (tmp_path / "two-1.png").exists() and (tmp_path / "two-2.png").exists()
         r = runner.invoke(main, ["render", "bad", "--url", s.url, "--size", "65x64", "--out", str(out)])
         assert r.exit_code == 1 and "worker answered 400" in r.output and "multiples of 16" in r.output
@@ -103,14 +154,26 @@ def test_worker_run_reports_bad_config_and_bad_model(tmp_path):
     assert r.exit_code == 1 and "worker.max_batch" in r.output
     r = runner.invoke(main, ["worker", "run", "--listen", "nowhere"])
     assert r.exit_code == 1 and "worker.listen" in r.output
-    r = runner.invoke(main, ["worker", "run", "--model", str(tmp_path / "no-model"),
-                             "--control", str(tmp_path / "c.sock"), "--listen", "127.0.0.1:0"])
+    r = runner.invoke(
+        main,
+        [
+            "worker",
+            "run",
+            "--model",
+            str(tmp_path / "no-model"),
+            "--control",
+            str(tmp_path / "c.sock"),
+            "--listen",
+            "127.0.0.1:0",
+        ],
+    )
     assert r.exit_code == 1 and "neither 'tiny' nor a directory" in r.output
 
 
 def _post(url, body, results, key):
-    req = urllib.request.Request(url + "/v1/images/generations", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url + "/v1/images/generations", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     try:
         with urllib.request.urlopen(req, timeout=120) as resp:
             results[key] = (resp.status, json.loads(resp.read()))
@@ -125,8 +188,13 @@ def test_daemon_ready_sigterm_finishes_running_and_fails_queued(tmp_path):
     notify.settimeout(120)
     control = str(tmp_path / "run" / "worker.sock")
     env = {**os.environ, "PYTHONPATH": str(ROOT), "NOTIFY_SOCKET": str(tmp_path / "notify")}
-    proc = subprocess.Popen([*TURBOCTL, "worker", "run", "--model", "tiny", "--listen", "127.0.0.1:0",
-                             "--control", control], env=env, cwd=tmp_path, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [*TURBOCTL, "worker", "run", "--model", "tiny", "--listen", "127.0.0.1:0", "--control", control],
+        env=env,
+        cwd=tmp_path,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     try:
         assert b"READY=1" in notify.recv(4096)
         # log lines (e.g. backend auto's fallback notice) may come before the ready line
@@ -138,10 +206,12 @@ def test_daemon_ready_sigterm_finishes_running_and_fails_queued(tmp_path):
         client = ControlClient(control)
         client.call("throttle", paused_tiers=["relax"], reason="keep relax queued", ttl_s=120)
         results = {}
-        queued = threading.Thread(target=_post, args=(url, {"prompt": "q", "size": "64x64", "tier": "relax"},
-                                                      results, "queued"))
-        running = threading.Thread(target=_post, args=(url, {"prompt": "r", "size": "64x64", "tier": "other",
-                                                             "steps": 80}, results, "running"))
+        queued = threading.Thread(
+            target=_post, args=(url, {"prompt": "q", "size": "64x64", "tier": "relax"}, results, "queued")
+        )
+        running = threading.Thread(
+            target=_post, args=(url, {"prompt": "r", "size": "64x64", "tier": "other", "steps": 80}, results, "running")
+        )
         queued.start()
         running.start()
         for _ in range(600):

@@ -53,8 +53,12 @@ def test_status_shape(control):
     engine.submit(req("relax"))
     st = ControlClient(path).call("status")
     assert set(st["tiers"]) == {"turbo", "fast", "other", "relax"}
-    assert st["tiers"]["relax"] == {"queued": 1, "in_flight": 0, "oldest_wait_s": st["tiers"]["relax"]["oldest_wait_s"],
-                                    "queue_wait_p99_s": None}
+    assert st["tiers"]["relax"] == {
+        "queued": 1,
+        "in_flight": 0,
+        "oldest_wait_s": st["tiers"]["relax"]["oldest_wait_s"],
+        "queue_wait_p99_s": None,
+    }
     assert set(st["step_time_s"]) == {"last", "p50", "p99"}
     assert st["max_batch"] == 4 and st["throttle"] is None
     assert st["memory"]["rss_bytes"] > 10**7 and st["memory"]["gpu_allocated_bytes"] is None
@@ -80,8 +84,15 @@ def test_status_reports_gc_pauses_since_the_last_call_or_a_sequence(control):
 def test_throttle_release_and_expiry_over_the_socket(control):
     engine, _, path = control
     client = ControlClient(path)
-    out = client.call("throttle", max_batch=2, paused_tiers=["relax"], step_caps={"other": 5},
-                      shed_tiers=["fast"], reason="softirq saturation", ttl_s=30)
+    out = client.call(
+        "throttle",
+        max_batch=2,
+        paused_tiers=["relax"],
+        step_caps={"other": 5},
+        shed_tiers=["fast"],
+        reason="softirq saturation",
+        ttl_s=30,
+    )
     assert out["expires_in_s"] == pytest.approx(30, abs=0.5) and out["expires_at"] > 0
     st = client.call("status")
     assert st["max_batch"] == 2 and st["throttle"]["reason"] == "softirq saturation"
@@ -93,17 +104,21 @@ def test_throttle_release_and_expiry_over_the_socket(control):
     client.call("throttle", max_batch=1, reason="short", ttl_s=0.2)
     assert engine.limits().max_batch == 1
     import time
+
     time.sleep(0.3)
     assert client.call("status")["throttle"] is None and engine.limits().max_batch == 4
 
 
-@pytest.mark.parametrize("params,match", [
-    ({"paused_tiers": ["turbo"], "reason": "x", "ttl_s": 1}, "turbo tier cannot be throttled"),
-    ({"reason": "x"}, "ttl_s"),
-    ({"ttl_s": 1}, "reason"),
-    ({"max_batch": "two", "reason": "x", "ttl_s": 1}, "max_batch"),
-    ({"reason": "x", "ttl_s": 1, "colour": "red"}, "unexpected keyword"),
-])
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        ({"paused_tiers": ["turbo"], "reason": "x", "ttl_s": 1}, "turbo tier cannot be throttled"),
+        ({"reason": "x"}, "ttl_s"),
+        ({"ttl_s": 1}, "reason"),
+        ({"max_batch": "two", "reason": "x", "ttl_s": 1}, "max_batch"),
+        ({"reason": "x", "ttl_s": 1, "colour": "red"}, "unexpected keyword"),
+    ],
+)
 def test_bad_throttle_params_are_invalid_params(control, params, match):
     _, _, path = control
     with pytest.raises(ControlError, match=match) as info:
@@ -113,19 +128,31 @@ def test_bad_throttle_params_are_invalid_params(control, params, match):
 
 def test_malformed_oversized_and_unknown_requests_get_errors_and_the_server_goes_on(control):
     _, _, path = control
-    payload = (b"{not json\n"
-               b"[1, 2]\n"
-               b'{"jsonrpc": "1.0", "id": 3, "method": "ping"}\n'
-               b'{"jsonrpc": "2.0", "id": 4, "method": "reboot"}\n'
-               b'{"jsonrpc": "2.0", "id": 5, "method": "status", "params": {"since_gc_seq": "x"}}\n'
-               + b"x" * (jsonrpc.MAX_REQUEST_BYTES + 10) + b"\n"
-               b'{"jsonrpc": "2.0", "id": 6, "method": "ping"}\n'
-               b'{"jsonrpc": "2.0", "method": "ping"}\n'  # a notification: no answer
-               b'{"jsonrpc": "2.0", "id": 7, "method": "ping"}\n')
+    payload = (
+        b"{not json\n"
+        b"[1, 2]\n"
+        b'{"jsonrpc": "1.0", "id": 3, "method": "ping"}\n'
+        b'{"jsonrpc": "2.0", "id": 4, "method": "reboot"}\n'
+        b'{"jsonrpc": "2.0", "id": 5, "method": "status", "params": {"since_gc_seq": "x"}}\n'
+        + b"x"
+        * (jsonrpc.MAX_REQUEST_BYTES + 10)
+        + b"\n"
+        b'{"jsonrpc": "2.0", "id": 6, "method": "ping"}\n'
+        b'{"jsonrpc": "2.0", "method": "ping"}\n'  # a notification: no answer
+        b'{"jsonrpc": "2.0", "id": 7, "method": "ping"}\n'
+    )
     answers = raw(path, payload, 8)
     codes = [a.get("error", {}).get("code") for a in answers]
-    assert codes == [jsonrpc.PARSE_ERROR, jsonrpc.INVALID_REQUEST, jsonrpc.INVALID_REQUEST,
-                     jsonrpc.METHOD_NOT_FOUND, jsonrpc.INVALID_PARAMS, jsonrpc.INVALID_REQUEST, None, None]
+    assert codes == [
+        jsonrpc.PARSE_ERROR,
+        jsonrpc.INVALID_REQUEST,
+        jsonrpc.INVALID_REQUEST,
+        jsonrpc.METHOD_NOT_FOUND,
+        jsonrpc.INVALID_PARAMS,
+        jsonrpc.INVALID_REQUEST,
+        None,
+        None,
+    ]
     assert "larger than" in answers[5]["error"]["message"]
     assert answers[6]["id"] == 6 and answers[6]["result"]["pong"] is True
     assert answers[7]["id"] == 7

@@ -215,8 +215,12 @@ def test_snapshot_reports_queues_and_step_times():
     assert snap["tiers"]["relax"]["queued"] == 2 and snap["tiers"]["turbo"]["queued"] == 1
     drain(engine, jobs)
     snap = engine.snapshot()
-    assert snap["tiers"]["relax"] == {"queued": 0, "in_flight": 0, "oldest_wait_s": 0.0,
-                                      "queue_wait_p99_s": snap["tiers"]["relax"]["queue_wait_p99_s"]}
+    assert snap["tiers"]["relax"] == {
+        "queued": 0,
+        "in_flight": 0,
+        "oldest_wait_s": 0.0,
+        "queue_wait_p99_s": snap["tiers"]["relax"]["queue_wait_p99_s"],
+    }
     assert snap["step_time_s"]["p50"] > 0 and snap["steps_total"] >= 3
 
 

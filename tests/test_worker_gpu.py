@@ -6,8 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch sees none)")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs an NVIDIA GPU (torch sees none)"),
+]
 
 
 def test_engine_on_cuda_fp16_renders_and_reports_gpu_memory():
@@ -23,7 +25,11 @@ def test_engine_on_cuda_fp16_renders_and_reports_gpu_memory():
     backend = make_backend("auto", comps, "auto")
     assert backend.device.type == "cuda" and backend.describe()["dtype"] == "float16"
     engine = Engine(backend, PromptEncoder(comps, backend.device, backend.dtype), comps)
-    jobs = [engine.submit(req("relax", seed=3)), engine.submit(req("turbo", seed=3)), engine.submit(req("relax", seed=3))]
+    jobs = [
+        engine.submit(req("relax", seed=3)),
+        engine.submit(req("turbo", seed=3)),
+        engine.submit(req("relax", seed=3)),
+    ]
     drain(engine, jobs)
     a, _, c = (j.samples[0].image for j in jobs)
     assert a.shape == (64, 64, 3) and np.abs(a.astype(int) - c.astype(int)).max() <= 2

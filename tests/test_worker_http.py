@@ -29,8 +29,9 @@ def post(url, body, headers=None, raw=None):
     host, port = url.removeprefix("http://").split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=60)
     data = raw if raw is not None else json.dumps(body).encode()
-    conn.request("POST", "/v1/images/generations", body=data,
-                 headers={"Content-Type": "application/json", **(headers or {})})
+    conn.request(
+        "POST", "/v1/images/generations", body=data, headers={"Content-Type": "application/json", **(headers or {})}
+    )
     resp = conn.getresponse()
     out = resp.status, dict(resp.getheaders()), resp.read()
     conn.close()
@@ -55,9 +56,15 @@ def test_official_openai_client(server):
     from openai import OpenAI
 
     with OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0) as client:
+
         def generate(n):
-            return client.images.generate(prompt="a lighthouse at dusk", n=n, size="64x64", response_format="b64_json",
-                                          extra_body={"tier": "turbo", "steps": 2, "seed": 11})
+            return client.images.generate(
+                prompt="a lighthouse at dusk",
+                n=n,
+                size="64x64",
+                response_format="b64_json",
+                extra_body={"tier": "turbo", "steps": 2, "seed": 11},
+            )
 
         result, once, again = generate(2), generate(1), generate(1)
     assert len(result.data) == 2
@@ -67,20 +74,23 @@ def test_official_openai_client(server):
 
 
 def test_tier_from_header_and_turbonode_fields(server):
-    status, _, body = post(server.url, {"prompt": "x", "size": "64x64", "steps": 2},
-                           headers={"X-Turbonode-Tier": "fast"})
+    status, _, body = post(
+        server.url, {"prompt": "x", "size": "64x64", "steps": 2}, headers={"X-Turbonode-Tier": "fast"}
+    )
     assert status == 200
     meta = json.loads(body)["turbonode"]
     assert meta["tier"] == "fast" and meta["steps"] == 2 and meta["state"] == "done"
     # the body's field wins over the header
-    status, _, body = post(server.url, {"prompt": "x", "size": "64x64", "steps": 1, "tier": "relax"},
-                           headers={"X-Turbonode-Tier": "fast"})
+    status, _, body = post(
+        server.url, {"prompt": "x", "size": "64x64", "steps": 1, "tier": "relax"}, headers={"X-Turbonode-Tier": "fast"}
+    )
     assert json.loads(body)["turbonode"]["tier"] == "relax"
 
 
 def test_async_submit_poll_and_fetch(server):
-    status, headers, body = post(server.url, {"prompt": "async", "size": "64x64", "steps": 2, "async": True,
-                                              "tier": "turbo"})
+    status, headers, body = post(
+        server.url, {"prompt": "async", "size": "64x64", "steps": 2, "async": True, "tier": "turbo"}
+    )
     assert status == 202
     job = json.loads(body)
     assert headers["Location"] == f"/v1/jobs/{job['id']}" and job["state"] in ("queued", "running", "decoding", "done")
@@ -115,8 +125,10 @@ def test_client_disconnect_cancels_its_job(server):
     try:
         sock = socket.create_connection(("127.0.0.1", server.port))
         body = json.dumps({"prompt": "abandoned", "size": "64x64", "tier": "other"}).encode()
-        sock.sendall(b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        sock.sendall(
+            b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+        )
         for _ in range(100):
             if engine.snapshot()["tiers"]["other"]["queued"] == 1:
                 break
@@ -146,30 +158,33 @@ def test_full_queue_and_shed_tier_answer_429_with_retry_after():
         assert post(s.url, {"prompt": "d", "size": "64x64", "tier": "turbo", "steps": 1})[0] == 200
 
 
-@pytest.mark.parametrize("body,raw,headers,status,fragment", [
-    (None, b"{not json", None, 400, "not valid JSON"),
-    (None, b"\xff\xfe", None, 400, "not valid JSON"),
-    ([1, 2], None, None, 400, "JSON object"),
-    ({}, None, None, 400, "'prompt' is required"),
-    ({"prompt": "  "}, None, None, 400, "'prompt' is required"),
-    ({"prompt": 5}, None, None, 400, "'prompt'"),
-    ({"prompt": "x", "size": "100x64"}, None, None, 400, "multiples of 16"),
-    ({"prompt": "x", "size": "big"}, None, None, 400, "WIDTHxHEIGHT"),
-    ({"prompt": "x", "size": "8x8"}, None, None, 400, "between 64"),
-    ({"prompt": "x", "n": 0}, None, None, 400, "'n' must be between 1 and 10"),
-    ({"prompt": "x", "n": "2"}, None, None, 400, "'n' must be an integer"),
-    ({"prompt": "x", "steps": 1000}, None, None, 400, "'steps'"),
-    ({"prompt": "x", "seed": -1}, None, None, 400, "'seed'"),
-    ({"prompt": "x", "guidance": "high"}, None, None, 400, "'guidance'"),
-    ({"prompt": "x", "tier": "ultra"}, None, None, 400, "unknown tier 'ultra'"),
-    ({"prompt": "x"}, None, {"X-Turbonode-Tier": "gold"}, 400, "X-Turbonode-Tier"),
-    ({"prompt": "x", "response_format": "url"}, None, None, 400, "b64_json only"),
-    ({"prompt": "x", "stream": True}, None, None, 400, "'stream'"),
-    ({"prompt": "x", "async": "yes"}, None, None, 400, "'async'"),
-    ({"prompt": "x", "stepz": 3}, None, None, 400, "unknown field(s): stepz"),
-    ({"prompt": "x" * 5000}, None, None, 400, "longer than"),
-    (None, b"{" + b" " * (2 * 2**20) + b"}", None, 413, ""),
-])
+@pytest.mark.parametrize(
+    "body,raw,headers,status,fragment",
+    [
+        (None, b"{not json", None, 400, "not valid JSON"),
+        (None, b"\xff\xfe", None, 400, "not valid JSON"),
+        ([1, 2], None, None, 400, "JSON object"),
+        ({}, None, None, 400, "'prompt' is required"),
+        ({"prompt": "  "}, None, None, 400, "'prompt' is required"),
+        ({"prompt": 5}, None, None, 400, "'prompt'"),
+        ({"prompt": "x", "size": "100x64"}, None, None, 400, "multiples of 16"),
+        ({"prompt": "x", "size": "big"}, None, None, 400, "WIDTHxHEIGHT"),
+        ({"prompt": "x", "size": "8x8"}, None, None, 400, "between 64"),
+        ({"prompt": "x", "n": 0}, None, None, 400, "'n' must be between 1 and 10"),
+        ({"prompt": "x", "n": "2"}, None, None, 400, "'n' must be an integer"),
+        ({"prompt": "x", "steps": 1000}, None, None, 400, "'steps'"),
+        ({"prompt": "x", "seed": -1}, None, None, 400, "'seed'"),
+        ({"prompt": "x", "guidance": "high"}, None, None, 400, "'guidance'"),
+        ({"prompt": "x", "tier": "ultra"}, None, None, 400, "unknown tier 'ultra'"),
+        ({"prompt": "x"}, None, {"X-Turbonode-Tier": "gold"}, 400, "X-Turbonode-Tier"),
+        ({"prompt": "x", "response_format": "url"}, None, None, 400, "b64_json only"),
+        ({"prompt": "x", "stream": True}, None, None, 400, "'stream'"),
+        ({"prompt": "x", "async": "yes"}, None, None, 400, "'async'"),
+        ({"prompt": "x", "stepz": 3}, None, None, 400, "unknown field(s): stepz"),
+        ({"prompt": "x" * 5000}, None, None, 400, "longer than"),
+        (None, b"{" + b" " * (2 * 2**20) + b"}", None, 413, ""),
+    ],
+)
 def test_bad_requests_get_4xx_with_a_message(server, body, raw, headers, status, fragment):
     got, _, answer = post(server.url, body, headers=headers, raw=raw)
     assert got == status
@@ -189,18 +204,26 @@ def test_healthz_and_metrics(server):
     post(server.url, {"prompt": "metered", "size": "64x64", "steps": 1, "tier": "fast"})
     status, body = get(server.url, "/metrics")
     text = body.decode()
-    for name in ("turbonode_worker_queue_depth{tier=\"turbo\"}", "turbonode_worker_in_flight",
-                 "turbonode_worker_step_duration_seconds_bucket", "turbonode_worker_queue_wait_seconds_bucket",
-                 "turbonode_worker_jobs_total{outcome=\"done\",tier=\"fast\"}", "turbonode_worker_text_cache_hits_total",
-                 "turbonode_worker_collector_success 1.0"):
+    for name in (
+        'turbonode_worker_queue_depth{tier="turbo"}',
+        "turbonode_worker_in_flight",
+        "turbonode_worker_step_duration_seconds_bucket",
+        "turbonode_worker_queue_wait_seconds_bucket",
+        'turbonode_worker_jobs_total{outcome="done",tier="fast"}',
+        "turbonode_worker_text_cache_hits_total",
+        "turbonode_worker_collector_success 1.0",
+    ):
         assert name in text, name
 
 
 def _tos_of_connection(server_port, client_port):
     """The TOS byte of the server's end of one connection, as the kernel reports it."""
-    out = subprocess.run(["ss", "-tnH", "--tos", "state", "established",
-                          f"( sport = :{server_port} and dport = :{client_port} )"],
-                         capture_output=True, text=True, check=True).stdout
+    out = subprocess.run(
+        ["ss", "-tnH", "--tos", "state", "established", f"( sport = :{server_port} and dport = :{client_port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     fields = [f for f in out.split() if f.startswith("tos:")]
     return int(fields[0].split(":")[1], 16) if fields else None
 
@@ -209,9 +232,12 @@ def _tos_of_connection(server_port, client_port):
 def test_response_socket_carries_the_tier_dscp(server):
     conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=60)  # one keep-alive connection
     for tier in ("turbo", "relax", "fast"):
-        conn.request("POST", "/v1/images/generations",
-                     body=json.dumps({"prompt": "dscp", "size": "64x64", "steps": 1, "tier": tier}),
-                     headers={"Content-Type": "application/json"})
+        conn.request(
+            "POST",
+            "/v1/images/generations",
+            body=json.dumps({"prompt": "dscp", "size": "64x64", "steps": 1, "tier": tier}),
+            headers={"Content-Type": "application/json"},
+        )
         resp = conn.getresponse()
         resp.read()
         assert resp.status == 200
@@ -220,8 +246,10 @@ def test_response_socket_carries_the_tier_dscp(server):
 
 
 def test_mark_socket_ipv4_and_ipv6():
-    for family, addr, level, opt in ((socket.AF_INET, "127.0.0.1", socket.IPPROTO_IP, socket.IP_TOS),
-                                     (socket.AF_INET6, "::1", socket.IPPROTO_IPV6, socket.IPV6_TCLASS)):
+    for family, addr, level, opt in (
+        (socket.AF_INET, "127.0.0.1", socket.IPPROTO_IP, socket.IP_TOS),
+        (socket.AF_INET6, "::1", socket.IPPROTO_IPV6, socket.IPV6_TCLASS),
+    ):
         try:
             sock = socket.socket(family, socket.SOCK_STREAM)
             sock.bind((addr, 0))

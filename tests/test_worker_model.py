@@ -72,8 +72,14 @@ def test_load_components_rejects_bad_dirs(tmp_path):
         load_components(str(tmp_path / "missing"))
     with pytest.raises(ModelError, match="model_index.json"):
         load_components(str(tmp_path))
-    (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "StableDiffusionXLPipeline",
-                                                           "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"]}))
+    (tmp_path / "model_index.json").write_text(
+        json.dumps(
+            {
+                "_class_name": "StableDiffusionXLPipeline",
+                "text_encoder_2": ["transformers", "CLIPTextModelWithProjection"],
+            }
+        )
+    )
     with pytest.raises(ModelError, match="SDXL"):
         load_components(str(tmp_path))
 
@@ -82,10 +88,16 @@ def test_load_components_from_a_saved_directory(components, tmp_path):
     """A diffusers directory saved from the tiny set loads back with local files only."""
     from diffusers import DDIMScheduler, StableDiffusionPipeline
 
-    pipe = StableDiffusionPipeline(unet=components.unet, vae=components.vae, text_encoder=components.text_encoder,
-                                   tokenizer=components.tokenizer,
-                                   scheduler=DDIMScheduler.from_config(components.scheduler_config),
-                                   safety_checker=None, feature_extractor=None, requires_safety_checker=False)
+    pipe = StableDiffusionPipeline(
+        unet=components.unet,
+        vae=components.vae,
+        text_encoder=components.text_encoder,
+        tokenizer=components.tokenizer,
+        scheduler=DDIMScheduler.from_config(components.scheduler_config),
+        safety_checker=None,
+        feature_extractor=None,
+        requires_safety_checker=False,
+    )
     pipe.save_pretrained(tmp_path)
     loaded = load_components(str(tmp_path))
     assert loaded.model_id == str(tmp_path.resolve())

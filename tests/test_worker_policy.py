@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from render.batching import (Candidate, Finished, Limits, BatchPolicy, compose_batch, decode_chunk,
-                              estimate_cost, should_decode)
+from render.batching import (
+    Candidate,
+    Finished,
+    Limits,
+    BatchPolicy,
+    compose_batch,
+    decode_chunk,
+    estimate_cost,
+    should_decode,
+)
 from render.throttle import ThrottleState, make_throttle
 
 
@@ -21,8 +29,14 @@ def cands(*specs):
 
 
 def test_highest_tier_first_then_arrival_order_up_to_max_batch():
-    c = cands(("r1", "relax", 0), ("o1", "other", 1), ("t1", "turbo", 5), ("f1", "fast", 3),
-              ("t2", "turbo", 4), ("r2", "relax", 2))
+    c = cands(
+        ("r1", "relax", 0),
+        ("o1", "other", 1),
+        ("t1", "turbo", 5),
+        ("f1", "fast", 3),
+        ("t2", "turbo", 4),
+        ("r2", "relax", 2),
+    )
     assert compose_batch(c, Limits(4)).keys == ("t2", "t1", "f1", "o1")
     assert compose_batch(c, Limits(1)).keys == ("t2",)
     assert compose_batch(c, Limits(10)).keys == ("t2", "t1", "f1", "o1", "r1", "r2")
@@ -30,14 +44,16 @@ def test_highest_tier_first_then_arrival_order_up_to_max_batch():
 
 
 def test_only_same_shape_batches_together():
-    c = cands(("t1", "turbo", 0, (512, 512)), ("r1", "relax", 1), ("f1", "fast", 2, (512, 512)),
-              ("r2", "relax", 3))
+    c = cands(("t1", "turbo", 0, (512, 512)), ("r1", "relax", 1), ("f1", "fast", 2, (512, 512)), ("r2", "relax", 3))
     assert compose_batch(c, Limits(4)).keys == ("t1", "f1")
 
 
 def test_lower_tiers_join_turbo_only_while_it_costs_turbo_little():
-    c = [Candidate("t1", "turbo", (256, 256), 5, rows=1), Candidate("r1", "relax", (256, 256), 0, rows=2),
-         Candidate("r2", "relax", (256, 256), 1, rows=2)]
+    c = [
+        Candidate("t1", "turbo", (256, 256), 5, rows=1),
+        Candidate("r1", "relax", (256, 256), 0, rows=2),
+        Candidate("r2", "relax", (256, 256), 1, rows=2),
+    ]
     sh = (256, 256)
     # compute-bound (a CPU): 1 row 40 ms, 8 rows 110 ms -> relax would slow turbo's step: turbo alone
     assert compose_batch(c, Limits(4, step_cost={(sh, 1): 0.040, (sh, 8): 0.110})).keys == ("t1",)
@@ -143,8 +159,12 @@ def test_decode_waits_for_higher_tier_steps_but_not_forever():
 
 
 def test_decode_chunk_best_tier_first_and_bounded_below_turbo():
-    fin = [Finished("r1", "relax", (256, 256), 0), Finished("r2", "relax", (256, 256), 1),
-           Finished("r3", "relax", (256, 256), 2), Finished("f1", "fast", (128, 128), 3)]
+    fin = [
+        Finished("r1", "relax", (256, 256), 0),
+        Finished("r2", "relax", (256, 256), 1),
+        Finished("r3", "relax", (256, 256), 2),
+        Finished("f1", "fast", (128, 128), 3),
+    ]
     assert decode_chunk(fin, 4, None, None) == ("f1",)
     assert decode_chunk(fin[:3], 4, None, None) == ("r1", "r2", "r3")
     # a relax decode is kept to about one step's time: 0.1 s step / 0.04 s per image -> 2
@@ -180,21 +200,24 @@ def test_throttle_expires_unless_renewed():
     assert state.release() is not None and state.current() is None
 
 
-@pytest.mark.parametrize("params,match", [
-    ({"paused_tiers": ["turbo"]}, "turbo tier cannot be throttled"),
-    ({"shed_tiers": ["turbo"]}, "turbo tier cannot be throttled"),
-    ({"step_caps": {"turbo": 2}}, "turbo tier cannot be throttled"),
-    ({"paused_tiers": ["ultra"]}, "unknown tier 'ultra'"),
-    ({"paused_tiers": "relax"}, "must be a list"),
-    ({"max_batch": 0}, "max_batch"),
-    ({"max_batch": True}, "max_batch"),
-    ({"step_caps": {"relax": 0}}, "step_caps.relax"),
-    ({"step_caps": ["relax"]}, "step_caps must be an object"),
-    ({"reason": ""}, "reason"),
-    ({"ttl_s": 0}, "ttl_s"),
-    ({"ttl_s": 1e9}, "ttl_s"),
-    ({"ttl_s": None}, "ttl_s"),
-])
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        ({"paused_tiers": ["turbo"]}, "turbo tier cannot be throttled"),
+        ({"shed_tiers": ["turbo"]}, "turbo tier cannot be throttled"),
+        ({"step_caps": {"turbo": 2}}, "turbo tier cannot be throttled"),
+        ({"paused_tiers": ["ultra"]}, "unknown tier 'ultra'"),
+        ({"paused_tiers": "relax"}, "must be a list"),
+        ({"max_batch": 0}, "max_batch"),
+        ({"max_batch": True}, "max_batch"),
+        ({"step_caps": {"relax": 0}}, "step_caps.relax"),
+        ({"step_caps": ["relax"]}, "step_caps must be an object"),
+        ({"reason": ""}, "reason"),
+        ({"ttl_s": 0}, "ttl_s"),
+        ({"ttl_s": 1e9}, "ttl_s"),
+        ({"ttl_s": None}, "ttl_s"),
+    ],
+)
 def test_throttle_validation_names_the_bad_parameter(params, match):
     full = {"reason": "load", "ttl_s": 3, **params}
     with pytest.raises(ValueError, match=match):

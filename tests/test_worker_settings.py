@@ -24,8 +24,10 @@ def test_every_sampler_builds_from_the_model_config(name):
 
 def test_partial_tier_tables_override_only_the_named_tiers(tmp_path):
     path = tmp_path / "w.toml"
-    path.write_text('[worker]\nsteps = { turbo = 2 }\nsampler = { relax = "ddim" }\nguidance = { fast = 3 }\n'
-                    'max_batch = 8\nmin_share = 0.2\n')
+    path.write_text(
+        '[worker]\nsteps = { turbo = 2 }\nsampler = { relax = "ddim" }\nguidance = { fast = 3 }\n'
+        "max_batch = 8\nmin_share = 0.2\n"
+    )
     settings = EngineSettings.from_config(load_config(str(path), env={}).worker)
     assert settings.steps == {"turbo": 2, "fast": 12, "other": 20, "relax": 25}
     assert settings.sampler["relax"] == "ddim" and settings.sampler["turbo"] == "euler_a"

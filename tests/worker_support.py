@@ -42,8 +42,9 @@ def make_engine(*, clock=None, on_event=None, backend_=None, metrics=None, **set
 def req(tier="relax", steps=3, seed=1, prompt="a red cat", guidance=None, n=1, size=SIZE, **kw) -> JobRequest:
     if guidance is None:
         guidance = 0.0 if tier == "turbo" else 7.5
-    return JobRequest(prompt=prompt, tier=tier, steps=steps, seed=seed, guidance=guidance, width=size,
-                      height=size, n=n, **kw)
+    return JobRequest(
+        prompt=prompt, tier=tier, steps=steps, seed=seed, guidance=guidance, width=size, height=size, n=n, **kw
+    )
 
 
 def drain(engine: Engine, jobs, limit: int = 500) -> None:

@@ -27,8 +27,14 @@ def run(config_file, dev, netns, worker_socket, agent_socket, metrics, dry_run):
     """Run the agent until SIGTERM/SIGINT."""
     from agent import daemon
 
-    overrides = {"qos.dev": dev, "qos.netns": netns, "agent.worker_socket": worker_socket,
-                 "agent.socket": agent_socket, "agent.metrics": metrics, "agent.dry_run": dry_run}
+    overrides = {
+        "qos.dev": dev,
+        "qos.netns": netns,
+        "agent.worker_socket": worker_socket,
+        "agent.socket": agent_socket,
+        "agent.metrics": metrics,
+        "agent.dry_run": dry_run,
+    }
     try:
         cfg = load_config(config_file, overrides=overrides)
     except ConfigError as exc:

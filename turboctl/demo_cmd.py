@@ -21,11 +21,17 @@ from .qos_cmd import format_table
 
 
 @click.command("demo")
-@click.option("--qos-only", is_flag=True,
-              help="the datapath alone: each tier's share of mixed iperf3 flows and an EF ping (no worker, no agent)")
+@click.option(
+    "--qos-only",
+    is_flag=True,
+    help="the datapath alone: each tier's share of mixed iperf3 flows and an EF ping (no worker, no agent)",
+)
 @click.option("--rate", type=RATE, help="link rate of the sandbox node  [default: 20mbit; 100mbit with --qos-only]")
-@click.option("--seconds", type=click.IntRange(4, 60),
-              help="seconds of traffic (per phase in the full demo)  [default: 20; 8 with --qos-only]")
+@click.option(
+    "--seconds",
+    type=click.IntRange(4, 60),
+    help="seconds of traffic (per phase in the full demo)  [default: 20; 8 with --qos-only]",
+)
 @click.option("--size", type=click.IntRange(32, 512), default=256, show_default=True, help="image size in pixels")
 @click.option("--no-fault", is_flag=True, help="skip the stress-ng CPU fault")
 @click.option("--json", "as_json", is_flag=True, help="print the full demo's results as JSON")
@@ -54,12 +60,14 @@ def _interrupt_in(owner: int):
     """A SIGTERM handler that cleans up like Ctrl-C (the demo's children run in their own sessions)
     in process `owner` only: a forked child (pyroute2's namespace helper) inherits Python's
     handlers, and must die of SIGTERM rather than run the demo's cleanup a second time."""
+
     def handler(signum, frame):
         if os.getpid() != owner:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
         raise KeyboardInterrupt
+
     return handler
 
 

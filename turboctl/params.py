@@ -37,8 +37,11 @@ class TierStepsType(click.ParamType):
             return value
         tier, sep, steps = value.partition("=")
         if not sep or tier not in TIER_NAMES or not steps.isdigit() or int(steps) < 1:
-            self.fail(f"expected TIER=STEPS with TIER one of {', '.join(TIER_NAMES)} and STEPS >= 1, got {value!r}",
-                      param, ctx)
+            self.fail(
+                f"expected TIER=STEPS with TIER one of {', '.join(TIER_NAMES)} and STEPS >= 1, got {value!r}",
+                param,
+                ctx,
+            )
         return tier, int(steps)
 
 

@@ -33,10 +33,15 @@ class DscpAssignment(click.ParamType):
 
 def _target(func):
     """--dev/--netns/--config on every subcommand; passes the QosConfig and a Datapath."""
+
     @click.option("--dev", help="interface to shape (default: qos.dev from the config)")
     @click.option("--netns", help="named network namespace of the interface")
-    @click.option("--config", "config_file", type=click.Path(dir_okay=False),
-                  help="TOML configuration (default /etc/turbonode/turbonode.toml if present)")
+    @click.option(
+        "--config",
+        "config_file",
+        type=click.Path(dir_okay=False),
+        help="TOML configuration (default /etc/turbonode/turbonode.toml if present)",
+    )
     @functools.wraps(func)
     def wrapper(dev, netns, config_file, **kw):
         try:
@@ -52,6 +57,7 @@ def _target(func):
                 return func(cfg.qos, dp, **kw)
         except TurbonodeError as exc:
             raise click.ClickException(str(exc)) from None
+
     return wrapper
 
 
@@ -67,8 +73,10 @@ def apply_cmd(qos, dp, rate):
     """Install or update the tree and classifier (idempotent)."""
     result = dp.apply(qos, rate_bps=rate)
     how = "compiled and attached" if result["compiled"] else "already current"
-    click.echo(f"{dp.dev}: {result['changes']} change(s); classifier {how} (prog id {result['prog_id']}); "
-               f"leaf queues {result['leaf_kind']}")
+    click.echo(
+        f"{dp.dev}: {result['changes']} change(s); classifier {how} (prog id {result['prog_id']}); "
+        f"leaf queues {result['leaf_kind']}"
+    )
 
 
 def _dscp_cell(codes: list[int]) -> str:
@@ -85,16 +93,30 @@ def format_table(view: dict) -> str:
     rows = [head]
     for name in TIER_NAMES:
         r = view["tiers"][name]
-        rows.append((name, r["class"], _dscp_cell(r["dscp"]), _num(r["packets"]), _num(r["bytes"]),
-                     _num(r["htb_sent_bytes"]), _num(r["drops"]), _num(r["backlog_bytes"]), _num(r["borrowed"]),
-                     format_rate(r["rate_bps"]) if r["rate_bps"] else "-",
-                     format_rate(r["ceil_bps"]) if r["ceil_bps"] else "-"))
+        rows.append(
+            (
+                name,
+                r["class"],
+                _dscp_cell(r["dscp"]),
+                _num(r["packets"]),
+                _num(r["bytes"]),
+                _num(r["htb_sent_bytes"]),
+                _num(r["drops"]),
+                _num(r["backlog_bytes"]),
+                _num(r["borrowed"]),
+                format_rate(r["rate_bps"]) if r["rate_bps"] else "-",
+                format_rate(r["ceil_bps"]) if r["ceil_bps"] else "-",
+            )
+        )
     widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
     lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
     u = view["tiers"]["unparsed"]
     where = f"{view['dev']}" + (f" (netns {view['netns']})" if view["netns"] else "")
-    lines.insert(0, f"{where}: link {format_rate(view['rate_bps'])}, leaf queues {view['leaf_kind']}, "
-                    f"classifier prog id {view['prog_id']}")
+    lines.insert(
+        0,
+        f"{where}: link {format_rate(view['rate_bps'])}, leaf queues {view['leaf_kind']}, "
+        f"classifier prog id {view['prog_id']}",
+    )
     lines.append(f"unparsed frames (sent to 'other'): {u['packets']} packets, {u['bytes']} bytes")
     return "\n".join(lines)
 

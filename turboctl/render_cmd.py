@@ -20,8 +20,13 @@ DEFAULT_URL = f"http://127.0.0.1:{split_host_port(WorkerConfig().listen)[1]}"
 @click.command("render")
 @click.argument("prompt")
 @click.option("--tier", type=TIER, help="job tier (default: the worker's, 'other')")
-@click.option("--out", type=click.Path(dir_okay=False, writable=True), default="render.png", show_default=True,
-              help="PNG to write (with -n > 1: name-1.png, name-2.png ...)")
+@click.option(
+    "--out",
+    type=click.Path(dir_okay=False, writable=True),
+    default="render.png",
+    show_default=True,
+    help="PNG to write (with -n > 1: name-1.png, name-2.png ...)",
+)
 @click.option("--url", default=DEFAULT_URL, show_default=True, envvar="TURBONODE_WORKER_URL", help="worker API")
 @click.option("--size", help="WIDTHxHEIGHT")
 @click.option("--steps", type=click.IntRange(min=1))
@@ -36,8 +41,12 @@ def command(prompt, tier, out, url, size, steps, seed, guidance, n, timeout, as_
     for key, value in (("tier", tier), ("size", size), ("steps", steps), ("seed", seed), ("guidance", guidance)):
         if value is not None:
             body[key] = value
-    req = urllib.request.Request(url.rstrip("/") + "/v1/images/generations", data=json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"}, method="POST")
+    req = urllib.request.Request(
+        url.rstrip("/") + "/v1/images/generations",
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             answer = json.loads(resp.read())
@@ -47,8 +56,9 @@ def command(prompt, tier, out, url, size, steps, seed, guidance, n, timeout, as_
         except (ValueError, KeyError, TypeError):
             message = exc.reason
         retry = exc.headers.get("Retry-After")
-        raise click.ClickException(f"worker answered {exc.code}: {message}"
-                                   + (f" (retry after {retry} s)" if retry else "")) from None
+        raise click.ClickException(
+            f"worker answered {exc.code}: {message}" + (f" (retry after {retry} s)" if retry else "")
+        ) from None
     except (urllib.error.URLError, OSError) as exc:
         raise click.ClickException(f"cannot reach the worker at {url}: {getattr(exc, 'reason', exc)}") from None
     stem, ext = os.path.splitext(out)
@@ -60,5 +70,7 @@ def command(prompt, tier, out, url, size, steps, seed, guidance, n, timeout, as_
     if as_json:
         click.echo(json.dumps(meta))
     else:
-        click.echo(f"wrote {', '.join(paths)} ({meta.get('tier')}, {meta.get('steps')} steps, seed {meta.get('seed')}, "
-                   f"{meta.get('elapsed_s', 0):.2f} s)")
+        click.echo(
+            f"wrote {', '.join(paths)} ({meta.get('tier')}, {meta.get('steps')} steps, seed {meta.get('seed')}, "
+            f"{meta.get('elapsed_s', 0):.2f} s)"
+        )

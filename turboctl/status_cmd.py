@@ -39,14 +39,18 @@ def render(st: dict, now: float | None = None) -> str:
     change = st.get("last_change")
     if change:
         ago = now - change["at"] if change.get("at") else 0
-        out.append(f"changed:  {change['from']} -> {change['to']} {ago:.0f} s ago: "
-                   + (", ".join(map(_reason, change["reasons"])) or "all signals healthy"))
+        out.append(
+            f"changed:  {change['from']} -> {change['to']} {ago:.0f} s ago: "
+            + (", ".join(map(_reason, change["reasons"])) or "all signals healthy")
+        )
     out.append("active:   " + (", ".join(map(_reason, st.get("active", []))) or "none"))
     acts = st.get("actions", {})
     applied = acts.get("applied", {})
-    out.append(f"actions:  relax ceil {applied.get('relax_ceil_pct') or 'configured'}"
-               f"{' %' if applied.get('relax_ceil_pct') else ''}, worker throttle {applied.get('throttle') or 'none'}"
-               + ("  (dry-run)" if acts.get("dry_run") else ""))
+    out.append(
+        f"actions:  relax ceil {applied.get('relax_ceil_pct') or 'configured'}"
+        f"{' %' if applied.get('relax_ceil_pct') else ''}, worker throttle {applied.get('throttle') or 'none'}"
+        + ("  (dry-run)" if acts.get("dry_run") else "")
+    )
     watchers = st.get("watchers", {})
     bad = [f"{n}: {w['error']}" for n, w in watchers.items() if not w["ok"]]
     out.append("watchers: " + ("all ok" if not bad else "; ".join(bad)))
@@ -57,19 +61,43 @@ def render(st: dict, now: float | None = None) -> str:
     if qos:
         out += ["", "QoS"] + _table(
             ["tier", "packets", "bytes", "drops", "backlog", "rate", "ceil"],
-            [[t, q.get("packets"), q.get("bytes"), q.get("drops"), q.get("backlog_bytes"),
-              _rate(q.get("rate_bps")), _rate(q.get("ceil_bps"))] for t, q in qos.items()])
+            [
+                [
+                    t,
+                    q.get("packets"),
+                    q.get("bytes"),
+                    q.get("drops"),
+                    q.get("backlog_bytes"),
+                    _rate(q.get("rate_bps")),
+                    _rate(q.get("ceil_bps")),
+                ]
+                for t, q in qos.items()
+            ],
+        )
     worker = st.get("worker", {})
     out += ["", f"worker:   {worker.get('state')}" + (f" ({worker['error']})" if worker.get("error") else "")]
     tiers = worker.get("tiers") or {}
     if tiers:
-        out += _table(["tier", "queued", "in flight", "oldest wait", "wait p99"],
-                      [[t, tiers[t].get("queued"), tiers[t].get("in_flight"), _secs(tiers[t].get("oldest_wait_s")),
-                        _secs(tiers[t].get("queue_wait_p99_s"))] for t in TIER_NAMES if t in tiers])
+        out += _table(
+            ["tier", "queued", "in flight", "oldest wait", "wait p99"],
+            [
+                [
+                    t,
+                    tiers[t].get("queued"),
+                    tiers[t].get("in_flight"),
+                    _secs(tiers[t].get("oldest_wait_s")),
+                    _secs(tiers[t].get("queue_wait_p99_s")),
+                ]
+                for t in TIER_NAMES
+                if t in tiers
+            ],
+        )
     thr = worker.get("throttle")
     if worker.get("state") == "ok":
-        out.append("throttle: " + ("none" if not thr else ", ".join(
-            f"{k}={v}" for k, v in thr.items() if v not in (None, [], {}))))
+        out.append(
+            "throttle: "
+            + ("none" if not thr else ", ".join(f"{k}={v}" for k, v in thr.items() if v not in (None, [], {})))
+        )
     return "\n".join(out)
 
 

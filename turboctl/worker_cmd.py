@@ -18,7 +18,6 @@ from turbonode.jsonrpc import DEFAULT_SOCKET, ControlClient
 from .params import TIER, TIER_STEPS, json_option
 
 
-
 def _set_client(ctx: click.Context, param, value):
     if value is not None or not isinstance(ctx.obj, ControlClient):
         ctx.obj = ControlClient(value or DEFAULT_SOCKET)
@@ -26,9 +25,15 @@ def _set_client(ctx: click.Context, param, value):
 
 
 def control_socket_option(f):
-    return click.option("--socket", "socket_path", callback=_set_client, expose_value=False,
-                        envvar="TURBONODE_WORKER_SOCKET", metavar="PATH",
-                        help=f"worker control socket (default {DEFAULT_SOCKET})")(f)
+    return click.option(
+        "--socket",
+        "socket_path",
+        callback=_set_client,
+        expose_value=False,
+        envvar="TURBONODE_WORKER_SOCKET",
+        metavar="PATH",
+        help=f"worker control socket (default {DEFAULT_SOCKET})",
+    )(f)
 
 
 def control_command(f):
@@ -45,6 +50,7 @@ def _call(client: ControlClient, method: str, **params):
 
 # ---- worker ----------------------------------------------------------------------------
 
+
 @click.group("worker")
 def command():
     """Run and inspect the diffusion worker."""
@@ -59,8 +65,13 @@ def command():
 @click.option("--device", help="torch device: auto, cpu, cuda, cuda:N")
 def run(model, listen, control, config_file, backend, device):
     """Serve the OpenAI-compatible image API and the control socket until SIGTERM."""
-    overrides = {"worker.model": model, "worker.listen": listen, "worker.control_socket": control,
-                 "worker.backend": backend, "worker.device": device}
+    overrides = {
+        "worker.model": model,
+        "worker.listen": listen,
+        "worker.control_socket": control,
+        "worker.backend": backend,
+        "worker.device": device,
+    }
     try:
         cfg = load_config(config_file, overrides=overrides).worker
     except ConfigError as exc:
@@ -97,24 +108,32 @@ def status(client, as_json):
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return
-    click.echo(f"backend {st['backend'].get('name')} on {st['backend'].get('device')}, "
-               f"max batch {st['max_batch']}, up {st['uptime_s']:.0f} s")
+    click.echo(
+        f"backend {st['backend'].get('name')} on {st['backend'].get('device')}, "
+        f"max batch {st['max_batch']}, up {st['uptime_s']:.0f} s"
+    )
     click.echo(f"{'tier':<6} {'queued':>6} {'running':>7} {'oldest wait':>12} {'wait p99':>10}")
     for tier, t in st["tiers"].items():
-        click.echo(f"{tier:<6} {t['queued']:>6} {t['in_flight']:>7} {_fmt_s(t['oldest_wait_s']):>12} "
-                   f"{_fmt_s(t['queue_wait_p99_s']):>10}")
+        click.echo(
+            f"{tier:<6} {t['queued']:>6} {t['in_flight']:>7} {_fmt_s(t['oldest_wait_s']):>12} "
+            f"{_fmt_s(t['queue_wait_p99_s']):>10}"
+        )
     s = st["step_time_s"]
     click.echo(f"step: last {_fmt_s(s['last'])}, p50 {_fmt_s(s['p50'])}, p99 {_fmt_s(s['p99'])}")
     gc = st["gc"]
     click.echo(f"gc: {gc['collections_total']} collections, {gc['pause_seconds_total'] * 1000:.1f} ms paused")
     click.echo(f"memory: rss {st['memory']['rss_bytes'] / 2**20:.0f} MiB")
     t = st["throttle"]
-    click.echo("throttle: none" if t is None else
-               f"throttle: {t['reason']} (max batch {t['max_batch']}, paused {t['paused_tiers']}, "
-               f"caps {t['step_caps']}, shed {t['shed_tiers']}; expires in {t['expires_in_s']:.1f} s)")
+    click.echo(
+        "throttle: none"
+        if t is None
+        else f"throttle: {t['reason']} (max batch {t['max_batch']}, paused {t['paused_tiers']}, "
+        f"caps {t['step_caps']}, shed {t['shed_tiers']}; expires in {t['expires_in_s']:.1f} s)"
+    )
 
 
 # ---- throttle / release ----------------------------------------------------------------
+
 
 @click.command("throttle")
 @click.option("--max-batch", type=click.IntRange(min=1), help="largest UNet batch")
@@ -122,13 +141,26 @@ def status(client, as_json):
 @click.option("--step-cap", "caps", type=TIER_STEPS, multiple=True, help="TIER=STEPS cap for new jobs (repeatable)")
 @click.option("--shed", "shed", type=TIER, multiple=True, help="tier whose new jobs get 429 (repeatable)")
 @click.option("--reason", required=True, help="why (logged, shown in status)")
-@click.option("--ttl", type=click.FloatRange(min=0, min_open=True), default=60.0, show_default=True,
-              help="seconds until the throttle expires unless set again")
+@click.option(
+    "--ttl",
+    type=click.FloatRange(min=0, min_open=True),
+    default=60.0,
+    show_default=True,
+    help="seconds until the throttle expires unless set again",
+)
 @control_command
 def throttle(client, max_batch, paused, caps, shed, reason, ttl, as_json):
     """Throttle the worker's lower tiers (turbo cannot be throttled); it expires after --ttl."""
-    result = _call(client, "throttle", max_batch=max_batch, paused_tiers=list(paused), step_caps=dict(caps),
-                   shed_tiers=list(shed), reason=reason, ttl_s=ttl)
+    result = _call(
+        client,
+        "throttle",
+        max_batch=max_batch,
+        paused_tiers=list(paused),
+        step_caps=dict(caps),
+        shed_tiers=list(shed),
+        reason=reason,
+        ttl_s=ttl,
+    )
     click.echo(json.dumps(result) if as_json else f"throttled ({reason}); expires in {result['expires_in_s']:.1f} s")
 
 

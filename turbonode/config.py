@@ -31,6 +31,7 @@ ENV_PREFIX = "TURBONODE_"
 
 # ---- checks (raise ValueError with a message; the loader names the key) -------------
 
+
 def positive(v):
     if v <= 0:
         raise ValueError(f"must be positive, got {v}")
@@ -57,6 +58,7 @@ def one_of(*choices):
     def check(v):
         if v not in choices:
             raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {v!r}")
+
     return check
 
 
@@ -74,6 +76,7 @@ def split_host_port(address: str) -> tuple[str, int]:
 
 def per_tier(inner=None):
     """A table keyed by tier name; every value checked with `inner`."""
+
     def check(v):
         for k, x in v.items():
             if k not in TIER_NAMES:
@@ -83,6 +86,7 @@ def per_tier(inner=None):
                     inner(x)
                 except ValueError as exc:
                     raise ValueError(f"{k}: {exc}") from None
+
     return check
 
 
@@ -110,6 +114,7 @@ def opt(default, check=None, help="", table_help=None):
 
 # ---- sections ------------------------------------------------------------------------
 
+
 @dataclass
 class QosConfig:
     dev: str = opt("", help="egress interface to shape")
@@ -132,17 +137,25 @@ class WorkerConfig:
     device: str = opt("auto", help="torch device: auto, cpu, cuda, cuda:N")
     max_batch: int = opt(4, positive, "largest UNet batch")
     size: int = opt(256, positive, "default image size in pixels")
-    steps: dict = opt({"turbo": 4, "fast": 12, "other": 20, "relax": 25}, per_tier(positive),
-                      "default denoising steps per tier")
-    queue_limit: dict = opt({"turbo": 32, "fast": 64, "other": 64, "relax": 256}, per_tier(positive),
-                            "queued jobs per tier before 429")
+    steps: dict = opt(
+        {"turbo": 4, "fast": 12, "other": 20, "relax": 25}, per_tier(positive), "default denoising steps per tier"
+    )
+    queue_limit: dict = opt(
+        {"turbo": 32, "fast": 64, "other": 64, "relax": 256}, per_tier(positive), "queued jobs per tier before 429"
+    )
     min_share: float = opt(0.1, fraction, "minimum share of steps each waiting lower tier gets")
     text_cache_size: int = opt(256, positive, "entries in the text-embedding LRU cache")
     engine_cache_dir: str = opt("/var/cache/turbonode/engines", help="TensorRT engine cache")
-    sampler: dict = opt({"turbo": "euler_a", "fast": "dpmpp_2m", "other": "dpmpp_2m", "relax": "dpmpp_2m"},
-                        per_tier(one_of(*SAMPLER_NAMES)), "diffusers scheduler per tier (few-step turbo: euler_a)")
-    guidance: dict = opt({"turbo": 0.0, "fast": 7.5, "other": 7.5, "relax": 7.5}, per_tier(guidance_scale),
-                         "default classifier-free guidance per tier (<= 1 disables it)")
+    sampler: dict = opt(
+        {"turbo": "euler_a", "fast": "dpmpp_2m", "other": "dpmpp_2m", "relax": "dpmpp_2m"},
+        per_tier(one_of(*SAMPLER_NAMES)),
+        "diffusers scheduler per tier (few-step turbo: euler_a)",
+    )
+    guidance: dict = opt(
+        {"turbo": 0.0, "fast": 7.5, "other": 7.5, "relax": 7.5},
+        per_tier(guidance_scale),
+        "default classifier-free guidance per tier (<= 1 disables it)",
+    )
     drain_timeout: float = opt(30.0, positive, "seconds SIGTERM waits for in-flight jobs before failing them")
 
 
@@ -250,15 +263,27 @@ class PolicyConfig:
     min_change_interval: float = opt(1.0, positive, "seconds between two level changes")
     disabled: list = opt([], policy_signals, "signals the policy ignores (still watched and shown)")
     psi_trigger_us: int = opt(100000, positive, "PSI trigger: stall microseconds per 1 s window that wakes the sampler")
-    rules: dict = opt(merged_rules({}), policy_rules,
-                      "per signal: enter and exit thresholds; enter_samples/exit_samples override the dwell",
-                      table_help={signal: d.help for signal, d in POLICY_RULES.items()})
-    actions: dict = opt({
-        "pressured": {"relax_ceil_pct": 50, "max_batch": 2},
-        "degraded": {"relax_ceil_pct": 25, "max_batch": 2, "paused_tiers": ["relax"], "step_caps": {"fast": 8}},
-        "critical": {"relax_ceil_pct": 10, "max_batch": 1, "paused_tiers": ["relax"], "step_caps": {"fast": 6},
-                     "shed_tiers": ["relax"]},
-    }, level_actions, "what each level does (relax_ceil_pct, max_batch, paused_tiers, step_caps, shed_tiers)")
+    rules: dict = opt(
+        merged_rules({}),
+        policy_rules,
+        "per signal: enter and exit thresholds; enter_samples/exit_samples override the dwell",
+        table_help={signal: d.help for signal, d in POLICY_RULES.items()},
+    )
+    actions: dict = opt(
+        {
+            "pressured": {"relax_ceil_pct": 50, "max_batch": 2},
+            "degraded": {"relax_ceil_pct": 25, "max_batch": 2, "paused_tiers": ["relax"], "step_caps": {"fast": 8}},
+            "critical": {
+                "relax_ceil_pct": 10,
+                "max_batch": 1,
+                "paused_tiers": ["relax"],
+                "step_caps": {"fast": 6},
+                "shed_tiers": ["relax"],
+            },
+        },
+        level_actions,
+        "what each level does (relax_ceil_pct, max_batch, paused_tiers, step_caps, shed_tiers)",
+    )
 
     def __post_init__(self) -> None:
         self.rules = merged_rules(self.rules)
@@ -329,7 +354,7 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
-        section, _, key = name[len(ENV_PREFIX):].lower().partition("_")
+        section, _, key = name[len(ENV_PREFIX) :].lower().partition("_")
         if section not in sections or not key:
             continue
         try:  # a TOML literal when it parses as one (numbers, booleans, tables), else a string
@@ -340,8 +365,9 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def load_config(path: str | None = None, env: Mapping[str, str] | None = None,
-                overrides: Mapping[str, Any] | None = None) -> Config:
+def load_config(
+    path: str | None = None, env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> Config:
     """Load and validate. `path=None` reads DEFAULT_PATH if it exists; an explicit path must exist."""
     data: dict = {}
     source = path or DEFAULT_PATH

@@ -137,11 +137,15 @@ class ControlClient:
                 with sock.makefile("rb") as f:
                     line = f.readline(16 * MAX_REQUEST_BYTES)
         except FileNotFoundError:
-            raise ControlError(f"{self.peer} control socket {self.path} does not exist (is the {self.peer} running?)") from None
+            raise ControlError(
+                f"{self.peer} control socket {self.path} does not exist (is the {self.peer} running?)"
+            ) from None
         except PermissionError:
             raise ControlError(f"no permission to connect to {self.path} (need the turbonode group or root)") from None
         except ConnectionRefusedError:
-            raise ControlError(f"{self.peer} control socket {self.path} refused the connection ({self.peer} not running?)") from None
+            raise ControlError(
+                f"{self.peer} control socket {self.path} refused the connection ({self.peer} not running?)"
+            ) from None
         except OSError as exc:
             raise ControlError(f"control socket {self.path}: {exc.strerror or exc}") from None
         if not line:

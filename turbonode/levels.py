@@ -7,5 +7,5 @@ has its actions in `[policy.actions.<level>]` (docs/design.md).
 from __future__ import annotations
 
 LEVELS: tuple[str, ...] = ("normal", "pressured", "degraded", "critical")
-NORMAL = 0                                # index of the level where nothing is throttled
+NORMAL = 0  # index of the level where nothing is throttled
 ACTION_LEVELS: tuple[str, ...] = LEVELS[NORMAL + 1 :]  # the levels that have actions

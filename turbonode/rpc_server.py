@@ -22,7 +22,7 @@ from .errors import TurbonodeError
 log = logging.getLogger(__name__)
 
 SOCKET_MODE = 0o660
-IDLE_TIMEOUT_S = 60.0      # a silent client does not hold a thread forever
+IDLE_TIMEOUT_S = 60.0  # a silent client does not hold a thread forever
 MAX_CONNECTIONS = 32
 
 
@@ -99,8 +99,16 @@ class UnixRpcServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     block_on_close = False
 
-    def __init__(self, path: str, handlers: dict[str, Callable[..., Any]], *, owner: str = "server",
-                 group: str | None = None, mode: int = SOCKET_MODE, max_connections: int = MAX_CONNECTIONS):
+    def __init__(
+        self,
+        path: str,
+        handlers: dict[str, Callable[..., Any]],
+        *,
+        owner: str = "server",
+        group: str | None = None,
+        mode: int = SOCKET_MODE,
+        max_connections: int = MAX_CONNECTIONS,
+    ):
         self.path = path
         self.handlers = handlers
         self.owner = owner
@@ -121,8 +129,13 @@ class UnixRpcServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     def process_request(self, request, client_address):
         if not self._slots.acquire(blocking=False):
             try:
-                request.sendall(jsonrpc.encode(jsonrpc.error_response(
-                    None, jsonrpc.INTERNAL_ERROR, f"too many connections (max {self.max_connections})")))
+                request.sendall(
+                    jsonrpc.encode(
+                        jsonrpc.error_response(
+                            None, jsonrpc.INTERNAL_ERROR, f"too many connections (max {self.max_connections})"
+                        )
+                    )
+                )
             except OSError:
                 pass
             self.shutdown_request(request)
@@ -136,13 +149,14 @@ class UnixRpcServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             self._slots.release()
 
     def start(self) -> "UnixRpcServer":
-        self._thread = threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.2},
-                                        name=f"turbonode-{self.owner}-rpc", daemon=True)
+        self._thread = threading.Thread(
+            target=self.serve_forever, kwargs={"poll_interval": 0.2}, name=f"turbonode-{self.owner}-rpc", daemon=True
+        )
         self._thread.start()
         return self
 
     def close(self) -> None:
-        if self._thread is not None:   # shutdown() waits for serve_forever: only if it runs
+        if self._thread is not None:  # shutdown() waits for serve_forever: only if it runs
             self.shutdown()
             self._thread.join(5)
         self.server_close()

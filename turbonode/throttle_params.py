@@ -39,8 +39,9 @@ def _tiers(name: str, value: Any) -> frozenset[str]:
     return frozenset(value)
 
 
-def check_throttle(max_batch: Any = None, paused_tiers: Any = (), step_caps: Any = None,
-                   shed_tiers: Any = ()) -> ThrottleLimits:
+def check_throttle(
+    max_batch: Any = None, paused_tiers: Any = (), step_caps: Any = None, shed_tiers: Any = ()
+) -> ThrottleLimits:
     """Validate the throttle's limits; ValueError names the bad parameter first."""
     if max_batch is not None and not _positive_int(max_batch):
         raise ValueError(f"max_batch must be a positive integer or null, got {max_batch!r}")
@@ -51,5 +52,6 @@ def check_throttle(max_batch: Any = None, paused_tiers: Any = (), step_caps: Any
     for t, cap in step_caps.items():
         if not _positive_int(cap):
             raise ValueError(f"step_caps.{t} must be a positive integer, got {cap!r}")
-    return ThrottleLimits(max_batch, _tiers("paused_tiers", paused_tiers), dict(step_caps),
-                          _tiers("shed_tiers", shed_tiers))
+    return ThrottleLimits(
+        max_batch, _tiers("paused_tiers", paused_tiers), dict(step_caps), _tiers("shed_tiers", shed_tiers)
+    )

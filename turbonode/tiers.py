@@ -8,12 +8,12 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class Tier:
     name: str
-    index: int          # value stored in the BPF DSCP->tier map and the counters' key
-    class_minor: int    # HTB class 1:<minor> (hex minor, as tc prints it)
-    prio: int           # HTB prio: lower is served first
-    rate_pct: int       # guaranteed share of the link
-    ceil_pct: int       # ceiling as share of the link
-    dscp: int           # DSCP the worker marks its sockets with for this tier
+    index: int  # value stored in the BPF DSCP->tier map and the counters' key
+    class_minor: int  # HTB class 1:<minor> (hex minor, as tc prints it)
+    prio: int  # HTB prio: lower is served first
+    rate_pct: int  # guaranteed share of the link
+    ceil_pct: int  # ceiling as share of the link
+    dscp: int  # DSCP the worker marks its sockets with for this tier
 
 
 TIERS: tuple[Tier, ...] = (

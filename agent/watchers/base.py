@@ -16,7 +16,7 @@ class Watcher:
     """Subclasses implement read(now) -> (signals, detail) and optionally families()."""
 
     name = "watcher"
-    interval = 0.0   # seconds between reads; 0 = every sample. Costly sources read less often.
+    interval = 0.0  # seconds between reads; 0 = every sample. Costly sources read less often.
 
     def __init__(self):
         self.ok = False

@@ -53,6 +53,5 @@ class CpuWatcher(Watcher):
             return {"cpu_load": None}, {}
         per_cpu = {cpu: shares({col: r for (c, col), r in rates.items() if c == cpu}) for cpu in stat}
         total = per_cpu.pop("cpu")
-        signals = {"cpu_load": total.get("busy"), "cpu_softirq": total.get("softirq"),
-                   "cpu_steal": total.get("steal")}
+        signals = {"cpu_load": total.get("busy"), "cpu_softirq": total.get("softirq"), "cpu_steal": total.get("steal")}
         return signals, {"total": total, "per_cpu": per_cpu}

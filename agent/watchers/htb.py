@@ -15,7 +15,7 @@ from .base import Rate, Watcher
 
 class HtbWatcher(Watcher):
     name = "htb"
-    interval = 2.0   # a netlink dump plus map reads cost milliseconds: not at 4 Hz (agent CPU budget 2 %)
+    interval = 2.0  # a netlink dump plus map reads cost milliseconds: not at 4 Hz (agent CPU budget 2 %)
 
     def __init__(self, datapath):
         super().__init__()
@@ -41,7 +41,12 @@ class HtbWatcher(Watcher):
             (CounterMetricFamily, "turbonode_tier_packets", "Packets the eBPF classifier put in each tier", "packets"),
             (CounterMetricFamily, "turbonode_tier_bytes", "Bytes the eBPF classifier put in each tier", "bytes"),
             (CounterMetricFamily, "turbonode_tier_drops", "Packets the tier's HTB class dropped", "drops"),
-            (GaugeMetricFamily, "turbonode_tier_backlog_bytes", "Bytes queued in the tier's HTB class", "backlog_bytes"),
+            (
+                GaugeMetricFamily,
+                "turbonode_tier_backlog_bytes",
+                "Bytes queued in the tier's HTB class",
+                "backlog_bytes",
+            ),
             (GaugeMetricFamily, "turbonode_tier_ceil_bytes_per_second", "The tier's HTB ceil", "ceil_bps"),
         ]
         out = []

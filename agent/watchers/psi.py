@@ -82,7 +82,11 @@ class PsiTriggers:
                 os.write(fd, f"some {stall_us} {self.WINDOW_US}\0".encode())
             except OSError as exc:
                 os.close(fd)
-                why = "kernel without PSI trigger support" if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP) else exc.strerror
+                why = (
+                    "kernel without PSI trigger support"
+                    if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP)
+                    else exc.strerror
+                )
                 errors.append(f"{res}: trigger refused ({why})")
                 continue
             self.fds[fd] = res

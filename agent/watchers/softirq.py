@@ -35,7 +35,7 @@ class BpfUnavailable(TurbonodeError):
 
 def slot_bounds(slot: int) -> tuple[float, float]:
     """Nanosecond range [lo, hi) of a log2 slot (bcc's bpf_log2l: slot s holds [2^(s-1), 2^s))."""
-    return (0.0, 1.0) if slot == 0 else (float(2 ** (slot - 1)), float(2 ** slot))
+    return (0.0, 1.0) if slot == 0 else (float(2 ** (slot - 1)), float(2**slot))
 
 
 def quantile(counts: list[int], q: float) -> float | None:
@@ -76,6 +76,7 @@ class SoftirqBpf:
         except ImportError as exc:
             raise BpfUnavailable(f"bcc not importable ({exc}); install python3-bpfcc") from None
         import bpf
+
         try:  # bcc raises bare Exception for compile/load/attach failures
             self.bpf = BPF(src_file=bpf.source("softirq.c"), cflags=CFLAGS)
         except Exception as exc:
@@ -140,10 +141,12 @@ class SoftirqWatcher(Watcher):
             if sum(delta) >= MIN_EVENTS_FOR_P99:
                 p99 = quantile(delta, 0.99)
         shares = [rates[cpu] for cpu in range(len(per_cpu))] if rates else None
-        signals = {"netrx_latency_p99_s": p99,
-                   # A storm pins one CPU's NET_RX: the busiest CPU's share of time in the handler.
-                   "netrx_cpu_share": max(shares) if shares else None,
-                   "netrx_per_s": rates and rates["runs"]}
+        signals = {
+            "netrx_latency_p99_s": p99,
+            # A storm pins one CPU's NET_RX: the busiest CPU's share of time in the handler.
+            "netrx_cpu_share": max(shares) if shares else None,
+            "netrx_per_s": rates and rates["runs"],
+        }
         return signals, {"mode": "bpf", "netrx_cpu_share_per_cpu": shares}
 
     def summary(self) -> dict:
@@ -155,10 +158,14 @@ class SoftirqWatcher(Watcher):
     def families(self):
         if self.probe is None:
             return []
-        secs = CounterMetricFamily("turbonode_softirq_seconds", "Time spent in softirq handlers, from eBPF",
-                                   labels=["vector", "cpu"])
-        lat = HistogramMetricFamily("turbonode_softirq_latency_seconds",
-                                    "Softirq raise-to-entry latency, from eBPF (log2 buckets)", labels=["vector"])
+        secs = CounterMetricFamily(
+            "turbonode_softirq_seconds", "Time spent in softirq handlers, from eBPF", labels=["vector", "cpu"]
+        )
+        lat = HistogramMetricFamily(
+            "turbonode_softirq_latency_seconds",
+            "Softirq raise-to-entry latency, from eBPF (log2 buckets)",
+            labels=["vector"],
+        )
         for vec, name in enumerate(VECTORS):
             for cpu, ns in enumerate(self.probe.time_ns(vec)):
                 secs.add_metric([name, str(cpu)], ns / 1e9)

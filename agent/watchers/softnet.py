@@ -39,6 +39,8 @@ class SoftnetWatcher(Watcher):
         if rates is None:
             return {"softnet_dropped_per_s": None, "softnet_squeezed_per_s": None}, {}
         per_cpu = {cpu: {k: rates[(cpu, k)] for k in cols} for cpu, cols in stat.items()}
-        signals = {"softnet_dropped_per_s": sum(c["dropped"] for c in per_cpu.values()),
-                   "softnet_squeezed_per_s": sum(c["time_squeeze"] for c in per_cpu.values())}
+        signals = {
+            "softnet_dropped_per_s": sum(c["dropped"] for c in per_cpu.values()),
+            "softnet_squeezed_per_s": sum(c["time_squeeze"] for c in per_cpu.values()),
+        }
         return signals, {"per_cpu_per_s": per_cpu}

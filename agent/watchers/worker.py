@@ -35,15 +35,28 @@ class WorkerWatcher(Watcher):
             "turbo_wait_s": turbo.get("oldest_wait_s"),
             "step_time_p99_s": step.get("p99"),
         }
-        detail = {"tiers": tiers, "step_time_s": step, "throttle": st.get("throttle"),
-                  "max_batch": st.get("max_batch"), "backend": st.get("backend"),
-                  "gc_pauses": pauses, "uptime_s": st.get("uptime_s")}
+        detail = {
+            "tiers": tiers,
+            "step_time_s": step,
+            "throttle": st.get("throttle"),
+            "max_batch": st.get("max_batch"),
+            "backend": st.get("backend"),
+            "gc_pauses": pauses,
+            "uptime_s": st.get("uptime_s"),
+        }
         return signals, detail
 
     def status_view(self) -> dict:
         if not self.ok:
             return {"worker": {"state": "absent", "error": self.error}}
         d = self.detail
-        return {"worker": {"state": "ok", "tiers": d.get("tiers"), "throttle": d.get("throttle"),
-                           "max_batch": d.get("max_batch"), "step_time_s": d.get("step_time_s"),
-                           "backend": d.get("backend")}}
+        return {
+            "worker": {
+                "state": "ok",
+                "tiers": d.get("tiers"),
+                "throttle": d.get("throttle"),
+                "max_batch": d.get("max_batch"),
+                "step_time_s": d.get("step_time_s"),
+                "backend": d.get("backend"),
+            }
+        }

@@ -19,8 +19,9 @@ class DiffusionBackend(Protocol):
     device: torch.device
     dtype: torch.dtype
 
-    def predict_noise(self, latents: torch.Tensor, timesteps: torch.Tensor,
-                      encoder_hidden_states: torch.Tensor) -> torch.Tensor: ...
+    def predict_noise(
+        self, latents: torch.Tensor, timesteps: torch.Tensor, encoder_hidden_states: torch.Tensor
+    ) -> torch.Tensor: ...
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
 
@@ -35,8 +36,9 @@ class Backend(ABC):
     dtype: torch.dtype
 
     @abstractmethod
-    def predict_noise(self, latents: torch.Tensor, timesteps: torch.Tensor,
-                      encoder_hidden_states: torch.Tensor) -> torch.Tensor:
+    def predict_noise(
+        self, latents: torch.Tensor, timesteps: torch.Tensor, encoder_hidden_states: torch.Tensor
+    ) -> torch.Tensor:
         """latents [B,C,H,W], timesteps [B] (one per sample), embeddings [B,L,D] -> noise [B,C,H,W]."""
 
     @abstractmethod

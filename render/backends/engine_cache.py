@@ -35,15 +35,15 @@ KEY_VERSION = 1  # bump when what an engine depends on changes in a way the fiel
 class EngineKey:
     """Everything a serialized engine depends on."""
 
-    component: str                      # "unet" or "vae_decoder"
-    model_hash: str                     # content hash of the weights and config
+    component: str  # "unet" or "vae_decoder"
+    model_hash: str  # content hash of the weights and config
     trt_version: str
     gpu_name: str
     compute_capability: tuple[int, int]
     min_batch: int
     max_batch: int
     resolutions: tuple[tuple[int, int], ...]  # image (height, width) pairs the profile covers
-    precision: str                      # "fp16" / "fp32": the dtype the graph was exported in
+    precision: str  # "fp16" / "fp32": the dtype the graph was exported in
 
     def __post_init__(self):
         if not 1 <= self.min_batch <= self.max_batch:
@@ -86,8 +86,7 @@ class EngineCache:
     def path_for(self, key: EngineKey) -> Path:
         return self.root / key.filename()
 
-    def load_or_build(self, key: EngineKey, build: Callable[[], bytes],
-                      deserialize: Callable[[bytes], T]) -> T:
+    def load_or_build(self, key: EngineKey, build: Callable[[], bytes], deserialize: Callable[[bytes], T]) -> T:
         """The engine for `key`: from disk when a good copy is there, else built and stored.
 
         `deserialize` returns None or raises for bytes it cannot use (TensorRT returns None).
@@ -103,15 +102,22 @@ class EngineCache:
         self.root.mkdir(parents=True, exist_ok=True)
         # Warning level: the worker serves nothing for the minutes a large engine takes, and
         # the default log level should say why.
-        log.warning("building the %s engine (%s, batch %d..%d, %s): minutes for a large model -> %s",
-                    key.component, key.precision, key.min_batch, key.max_batch,
-                    ", ".join(f"{h}x{w}" for h, w in key.resolutions), path)
+        log.warning(
+            "building the %s engine (%s, batch %d..%d, %s): minutes for a large model -> %s",
+            key.component,
+            key.precision,
+            key.min_batch,
+            key.max_batch,
+            ", ".join(f"{h}x{w}" for h, w in key.resolutions),
+            path,
+        )
         started = time.monotonic()
         blob = build()
         if not blob:
             raise BackendUnavailable(f"TensorRT could not build the {key.component} engine (see the log above)")
-        log.warning("built the %s engine in %.1f s (%.1f MiB)", key.component, time.monotonic() - started,
-                    len(blob) / 2**20)
+        log.warning(
+            "built the %s engine in %.1f s (%.1f MiB)", key.component, time.monotonic() - started, len(blob) / 2**20
+        )
         engine = self._try_deserialize(path, blob, deserialize)
         if engine is None:
             raise BackendUnavailable(f"the freshly built {key.component} engine does not deserialize")

@@ -69,8 +69,9 @@ class ExportShape:
     text_len: int = 77
 
 
-def _export(module: torch.nn.Module, args: tuple, path: Path, input_names, output_names,
-            dynamic_axes: dict, opset: int) -> Path:
+def _export(
+    module: torch.nn.Module, args: tuple, path: Path, input_names, output_names, dynamic_axes: dict, opset: int
+) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     started = time.monotonic()
@@ -80,9 +81,17 @@ def _export(module: torch.nn.Module, args: tuple, path: Path, input_names, outpu
         # that choice is deliberate (module docstring).
         warnings.simplefilter("ignore", torch.jit.TracerWarning)
         warnings.simplefilter("ignore", DeprecationWarning)
-        torch.onnx.export(module.eval(), args, str(path), dynamo=False, opset_version=opset,
-                          input_names=list(input_names), output_names=list(output_names),
-                          dynamic_axes=dynamic_axes, do_constant_folding=True)
+        torch.onnx.export(
+            module.eval(),
+            args,
+            str(path),
+            dynamo=False,
+            opset_version=opset,
+            input_names=list(input_names),
+            output_names=list(output_names),
+            dynamic_axes=dynamic_axes,
+            do_constant_folding=True,
+        )
     log.info("exported %s in %.1f s", path.name, time.monotonic() - started)
     return path
 
@@ -92,8 +101,9 @@ def _placement(module: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
     return param.device, param.dtype
 
 
-def export_unet(unet: torch.nn.Module, path: str | Path, *, shape: ExportShape = ExportShape(),
-                opset: int = OPSET) -> Path:
+def export_unet(
+    unet: torch.nn.Module, path: str | Path, *, shape: ExportShape = ExportShape(), opset: int = OPSET
+) -> Path:
     """Write the UNet as ONNX with dynamic batch, latent H/W and text length.
 
     The graph's precision and the tracing device are the module's own (move it first).
@@ -112,16 +122,19 @@ def export_unet(unet: torch.nn.Module, path: str | Path, *, shape: ExportShape =
         "encoder_hidden_states": {0: "batch", 1: "text_len"},
         UNET_OUTPUT: {0: "batch", 2: "height", 3: "width"},
     }
-    return _export(UNetForExport(unet), (sample, timestep, ehs), path, UNET_INPUTS, (UNET_OUTPUT,),
-                   dynamic, opset)
+    return _export(UNetForExport(unet), (sample, timestep, ehs), path, UNET_INPUTS, (UNET_OUTPUT,), dynamic, opset)
 
 
-def export_vae_decoder(vae: torch.nn.Module, path: str | Path, *, shape: ExportShape = ExportShape(),
-                       opset: int = OPSET) -> Path:
+def export_vae_decoder(
+    vae: torch.nn.Module, path: str | Path, *, shape: ExportShape = ExportShape(), opset: int = OPSET
+) -> Path:
     """Write the VAE decoder (with the latent scaling) as ONNX, dynamic batch and H/W."""
     device, dtype = _placement(vae)
-    latents = torch.randn(shape.batch, vae.config.latent_channels, shape.latent_height, shape.latent_width,
-                          device=device, dtype=dtype)
-    dynamic = {VAE_INPUT: {0: "batch", 2: "height", 3: "width"},
-               VAE_OUTPUT: {0: "batch", 2: "image_height", 3: "image_width"}}
+    latents = torch.randn(
+        shape.batch, vae.config.latent_channels, shape.latent_height, shape.latent_width, device=device, dtype=dtype
+    )
+    dynamic = {
+        VAE_INPUT: {0: "batch", 2: "height", 3: "width"},
+        VAE_OUTPUT: {0: "batch", 2: "image_height", 3: "image_width"},
+    }
     return _export(VAEDecoderForExport(vae), (latents,), path, (VAE_INPUT,), (VAE_OUTPUT,), dynamic, opset)

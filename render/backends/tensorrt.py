@@ -52,8 +52,9 @@ class TensorRTOptions:
     @classmethod
     def from_config(cls, worker) -> TensorRTOptions:
         """From the [worker] config section: its batch limit, default size and cache directory."""
-        return cls(cache_dir=Path(worker.engine_cache_dir), max_batch=worker.max_batch,
-                   sizes=((worker.size, worker.size),))
+        return cls(
+            cache_dir=Path(worker.engine_cache_dir), max_batch=worker.max_batch, sizes=((worker.size, worker.size),)
+        )
 
 
 PRECISIONS = {"fp16": torch.float16, "fp32": torch.float32}
@@ -66,8 +67,10 @@ def tensorrt_unavailable_reason() -> str | None:
     try:
         trt = importlib.import_module("tensorrt")
     except (ImportError, OSError) as exc:  # OSError: the wheel is there but its CUDA libraries are not
-        return (f"the tensorrt package is not importable ({exc}); install turbonode[tensorrt] "
-                "(CUDA 12 torch) or turbonode[tensorrt-cu13] (CUDA 13 torch)")
+        return (
+            f"the tensorrt package is not importable ({exc}); install turbonode[tensorrt] "
+            "(CUDA 12 torch) or turbonode[tensorrt-cu13] (CUDA 13 torch)"
+        )
     major = int(str(getattr(trt, "__version__", "0")).split(".")[0] or 0)
     if major < MIN_TRT_MAJOR:
         return f"tensorrt {trt.__version__} is too old (need {MIN_TRT_MAJOR}.x or newer)"
@@ -80,12 +83,12 @@ def latent_profile(options: TensorRTOptions, scale: int) -> tuple[tuple[int, int
         if h % scale or w % scale:
             raise ValueError(f"image size {h}x{w} is not a multiple of the VAE scale {scale}")
     lat = [(h // scale, w // scale) for h, w in options.sizes]
-    return ((min(h for h, _ in lat), min(w for _, w in lat)), lat[0],
-            (max(h for h, _ in lat), max(w for _, w in lat)))
+    return ((min(h for h, _ in lat), min(w for _, w in lat)), lat[0], (max(h for h, _ in lat), max(w for _, w in lat)))
 
 
-def unet_profile(options: TensorRTOptions, *, in_channels: int, text_len: int, embed_dim: int,
-                 scale: int) -> dict[str, tuple[Shape, Shape, Shape]]:
+def unet_profile(
+    options: TensorRTOptions, *, in_channels: int, text_len: int, embed_dim: int, scale: int
+) -> dict[str, tuple[Shape, Shape, Shape]]:
     """min/opt/max shape of each UNet input. Opt is the full batch: speed matters under load."""
     (h0, w0), (h1, w1), (h2, w2) = latent_profile(options, scale)
     b = options.max_batch
@@ -100,15 +103,25 @@ def unet_profile(options: TensorRTOptions, *, in_channels: int, text_len: int, e
 def vae_profile(options: TensorRTOptions, *, latent_channels: int, scale: int) -> dict[str, tuple[Shape, Shape, Shape]]:
     (h0, w0), (h1, w1), (h2, w2) = latent_profile(options, scale)
     b = options.max_batch
-    return {onnx_export.VAE_INPUT: ((1, latent_channels, h0, w0), (b, latent_channels, h1, w1),
-                                    (b, latent_channels, h2, w2))}
+    return {
+        onnx_export.VAE_INPUT: (
+            (1, latent_channels, h0, w0),
+            (b, latent_channels, h1, w1),
+            (b, latent_channels, h2, w2),
+        )
+    }
 
 
 def _logger(trt):
     """A TensorRT logger that forwards to Python logging (TensorRT's own prints to stdout)."""
     sev = trt.ILogger.Severity
-    levels = {sev.INTERNAL_ERROR: logging.CRITICAL, sev.ERROR: logging.ERROR, sev.WARNING: logging.WARNING,
-              sev.INFO: logging.DEBUG, sev.VERBOSE: logging.DEBUG}
+    levels = {
+        sev.INTERNAL_ERROR: logging.CRITICAL,
+        sev.ERROR: logging.ERROR,
+        sev.WARNING: logging.WARNING,
+        sev.INFO: logging.DEBUG,
+        sev.VERBOSE: logging.DEBUG,
+    }
 
     class _Log(trt.ILogger):
         def __init__(self):
@@ -141,14 +154,16 @@ def _progress_monitor(trt):
 
         def phase_finish(self, phase_name):
             if phase_name in self.top:
-                log.info("tensorrt build: %s done in %.1f s", phase_name,
-                         time.monotonic() - self.top.pop(phase_name)[1])
+                log.info(
+                    "tensorrt build: %s done in %.1f s", phase_name, time.monotonic() - self.top.pop(phase_name)[1]
+                )
 
     return _Progress()
 
 
-def build_serialized_engine(trt, onnx_path: Path, profile: dict[str, tuple[Shape, Shape, Shape]],
-                            options: TensorRTOptions, logger) -> bytes:
+def build_serialized_engine(
+    trt, onnx_path: Path, profile: dict[str, tuple[Shape, Shape, Shape]], options: TensorRTOptions, logger
+) -> bytes:
     """Parse the ONNX file and build one engine with `profile`; the bytes of the plan."""
     builder = trt.Builder(logger)
     flags = 0
@@ -179,8 +194,13 @@ class EngineRunner:
         self.engine = engine
         self.context = engine.create_execution_context()
         self.device = device
-        dtypes = {trt.float32: torch.float32, trt.float16: torch.float16, trt.int32: torch.int32,
-                  trt.int64: torch.int64, trt.bfloat16: torch.bfloat16}
+        dtypes = {
+            trt.float32: torch.float32,
+            trt.float16: torch.float16,
+            trt.int32: torch.int32,
+            trt.int64: torch.int64,
+            trt.bfloat16: torch.bfloat16,
+        }
         self.inputs: dict[str, torch.dtype] = {}
         self.outputs: dict[str, torch.dtype] = {}
         for i in range(engine.num_io_tensors):
@@ -226,25 +246,36 @@ class EngineFactory:
 
     def key(self, component: str, model_hash: str) -> EngineKey:
         props = torch.cuda.get_device_properties(self.device)
-        return EngineKey(component=component, model_hash=model_hash, trt_version=self.trt.__version__,
-                         gpu_name=props.name, compute_capability=(props.major, props.minor), min_batch=1,
-                         max_batch=self.options.max_batch, resolutions=self.options.sizes,
-                         precision=self.options.precision)
+        return EngineKey(
+            component=component,
+            model_hash=model_hash,
+            trt_version=self.trt.__version__,
+            gpu_name=props.name,
+            compute_capability=(props.major, props.minor),
+            min_batch=1,
+            max_batch=self.options.max_batch,
+            resolutions=self.options.sizes,
+            precision=self.options.precision,
+        )
 
     def unet(self, unet, model_hash: str, *, text_len: int, scale: int) -> EngineRunner:
         cfg = unet.config
-        profile = unet_profile(self.options, in_channels=cfg.in_channels, text_len=text_len,
-                               embed_dim=cfg.cross_attention_dim, scale=scale)
-        return self._get("unet", model_hash, unet, onnx_export.export_unet, profile,
-                         onnx_export.ExportShape(text_len=text_len))
+        profile = unet_profile(
+            self.options, in_channels=cfg.in_channels, text_len=text_len, embed_dim=cfg.cross_attention_dim, scale=scale
+        )
+        return self._get(
+            "unet", model_hash, unet, onnx_export.export_unet, profile, onnx_export.ExportShape(text_len=text_len)
+        )
 
     def vae_decoder(self, vae, model_hash: str, *, scale: int) -> EngineRunner:
         profile = vae_profile(self.options, latent_channels=vae.config.latent_channels, scale=scale)
-        return self._get("vae_decoder", model_hash, vae, onnx_export.export_vae_decoder, profile,
-                         onnx_export.ExportShape())
+        return self._get(
+            "vae_decoder", model_hash, vae, onnx_export.export_vae_decoder, profile, onnx_export.ExportShape()
+        )
 
-    def _get(self, component: str, model_hash: str, module, export, profile,
-             shape: onnx_export.ExportShape) -> EngineRunner:
+    def _get(
+        self, component: str, model_hash: str, module, export, profile, shape: onnx_export.ExportShape
+    ) -> EngineRunner:
         key = self.key(component, model_hash)
         onnx_path = self.cache.root / "onnx" / f"{component}-{model_hash}-{key.precision}.onnx"
 
@@ -276,8 +307,9 @@ class TensorRTBackend(Backend):
         self.engines = EngineFactory(device, options)
         self.device, self.dtype, self.options = self.engines.device, self.engines.dtype, options
         self.scale = components.vae_scale_factor
-        self.unet = self.engines.unet(components.unet, components.fingerprint,
-                                      text_len=components.tokenizer.model_max_length, scale=self.scale)
+        self.unet = self.engines.unet(
+            components.unet, components.fingerprint, text_len=components.tokenizer.model_max_length, scale=self.scale
+        )
         self.vae = self.engines.vae_decoder(components.vae, components.fingerprint, scale=self.scale)
 
     def unsupported_size(self, height: int, width: int) -> str | None:
@@ -285,8 +317,10 @@ class TensorRTBackend(Backend):
         if h0 <= height <= h2 and w0 <= width <= w2:
             return None
         # WIDTHxHEIGHT, as the API's 'size' is written
-        return (f"{width}x{height} is outside what this node's TensorRT engines were built for "
-                f"({w0}x{h0} to {w2}x{h2}; worker.size sets it)")
+        return (
+            f"{width}x{height} is outside what this node's TensorRT engines were built for "
+            f"({w0}x{h0} to {w2}x{h2}; worker.size sets it)"
+        )
 
     def _check_size(self, latents: torch.Tensor) -> None:
         reason = self.unsupported_size(latents.shape[-2] * self.scale, latents.shape[-1] * self.scale)
@@ -304,8 +338,10 @@ class TensorRTBackend(Backend):
         sample = latents.to(dev, dtype).contiguous()
         t = timesteps.to(dev, torch.float32).reshape(-1).expand(sample.shape[0]).contiguous()
         ehs = encoder_hidden_states.to(dev, self.unet.inputs["encoder_hidden_states"]).contiguous()
-        outs = [self.unet(sample=sample[s], timestep=t[s], encoder_hidden_states=ehs[s])[onnx_export.UNET_OUTPUT]
-                for s in self._chunks(sample.shape[0])]
+        outs = [
+            self.unet(sample=sample[s], timestep=t[s], encoder_hidden_states=ehs[s])[onnx_export.UNET_OUTPUT]
+            for s in self._chunks(sample.shape[0])
+        ]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @torch.inference_mode()
@@ -316,5 +352,9 @@ class TensorRTBackend(Backend):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def describe(self) -> dict:
-        return {**super().describe(), "tensorrt": self.engines.trt.__version__, "max_batch": self.options.max_batch,
-                "sizes": [f"{h}x{w}" for h, w in self.options.sizes]}
+        return {
+            **super().describe(),
+            "tensorrt": self.engines.trt.__version__,
+            "max_batch": self.options.max_batch,
+            "sizes": [f"{h}x{w}" for h, w in self.options.sizes],
+        }
