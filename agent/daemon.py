@@ -22,6 +22,7 @@ from turbonode.config import Config
 from turbonode.errors import TurbonodeError
 from turbonode.jsonrpc import ControlClient
 from turbonode.rates import parse_rate
+from turbonode.rpc_server import UnixRpcServer
 from turbonode.tiers import tier
 
 from . import metrics
@@ -29,7 +30,6 @@ from .actuator import Actuator
 from .loop import AgentLoop
 from .mounts import ensure_mounts
 from .policy import Actions, actions_table, policy_from_config
-from turbonode.rpc_server import UnixRpcServer
 from .watchers.cpu import CpuWatcher
 from .watchers.gpu import GpuWatcher
 from .watchers.psi import PsiTriggers, PsiWatcher

@@ -4,13 +4,13 @@ and one for the policy. Families are built fresh on every scrape from the latest
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from turbonode.errors import TurbonodeError
 from turbonode.config import split_host_port
+from turbonode.errors import TurbonodeError
 from turbonode.levels import LEVELS
 
 from .watchers.base import Watcher

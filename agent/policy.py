@@ -18,8 +18,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Mapping
 
 from turbonode.config import PolicyConfig, policy_rules
 from turbonode.errors import ConfigError

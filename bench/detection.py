@@ -105,7 +105,9 @@ def measure(node: Node, name: str, repeats: int) -> dict:
         # The agent publishes its status right after acting: wait for the change it made.
         change = (
             wait_for(
-                lambda: (c := (call(node.agent_rpc, "status") or {}).get("last_change")) and c["at"] >= wall0 and c, 2
+                # called within this iteration: wall0 is the current one
+                lambda: (c := (call(node.agent_rpc, "status") or {}).get("last_change")) and c["at"] >= wall0 and c,  # noqa: B023
+                2,
             )
             or {}
         )

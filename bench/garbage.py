@@ -24,7 +24,7 @@ class Garbage:
         self.until = 0.0
         self.event = threading.Event()
 
-    def install(self) -> "Garbage":
+    def install(self) -> Garbage:
         signal.signal(signal.SIGUSR1, self._start)
         signal.signal(signal.SIGUSR2, self._stop)
         threading.Thread(target=self._run, name="bench-garbage", daemon=True).start()

@@ -61,9 +61,9 @@ def run(args) -> dict:
 
     from render.backends.select import make_backend
     from render.backends.tensorrt import TensorRTOptions
+    from render.encode_prompt import PromptEncoder
     from render.engine import Engine, EngineSettings
     from turbonode.stats import percentile
-    from render.encode_prompt import PromptEncoder
 
     if args.model == "tiny":  # the embedded model: checks this script anywhere, CPU included
         from render.model import load_components

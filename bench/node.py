@@ -67,7 +67,7 @@ class Node:
         self.sandbox = Sandbox(prefix="tnb")
         self.worker = self.agent = None
 
-    def __enter__(self) -> "Node":
+    def __enter__(self) -> Node:
         sb = self.sandbox.create()
         try:
             return self._start(sb)
@@ -75,7 +75,7 @@ class Node:
             self.__exit__()
             raise
 
-    def _start(self, sb: Sandbox) -> "Node":
+    def _start(self, sb: Sandbox) -> Node:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         wsock, asock = f"{self.tmp}/worker.sock", f"{self.tmp}/agent.sock"
         cfg = Path(self.tmp, "turbonode.toml")

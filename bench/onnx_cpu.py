@@ -81,8 +81,8 @@ def main(argv=None) -> int:
 
     from render.backends import onnx_export
     from render.backends.torch_backend import TorchBackend
-    from turbonode.stats import percentile
     from render.model import load_components
+    from turbonode.stats import percentile
 
     comps = load_components("tiny")
     backend = TorchBackend(comps, torch.device("cpu"))
@@ -113,8 +113,9 @@ def main(argv=None) -> int:
             t = torch.linspace(999, 1, batch)
             e = torch.randn(batch, 77, comps.unet.config.cross_attention_dim, generator=gen)
             feeds = {"sample": x.numpy(), "timestep": t.numpy(), "encoder_hidden_states": e.numpy()}
-            torch_ms = timed(lambda: backend.predict_noise(x, t, e), args.iters)
-            ort_ms = timed(lambda: session.run(None, feeds), args.iters)
+            # timed() calls the lambdas at once: they see this iteration's inputs
+            torch_ms = timed(lambda: backend.predict_noise(x, t, e), args.iters)  # noqa: B023
+            ort_ms = timed(lambda: session.run(None, feeds), args.iters)  # noqa: B023
             diff = abs(session.run(None, feeds)[0] - backend.predict_noise(x, t, e).numpy()).max()
             ratio = statistics.median(torch_ms) / statistics.median(ort_ms)
             print(

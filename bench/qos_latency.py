@@ -25,11 +25,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from bpf import source  # noqa: E402
+from sandbox.netns import Sandbox  # noqa: E402
 from tc import bpfobj  # noqa: E402
 from tc.datapath import Datapath  # noqa: E402
-from tests.frames import frames  # noqa: E402
 from tc.netlink import Link  # noqa: E402
-from sandbox.netns import Sandbox  # noqa: E402
+from tests.frames import frames  # noqa: E402
 from turbonode.config import QosConfig  # noqa: E402
 from turbonode.rates import format_rate, parse_rate  # noqa: E402
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 
 def load(paths: list[str]) -> list[dict]:

@@ -36,12 +36,12 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 from render.backends.select import make_backend  # noqa: E402
+from render.batching import BatchPolicy  # noqa: E402
+from render.encode_prompt import PromptEncoder  # noqa: E402
 from render.engine import Engine, EngineSettings  # noqa: E402
 from render.gc_telemetry import GcMonitor, freeze_after_load  # noqa: E402
 from render.jobs import JobRequest  # noqa: E402
 from render.model import load_components  # noqa: E402
-from render.batching import BatchPolicy  # noqa: E402
-from render.encode_prompt import PromptEncoder  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
 
 PROMPTS = [f"a watercolor of a lighthouse, variation {i}" for i in range(6)]
@@ -301,7 +301,8 @@ def main(argv=None) -> int:
     step_s = runs[BatchPolicy.STEP_PRIORITY]["full_batch_step_s"]
     print(f"\n== turbo latency, {a.probes} open-loop probes, relax flood >= {a.flood} queued (seconds) ==")
     print(
-        f"{'policy':<34} {'p50':>7} {'p99':>7} {'relax img/s':>12} {'relax queued':>13}   (relax img/s: work done meanwhile)"
+        f"{'policy':<34} {'p50':>7} {'p99':>7} {'relax img/s':>12} {'relax queued':>13}"
+        "   (relax img/s: work done meanwhile)"
     )
     print(f"{'idle (no load)':<34} {idle_s['p50']:7.3f} {idle_s['p99']:7.3f}")
     figures = {}
@@ -319,8 +320,8 @@ def main(argv=None) -> int:
     target = idle_s["p99"] + (step_s or 0)
     got = figures[BatchPolicy.STEP_PRIORITY.value]["p99"]
     print(
-        f"target: step-priority p99 <= idle p99 + one max-batch step (median) = {idle_s['p99']:.3f} + {step_s or 0:.3f} "
-        f"= {target:.3f} s -> {got:.3f} s ({'met' if got <= target else 'NOT met'})"
+        f"target: step-priority p99 <= idle p99 + one max-batch step (median) = {idle_s['p99']:.3f} "
+        f"+ {step_s or 0:.3f} = {target:.3f} s -> {got:.3f} s ({'met' if got <= target else 'NOT met'})"
     )
 
     hits = sum(e.hits for e in bench.encoders)

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 import enum
 import math
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Mapping
 
 from turbonode.tiers import PRIORITY_ORDER, PROTECTED_TIER
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import os
 import signal
-from typing import Callable
+from collections.abc import Callable
 
 from turbonode import sdnotify
 from turbonode.config import split_host_port
@@ -44,12 +44,12 @@ class Worker:
 
         from .backends.select import make_backend
         from .backends.tensorrt import TensorRTOptions
+        from .encode_prompt import PromptEncoder
         from .engine import Engine, EngineSettings
         from .gc_telemetry import GcMonitor, freeze_after_load
         from .http_api import Api, RequestDefaults
         from .metrics import WorkerMetrics
         from .model import load_components
-        from .encode_prompt import PromptEncoder
 
         self.cfg = cfg
         torch_threads()

@@ -3,7 +3,7 @@ plus its image post-processing)."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -8,7 +8,7 @@ rows (unconditional, conditional) combined with its job's guidance scale.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

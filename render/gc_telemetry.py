@@ -12,7 +12,7 @@ import collections
 import gc
 import itertools
 import time
-from typing import Callable
+from collections.abc import Callable
 
 
 class GcMonitor:
@@ -47,7 +47,7 @@ class GcMonitor:
         if self._observe is not None:
             self._observe(generation, pause)
 
-    def install(self) -> "GcMonitor":
+    def install(self) -> GcMonitor:
         if not self._installed:
             gc.callbacks.append(self._callback)
             self._installed = True

@@ -18,8 +18,8 @@ import logging
 import math
 import secrets
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest

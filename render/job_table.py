@@ -15,7 +15,8 @@ import collections
 import itertools
 import math
 import threading
-from typing import Any, Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from turbonode.stats import percentile
 from turbonode.tiers import PRIORITY_ORDER

@@ -79,7 +79,7 @@ class JobRequest:
 
 @dataclass(eq=False)
 class Sample:
-    job: "Job"
+    job: Job
     index: int
     scheduler: Any = None  # built at the sample's first step (step caps apply then)
     latents: Any = None

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import diffusers
 
-# name -> (diffusers class, config overrides); the names are turbonode.config.SAMPLER_NAMES. Few-step samplers use 'trailing' spacing
-# so the first step starts from pure noise (t=999), as SD-Turbo is trained for.
+# name -> (diffusers class, config overrides); the names are turbonode.config.SAMPLER_NAMES.
+# Few-step samplers use 'trailing' spacing so the first step starts from pure noise (t=999),
+# as SD-Turbo is trained for.
 SAMPLERS: dict[str, tuple[str, dict]] = {
     "euler_a": ("EulerAncestralDiscreteScheduler", {"timestep_spacing": "trailing"}),
     "euler": ("EulerDiscreteScheduler", {"timestep_spacing": "trailing"}),

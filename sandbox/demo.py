@@ -20,8 +20,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .node import DemoError, DemoNode
 

@@ -42,7 +42,7 @@ class Sandbox:
         self.client_ip6 = f"fd00:254:{subnet}::2"
         self._created: list[str] = []
 
-    def create(self) -> "Sandbox":
+    def create(self) -> Sandbox:
         try:
             for ns in (self.server, self.client):
                 _ip("netns", "add", ns)
@@ -90,7 +90,7 @@ class Sandbox:
     def popen(self, ns: str, *argv: str, **kw) -> subprocess.Popen:
         return subprocess.Popen(self.cmd(ns, *argv), **kw)
 
-    def __enter__(self) -> "Sandbox":
+    def __enter__(self) -> Sandbox:
         return self.create()
 
     def __exit__(self, *exc) -> None:

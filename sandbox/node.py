@@ -52,7 +52,7 @@ class DemoNode:
 
     # ---- lifecycle -------------------------------------------------------------------
 
-    def start(self) -> "DemoNode":
+    def start(self) -> DemoNode:
         sb = self.sandbox.create()
         self.config.write_text(
             f'[qos]\ndev = "{sb.dev}"\nnetns = "{sb.server}"\nrate = "{self.s.rate}"\nkeep_on_stop = false\n'
@@ -82,7 +82,7 @@ class DemoNode:
         self.sandbox.delete()  # takes the veth pair and every qdisc on it along
         shutil.rmtree(self.tmp, ignore_errors=True)
 
-    def __enter__(self) -> "DemoNode":
+    def __enter__(self) -> DemoNode:
         try:
             return self.start()
         except BaseException:

@@ -11,7 +11,8 @@ import json
 import re
 import subprocess
 import time
-from typing import TYPE_CHECKING, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from turbonode.rates import format_rate
 from turbonode.tiers import tos_byte

@@ -24,10 +24,9 @@ from turbonode.errors import DatapathError
 from turbonode.rates import parse_rate
 from turbonode.tiers import tier as tier_by_name
 
-from . import reconcile
-from . import bpfobj, classifier
-from .netlink import Link
+from . import bpfobj, classifier, reconcile
 from .class_stats import tier_rows
+from .netlink import Link
 from .tree import Tree, build_tree, with_rate
 
 
@@ -49,7 +48,7 @@ class Datapath:
                 self._cached.close()
                 self._cached = None
 
-    def __enter__(self) -> "Datapath":
+    def __enter__(self) -> Datapath:
         return self
 
     def __exit__(self, *exc) -> None:

@@ -8,8 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from agent.metrics import WatcherCollector
-from turbonode.rpc_server import UnixRpcServer
 from turbonode.jsonrpc import INVALID_PARAMS, ControlClient, RpcError
+from turbonode.rpc_server import UnixRpcServer
 
 
 class MiniWorker:

@@ -38,7 +38,7 @@ class NotifyListener:
         while not self._closed:
             try:
                 data = self.sock.recv(4096).decode()
-            except socket.timeout:
+            except TimeoutError:
                 continue
             except OSError:
                 return

@@ -3,8 +3,6 @@ plus the relax-ceil action against a recording datapath stand-in."""
 
 import time
 
-import pytest
-
 from agent.actuator import Actuator
 from agent.policy import Actions
 from agent.watchers.worker import WorkerWatcher

@@ -7,8 +7,8 @@ import pytest
 from click.testing import CliRunner
 
 from turboctl import main
-from turbonode.rpc_server import UnixRpcServer
 from turbonode.errors import TurbonodeError
+from turbonode.rpc_server import UnixRpcServer
 
 SNAPSHOT = {
     "level": "degraded",

@@ -16,9 +16,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from turboctl import main
 from bench.node import free_port, wait_for
 from tests.agent_helpers import mini_worker as worker  # noqa: F401  (fixture)
+from turboctl import main
 from turbonode.jsonrpc import ControlClient
 
 ROOT = str(Path(__file__).resolve().parents[1])

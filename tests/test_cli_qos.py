@@ -5,9 +5,9 @@ import os
 
 import pytest
 from click.testing import CliRunner
+from conftest import needs_bcc
 
 from turboctl import main
-from conftest import needs_bcc
 
 
 def run(*args):

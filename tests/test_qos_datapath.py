@@ -9,8 +9,8 @@ import sys
 import time
 
 import pytest
-
 from conftest import BCC_SKIP, needs_bcc
+
 from tests.frames import Wire, frames
 
 pytestmark = [needs_bcc, pytest.mark.root]
@@ -81,8 +81,8 @@ def shared():
     """One sandbox and one applied datapath for the per-frame classification cases."""
     if BCC_SKIP:
         pytest.skip(BCC_SKIP)
-    from tc.datapath import Datapath
     from sandbox.netns import Sandbox
+    from tc.datapath import Datapath
 
     with Sandbox() as sb:
         dp = Datapath(sb.dev, sb.server)

@@ -3,8 +3,8 @@ see the pfifo fallback; a stand-in link reproduces a kernel that has it (and one
 
 import pytest
 
-from tc.reconcile import reconcile_leaves
 from tc.netlink import Qdisc, UnsupportedKind
+from tc.reconcile import reconcile_leaves
 from tc.tree import build_tree
 from turbonode.errors import DatapathError
 

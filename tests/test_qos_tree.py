@@ -28,7 +28,7 @@ def test_default_tree_follows_the_tier_table():
     ]
     assert all(c.parent == ROOT_CLASS for c in tiers)
     assert tree.default_minor == 0x30
-    assert [(fmt_handle(l.parent), fmt_handle(l.handle), l.limit) for l in tree.leaves] == [
+    assert [(fmt_handle(leaf.parent), fmt_handle(leaf.handle), leaf.limit) for leaf in tree.leaves] == [
         ("1:10", "10:0", 1000),
         ("1:20", "20:0", 1000),
         ("1:30", "30:0", 1000),

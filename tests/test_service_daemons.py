@@ -14,9 +14,6 @@ from pathlib import Path
 
 import pytest
 from conftest import needs_bcc
-
-from sandbox.loadgen import request_image
-from turbonode.jsonrpc import ControlClient
 from daemon_harness import (
     PROMTOOL_SKIP,
     ROOT,
@@ -28,6 +25,9 @@ from daemon_harness import (
     stop,
     turboctl_argv,
 )
+
+from sandbox.loadgen import request_image
+from turbonode.jsonrpc import ControlClient
 
 WATCHDOG_USEC = 400_000  # the daemon must ping every 0.2 s
 
@@ -239,7 +239,7 @@ def test_agent_runs_with_only_the_units_capabilities(sandbox, tmp_path, notify):
         assert status["watchers"]["softirq"]["ok"] and status["watchers"]["htb"]["ok"], status["watchers"]
         assert "htb" in root_qdisc(sandbox)
         assert re.search(
-            r"^CapBnd:\s*0*{:x}$".format(sum(1 << CAP_BITS[c] for c in caps)),
+            rf"^CapBnd:\s*0*{sum(1 << CAP_BITS[c] for c in caps):x}$",
             Path(f"/proc/{proc.pid}/status").read_text(),
             re.M,
         )

@@ -18,11 +18,11 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-from turboctl import main
 from render.control_server import ControlHandlers, ControlServer
 from render.gc_telemetry import GcMonitor
-from turbonode.jsonrpc import ControlClient
 from tests.worker_support import make_engine, serve
+from turboctl import main
+from turbonode.jsonrpc import ControlClient
 
 ROOT = Path(__file__).resolve().parents[1]
 TURBOCTL = [sys.executable, "-c", "from turboctl import main; main()"]

@@ -11,12 +11,12 @@ import stat
 import pytest
 
 from render.control_server import ControlHandlers, ControlServer
-from turbonode.rpc_server import SocketInUse
 from render.gc_telemetry import GcMonitor
+from tests.worker_support import make_engine, req
 from turbonode import jsonrpc
 from turbonode.errors import ControlError
 from turbonode.jsonrpc import ControlClient
-from tests.worker_support import make_engine, req
+from turbonode.rpc_server import SocketInUse
 
 
 @pytest.fixture

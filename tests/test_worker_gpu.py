@@ -15,10 +15,10 @@ pytestmark = [
 def test_engine_on_cuda_fp16_renders_and_reports_gpu_memory():
     from render.backends.select import make_backend
     from render.control_server import ControlHandlers
+    from render.encode_prompt import PromptEncoder
     from render.engine import Engine
     from render.gc_telemetry import GcMonitor
     from render.model import load_components
-    from render.encode_prompt import PromptEncoder
     from tests.worker_support import drain, req
 
     comps = load_components("tiny")  # its own copy: the backend moves modules to the GPU in place

@@ -15,8 +15,8 @@ import pytest
 from PIL import Image
 
 from render.http_api import mark_socket
-from turbonode.tiers import tos_byte
 from tests.worker_support import serve
+from turbonode.tiers import tos_byte
 
 
 @pytest.fixture(scope="module")

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 
 from render.batching import (
+    BatchPolicy,
     Candidate,
     Finished,
     Limits,
-    BatchPolicy,
     compose_batch,
     decode_chunk,
     estimate_cost,
@@ -125,7 +125,7 @@ def test_min_share_credit_is_dropped_when_the_tier_is_served_or_gone():
 def test_starved_tier_of_another_shape_gets_the_batch_eventually():
     c = cands(*[(f"t{i}", "turbo", i) for i in range(8)], ("r1", "relax", 100, (512, 512)))
     credits = {}
-    for n in range(100):
+    for n in range(100):  # noqa: B007 - n counts the batches, read after the loop
         comp = compose_batch(c, Limits(4, min_share=0.1), credits)
         credits = comp.credits
         if "r1" in comp.keys:

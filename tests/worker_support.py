@@ -8,12 +8,12 @@ import functools
 import threading
 
 from render.backends.select import make_backend
+from render.encode_prompt import PromptEncoder
 from render.engine import Engine, EngineSettings
 from render.http_api import Api, RequestDefaults
 from render.jobs import JobRequest
 from render.metrics import WorkerMetrics
 from render.model import load_components
-from render.encode_prompt import PromptEncoder
 
 SIZE = 64  # pixels: the smallest size the API takes keeps every test step ~10 ms
 

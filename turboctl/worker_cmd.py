@@ -15,6 +15,7 @@ import click
 from turbonode.config import BACKEND_NAMES, load_config
 from turbonode.errors import ConfigError, ControlError, TurbonodeError
 from turbonode.jsonrpc import DEFAULT_SOCKET, ControlClient
+
 from .params import TIER, TIER_STEPS, json_option
 
 

@@ -12,8 +12,9 @@ import dataclasses
 import os
 import tomllib
 import typing
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
 
 from .errors import ConfigError, RateError
 from .levels import ACTION_LEVELS
@@ -244,7 +245,7 @@ def level_actions(v):
             raise ValueError(f"unknown level {level!r} (expected one of {', '.join(ACTION_LEVELS)})")
         if not isinstance(acts, dict):
             raise ValueError(f"{level}: expected a table, got {acts!r}")
-        for k, x in acts.items():
+        for k in acts:
             if k not in ACTION_KEYS:
                 raise ValueError(f"{level}.{k}: unknown action (known: {', '.join(ACTION_KEYS)})")
         ceil = acts.get("relax_ceil_pct")

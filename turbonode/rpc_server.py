@@ -14,7 +14,8 @@ import socket
 import socketserver
 import stat
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from . import jsonrpc
 from .errors import TurbonodeError
@@ -148,7 +149,7 @@ class UnixRpcServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
         finally:
             self._slots.release()
 
-    def start(self) -> "UnixRpcServer":
+    def start(self) -> UnixRpcServer:
         self._thread = threading.Thread(
             target=self.serve_forever, kwargs={"poll_interval": 0.2}, name=f"turbonode-{self.owner}-rpc", daemon=True
         )

@@ -2,9 +2,10 @@
 
 Signals: NET_RX raise-to-entry latency p99 over the last sample, and the busiest CPU's share
 of time spent in NET_RX (on veth and other software paths the raise is served within
-microseconds even during a flood, so the time share is what shows a storm there). Where BPF cannot be used (no bcc, no tracepoints, no headers) the watcher
-falls back to /proc/softirqs counts and says so; its collector then reports failure because
-the counts alone are node_exporter's business.
+microseconds even during a flood, so the time share is what shows a storm there). Where BPF
+cannot be used (no bcc, no tracepoints, no headers) the watcher falls back to /proc/softirqs
+counts and says so; its collector then reports failure because the counts alone are
+node_exporter's business.
 """
 
 from __future__ import annotations

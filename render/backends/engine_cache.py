@@ -19,9 +19,10 @@ import logging
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 from turbonode.errors import BackendUnavailable
 

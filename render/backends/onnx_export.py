@@ -69,6 +69,9 @@ class ExportShape:
     text_len: int = 77
 
 
+DEFAULT_SHAPE = ExportShape()
+
+
 def _export(
     module: torch.nn.Module, args: tuple, path: Path, input_names, output_names, dynamic_axes: dict, opset: int
 ) -> Path:
@@ -102,7 +105,7 @@ def _placement(module: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
 
 
 def export_unet(
-    unet: torch.nn.Module, path: str | Path, *, shape: ExportShape = ExportShape(), opset: int = OPSET
+    unet: torch.nn.Module, path: str | Path, *, shape: ExportShape = DEFAULT_SHAPE, opset: int = OPSET
 ) -> Path:
     """Write the UNet as ONNX with dynamic batch, latent H/W and text length.
 
@@ -126,7 +129,7 @@ def export_unet(
 
 
 def export_vae_decoder(
-    vae: torch.nn.Module, path: str | Path, *, shape: ExportShape = ExportShape(), opset: int = OPSET
+    vae: torch.nn.Module, path: str | Path, *, shape: ExportShape = DEFAULT_SHAPE, opset: int = OPSET
 ) -> Path:
     """Write the VAE decoder (with the latent scaling) as ONNX, dynamic batch and H/W."""
     device, dtype = _placement(vae)
