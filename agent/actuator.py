@@ -49,10 +49,10 @@ class Actuator:
             log.info("%s%s (%s)", "dry-run: would apply " if self.dry_run else "apply ", actions, reason)
         self.applied = actions
         if self.worker is not None:
-            self._worker(actions.throttle, reason, signal, now)
+            self._worker(self.worker, actions.throttle, reason, signal, now)
         self._ceil(actions, signal)
 
-    def _worker(self, want: dict | None, reason: str, signal: str, now: float) -> None:
+    def _worker(self, worker: ControlClient, want: dict | None, reason: str, signal: str, now: float) -> None:
         fresh = now - self._sent_at < self.ttl_s * RENEW_FRACTION
         if want == self._sent and (want is None or fresh):
             return
@@ -64,7 +64,7 @@ class Actuator:
                 self.counts[(action, signal)] += 1
         else:
             try:
-                self.worker.call("release" if want is None else "throttle", **params)
+                worker.call("release" if want is None else "throttle", **params)
             except ControlError as exc:  # absent or restarting worker: retried next sample
                 if self.worker_error != str(exc):
                     log.warning("worker %s failed: %s", action, exc)

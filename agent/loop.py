@@ -50,9 +50,10 @@ class AgentLoop:
             )
         else:
             log.debug("level %s", decision.describe())
-        up = self.last_change is not None and self.last_change.level > self.last_change.previous
-        cause = self.last_change.reasons[0].signal if up else "recovery"  # metrics label
-        reason = self.last_change.describe() if self.last_change else "normal"
+        last = self.last_change
+        up = last is not None and last.level > last.previous
+        cause = last.reasons[0].signal if last is not None and up else "recovery"  # metrics label
+        reason = last.describe() if last is not None else "normal"
         self.actuator.apply(self.actions[decision.level], reason, cause, now)
         self._publish(decision)
         return decision

@@ -24,7 +24,7 @@ def ensure_mounts(procfs: str = "/proc", sysfs: str = "/sys") -> dict[str, str |
     except OSError as exc:
         log.warning("cannot read %s/self/mounts (%s); not mounting bpffs/tracefs", procfs, exc.strerror)
         return {fstype: f"mount table unreadable: {exc.strerror}" for fstype, _, _ in MOUNTS}
-    out = {}
+    out: dict[str, str | None] = {}
     for fstype, source, rel in MOUNTS:
         target = os.path.join(sysfs, rel)
         if have.get(target) == fstype:

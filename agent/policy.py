@@ -20,6 +20,7 @@ import dataclasses
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from turbonode.config import PolicyConfig, policy_rules
 from turbonode.errors import ConfigError
@@ -59,7 +60,7 @@ class Reason:
     def __str__(self) -> str:
         return describe_reason(self.signal, self.value, self.threshold, self.crossed)
 
-    def as_dict(self) -> dict:
+    def as_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
 
@@ -88,6 +89,8 @@ class Decision:
 
 @dataclass
 class _RuleState:
+    enter_samples: int  # the rule's dwell, its own or the policy's
+    exit_samples: int
     above: int = 0
     below: int = 0
     active: bool = False
@@ -104,14 +107,18 @@ class DegradationPolicy:
     last_change: float = -math.inf
     _state: dict[str, _RuleState] = field(default_factory=dict)
 
-    def __post_init__(self):
+    def __post_init__(self) -> None:
+        self._state = {
+            r.signal: _RuleState(r.enter_samples or self.enter_samples, r.exit_samples or self.exit_samples)
+            for r in self.rules
+        }
+        # the rules as in force, each with its dwell
         self.rules = tuple(
             dataclasses.replace(
-                r, enter_samples=r.enter_samples or self.enter_samples, exit_samples=r.exit_samples or self.exit_samples
+                r, enter_samples=self._state[r.signal].enter_samples, exit_samples=self._state[r.signal].exit_samples
             )
             for r in self.rules
         )
-        self._state = {r.signal: _RuleState() for r in self.rules}
 
     def update(self, signals: Mapping[str, float | None], now: float) -> Decision:
         """Feed one sample taken at `now` (seconds, any monotonic clock)."""
@@ -121,12 +128,12 @@ class DegradationPolicy:
         active = [r for r in self.rules if self._state[r.signal].active]
         may_change = now - self.last_change >= self.min_change_interval
         if active:
-            fresh = any(self._state[r.signal].above >= r.enter_samples for r in active)
+            fresh = any(self._state[r.signal].above >= self._state[r.signal].enter_samples for r in active)
             if may_change and fresh and self.level < len(LEVELS) - 1:
                 self._change(self.level + 1, now)
             reasons = tuple(self._active_reason(r) for r in active)
         else:
-            healthy = all(self._state[r.signal].below >= r.exit_samples for r in self.rules)
+            healthy = all(st.below >= st.exit_samples for st in self._state.values())
             if may_change and healthy and self.level > NORMAL:
                 self._change(self.level - 1, now)
             reasons = (
@@ -153,9 +160,9 @@ class DegradationPolicy:
             st.above, st.below = 0, st.below + 1
         else:  # inside the hysteresis band: keep the state, restart both streaks
             st.above = st.below = 0
-        if st.below >= rule.exit_samples:
+        if st.below >= st.exit_samples:
             st.active, st.above = False, 0  # a long healthy run also ends a streak that None held
-        elif st.above >= rule.enter_samples:
+        elif st.above >= st.enter_samples:
             st.active = True
 
     def _change(self, level: int, now: float) -> None:
@@ -164,7 +171,7 @@ class DegradationPolicy:
         for st in self._state.values():
             st.above = st.below = 0
 
-    def snapshot(self) -> dict:
+    def snapshot(self) -> dict[str, Any]:
         return {
             r.signal: {
                 "value": self._state[r.signal].value,
@@ -204,7 +211,7 @@ class Actions:
     """What the agent enforces at one level. `throttle` is None or the worker's throttle params."""
 
     relax_ceil_pct: int | None = None
-    throttle: dict | None = None
+    throttle: dict[str, Any] | None = None
 
 
 def actions_table(cfg: PolicyConfig) -> dict[int, Actions]:

@@ -23,10 +23,12 @@ import enum
 import math
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from turbonode.tiers import PRIORITY_ORDER, PROTECTED_TIER
 
 RANK: dict[str, int] = {t: i for i, t in enumerate(PRIORITY_ORDER)}
+Shape = tuple[int, ...]  # (height, width): samples of one shape batch together
 
 
 class BatchPolicy(str, enum.Enum):
@@ -42,7 +44,7 @@ CO_BATCH_SLACK = 0.25  # lower tiers join turbo while its step gets at most this
 class Candidate:
     key: Hashable  # identifies the sample, e.g. (job_id, index)
     tier: str
-    shape: tuple  # samples batch together only when shapes match
+    shape: Shape  # samples batch together only when shapes match
     seq: int  # arrival order of the job (FIFO within a tier)
     started: bool = False  # has taken at least one step
     rows: int = 1  # UNet rows: 2 with classifier-free guidance
@@ -53,7 +55,7 @@ class Limits:
     max_batch: int
     paused: frozenset[str] = frozenset()
     min_share: float = 0.0
-    step_cost: Mapping[tuple, float] = field(default_factory=dict)  # (shape, UNet rows) -> measured seconds
+    step_cost: Mapping[tuple[Shape, int], float] = field(default_factory=dict)  # (shape, UNet rows) -> seconds
     co_batch_slack: float = CO_BATCH_SLACK
 
 
@@ -76,22 +78,22 @@ def estimate_cost(rows: int, table: Mapping[int, float]) -> float | None:
 
 @dataclass(frozen=True)
 class Composition:
-    keys: tuple  # the samples to step, in batch order
+    keys: tuple[Hashable, ...]  # the samples to step, in batch order
     credits: dict[str, float] = field(default_factory=dict)
 
 
-def _priority_key(c: Candidate):
+def _priority_key(c: Candidate) -> tuple[int, int, str]:
     return (RANK[c.tier], c.seq, str(c.key))
 
 
-def _fifo_key(c: Candidate):
+def _fifo_key(c: Candidate) -> tuple[int, str]:
     return (c.seq, str(c.key))
 
 
 def _fill(
     ordered: list[Candidate],
     chosen: list[Candidate],
-    shape,
+    shape: Shape,
     capacity: int,
     admit: Callable[[Candidate, list[Candidate]], bool] | None = None,
 ) -> None:
@@ -104,7 +106,7 @@ def _fill(
             taken.add(c.key)
 
 
-def _cheap_for_turbo(limits: Limits):
+def _cheap_for_turbo(limits: Limits) -> Callable[[Candidate, list[Candidate]], bool]:
     """admit(): a lower-tier sample joins a turbo batch only if turbo's step stays nearly as fast."""
 
     def admit(c: Candidate, chosen: list[Candidate]) -> bool:
@@ -123,7 +125,7 @@ def _cheap_for_turbo(limits: Limits):
     return admit
 
 
-def _whole_job(cands: list[Candidate], limits: Limits, order) -> Composition:
+def _whole_job(cands: list[Candidate], limits: Limits, order: Callable[[Candidate], tuple[Any, ...]]) -> Composition:
     running = sorted((c for c in cands if c.started), key=order)
     waiting = sorted((c for c in cands if not c.started), key=order)
     if not running and not waiting:
@@ -195,7 +197,7 @@ def compose_batch(
 class Finished:
     key: Hashable
     tier: str
-    shape: tuple
+    shape: Shape
     seq: int
 
 
@@ -220,7 +222,7 @@ def should_decode(
 
 def decode_chunk(
     finished: Iterable[Finished], max_batch: int, step_budget_s: float | None, decode_s_per_image: float | None
-) -> tuple:
+) -> tuple[Hashable, ...]:
     """Keys of the next decode batch: best tier first, one shape, at most max_batch.
 
     A decode cannot be interrupted, so below the top tier a chunk is kept to about one

@@ -20,7 +20,7 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -271,7 +271,7 @@ class Engine:
         return self._run_step(runnable, limits)
 
     def _run_decode(self, finished: list[Sample], limits: batching.Limits) -> bool:
-        by_key = {s.key: s for s in finished}
+        by_key: dict[Hashable, Sample] = {s.key: s for s in finished}
         keys = batching.decode_chunk(
             [batching.Finished(s.key, s.job.tier, _shape(s), s.job.seq) for s in finished],
             limits.max_batch,
@@ -282,7 +282,7 @@ class Engine:
         return True
 
     def _run_step(self, runnable: list[Sample], limits: batching.Limits) -> bool:
-        by_key = {s.key: s for s in runnable}
+        by_key: dict[Hashable, Sample] = {s.key: s for s in runnable}
         cands = [
             batching.Candidate(s.key, s.job.tier, _shape(s), s.job.seq, s.scheduler is not None, rows(s))
             for s in runnable

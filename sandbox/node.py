@@ -216,7 +216,10 @@ class _AgentWatch:
     """Polls the agent's status during a phase: the highest level and the throttles it applied."""
 
     def __init__(self, rpc: ControlClient):
-        self.rpc, self.levels, self.throttles, self.reasons = rpc, [], [], set()
+        self.rpc = rpc
+        self.levels: list[int] = []
+        self.throttles: list[dict] = []
+        self.reasons: set[str] = set()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()

@@ -12,15 +12,16 @@ import ctypes.util
 import errno
 import os
 import struct
+from collections.abc import Iterable
 
 from turbonode.errors import BpfUnavailableError, DatapathError, NotRootError
 
 BPF_STATS_RUN_TIME = 0
 
-_lib = None
+_lib: ctypes.CDLL | None = None
 
 
-def _libbpf():
+def _libbpf() -> ctypes.CDLL:
     global _lib
     if _lib is None:
         name = ctypes.util.find_library("bpf") or "libbpf.so.1"
@@ -74,26 +75,31 @@ class PinnedMap:
             os.close(self.fd)
             self.fd = -1
 
-    def __enter__(self):
+    def __enter__(self) -> PinnedMap:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _value_buf(self):
+    def _value_buf(self) -> tuple[ctypes.Array[ctypes.c_char], int, int]:
         slot = (self.value_size + 7) & ~7  # per-CPU values are 8-byte aligned slots
         n = possible_cpus() if self.percpu else 1
         return ctypes.create_string_buffer(slot * n if self.percpu else self.value_size), slot, n
 
-    def lookup(self, key: int) -> bytes | list[bytes]:
-        """Value bytes; for a per-CPU map a list with one value per possible CPU."""
+    def _lookup(self, key: int) -> tuple[bytes, int, int]:
         k = ctypes.c_uint32(key)
         buf, slot, n = self._value_buf()
         _check(_libbpf().bpf_map_lookup_elem(self.fd, ctypes.byref(k), buf), f"lookup key {key} in {self.path}")
-        raw = buf.raw
-        if self.percpu:
-            return [raw[i * slot : i * slot + self.value_size] for i in range(n)]
-        return raw
+        return buf.raw, slot, n
+
+    def lookup(self, key: int) -> bytes:
+        """The value's bytes (a map that is not per-CPU)."""
+        return self._lookup(key)[0]
+
+    def lookup_percpu(self, key: int) -> list[bytes]:
+        """A per-CPU map's values, one per possible CPU."""
+        raw, slot, n = self._lookup(key)
+        return [raw[i * slot : i * slot + self.value_size] for i in range(n)]
 
     def update(self, key: int, value: bytes) -> None:
         if len(value) != self.value_size:
@@ -103,7 +109,7 @@ class PinnedMap:
         _check(_libbpf().bpf_map_update_elem(self.fd, ctypes.byref(k), buf, 0), f"update key {key} in {self.path}")
 
 
-def write_u32_array(path: str, values) -> None:
+def write_u32_array(path: str, values: Iterable[int]) -> None:
     with PinnedMap(path) as m:
         for i, v in enumerate(values):
             m.update(i, struct.pack("=I", v))
@@ -120,7 +126,7 @@ def read_counters(path: str, n: int) -> list[tuple[int, int]]:
     with PinnedMap(path, value_size=16, percpu=True) as m:
         for i in range(n):
             pk = by = 0
-            for v in m.lookup(i):
+            for v in m.lookup_percpu(i):
                 p, b = struct.unpack("=QQ", v)
                 pk += p
                 by += b
@@ -140,7 +146,7 @@ def prog_fd_by_id(prog_id: int) -> int:
 
 def prog_run_stats(prog_fd: int, procfs: str = "/proc") -> tuple[int, int]:
     """(run_time_ns, run_cnt) of a program, from the fdinfo of an fd this process holds."""
-    fields = {}
+    fields: dict[str, str] = {}
     with open(f"{procfs}/self/fdinfo/{prog_fd}") as f:
         for line in f:
             key, _, value = line.partition(":")

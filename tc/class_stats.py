@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from turbonode.tiers import TIERS
 
 from .netlink import ClassState
 from .tree import class_handle, fmt_handle
 
 
-def tier_rows(counters: list[tuple[int, int]], classes: list[ClassState], dscp_table: list[int]) -> dict:
+def tier_rows(counters: list[tuple[int, int]], classes: list[ClassState], dscp_table: list[int]) -> dict[str, Any]:
     """{tier: {...}, "unparsed": {...}}: counters indexed by tier index (last slot: unparsed),
     classes as read from the kernel, dscp_table the live DSCP -> tier index map."""
     by_handle = {c.handle: c for c in classes}
-    rows: dict[str, dict] = {}
+    rows: dict[str, dict[str, Any]] = {}
     for t in TIERS:
         c = by_handle.get(class_handle(t.class_minor))
         packets, nbytes = counters[t.index] if t.index < len(counters) else (0, 0)

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Sequence
 
 from turbonode.errors import BpfUnavailableError, DatapathError, NoDeviceError, NotRootError
 from turbonode.tiers import BY_NAME, DEFAULT_TIER, TIERS
@@ -39,7 +40,7 @@ def pin_paths(pin_dir: str) -> dict[str, str]:
     return {name: os.path.join(pin_dir, name) for name in ("dscp_map", "tier_minor", "counters")}
 
 
-def write_tables(pin_dir: str, dscp_table, tier_minors) -> None:
+def write_tables(pin_dir: str, dscp_table: Sequence[int], tier_minors: Sequence[int]) -> None:
     """Program the pinned maps. Minors before DSCPs: a DSCP never points at an unset tier."""
     paths = pin_paths(pin_dir)
     bpfobj.write_u32_array(paths["tier_minor"], tier_minors)
@@ -54,7 +55,9 @@ def _prog_id(fd: int) -> int:
     raise DatapathError("kernel did not report the classifier's program id")
 
 
-def load_and_attach(dev: str, netns: str | None, pin_dir: str, dscp_table, tier_minors) -> int:
+def load_and_attach(
+    dev: str, netns: str | None, pin_dir: str, dscp_table: Sequence[int], tier_minors: Sequence[int]
+) -> int:
     """In this process: compile, load, fill maps, replace the filter. Returns the program id."""
     from bpf import source
 

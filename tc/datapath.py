@@ -17,7 +17,9 @@ from __future__ import annotations
 import os
 import struct
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 from turbonode.config import QosConfig
 from turbonode.errors import DatapathError
@@ -51,11 +53,11 @@ class Datapath:
     def __enter__(self) -> Datapath:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     @contextmanager
-    def _link(self):
+    def _link(self) -> Iterator[Link]:
         """The kept-open link; dropped on error so that the next call opens a fresh one (the
         device may have been re-created with a new index)."""
         with self._lock:
@@ -70,7 +72,7 @@ class Datapath:
     # ---- inputs ---------------------------------------------------------------------
 
     @staticmethod
-    def inputs(config=None, rate_bps: int | None = None) -> dict:
+    def inputs(config: QosConfig | None = None, rate_bps: int | None = None) -> dict[str, Any]:
         """build_tree() keyword arguments from a QosConfig (or defaults) and an optional rate."""
         qos = config or QosConfig()
         return {
@@ -81,10 +83,10 @@ class Datapath:
             "dscp": {int(k): v for k, v in qos.dscp.items()},
         }
 
-    def state(self) -> dict | None:
+    def state(self) -> dict[str, Any] | None:
         return reconcile.load_state(self.places.state_file)
 
-    def _applied(self) -> tuple[dict, Tree]:
+    def _applied(self) -> tuple[dict[str, Any], Tree]:
         state = self.state()
         if state is None or "inputs" not in state:
             raise DatapathError(f"no turbonode QoS on {self._where()}: run `turboctl qos apply` first")
@@ -96,7 +98,9 @@ class Datapath:
 
     # ---- operations -----------------------------------------------------------------
 
-    def apply(self, config=None, rate_bps: int | None = None, reload: bool = False) -> dict:
+    def apply(
+        self, config: QosConfig | None = None, rate_bps: int | None = None, reload: bool = False
+    ) -> dict[str, Any]:
         """Make the interface match `config` (a turbonode.config.QosConfig; defaults if None).
         `reload` recompiles and swaps the program even when the attached one is current.
         Returns {"changes": n, "prog_id": id, "leaf_kind": kind, "compiled": bool}."""
@@ -125,7 +129,7 @@ class Datapath:
             reconcile.read_back(link, tree, name)
         return {"changes": changes, "prog_id": state["prog_id"], "leaf_kind": state["leaf_kind"], "compiled": compiled}
 
-    def show(self) -> dict:
+    def show(self) -> dict[str, Any]:
         """Per-tier counters and class statistics, plus "unparsed" and the applied link rate."""
         with self._link() as link:  # first: names a missing device or namespace
             state, tree = self._applied()
@@ -160,7 +164,7 @@ class Datapath:
             for dscp, index in entries.items():
                 m.update(dscp, struct.pack("=I", index))
 
-    def set_rate(self, tier: str, rate_bps: int, ceil_bps: int | None = None) -> dict:
+    def set_rate(self, tier: str, rate_bps: int, ceil_bps: int | None = None) -> dict[str, Any]:
         """Change one tier's HTB rate/ceil in place (no reload, queued packets stay queued)."""
         with self._link() as link:
             _, tree = self._applied()
@@ -175,7 +179,7 @@ class Datapath:
             raise DatapathError(f"read-back: class for {tier} is {got}, wanted rate {new.rate_bps} ceil {new.ceil_bps}")
         return {"tier": tier, "rate_bps": got.rate_bps, "ceil_bps": got.ceil_bps}
 
-    def remove(self) -> dict:
+    def remove(self) -> dict[str, Any]:
         """Remove everything turbonode put on the interface; the previous root qdisc comes back."""
         with Link(self.dev, self.netns) as link:
             return reconcile.remove(link, self.state(), self.places)

@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 from dataclasses import dataclass
+from typing import Any
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
@@ -100,10 +101,10 @@ class Link:
     def close(self) -> None:
         self.ipr.close()
 
-    def __enter__(self):
+    def __enter__(self) -> Link:
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     def _error(self, what: str, exc: Exception) -> DatapathError:
@@ -115,13 +116,13 @@ class Link:
             return NoDeviceError(f"unknown device {self.where}")
         return DatapathError(msg)
 
-    def _tc(self, what: str, *args, **kw):
+    def _tc(self, what: str, *args: Any, **kw: Any) -> Any:
         try:
             return self.ipr.tc(*args, **kw)
         except (OSError, NetlinkError) as exc:
             raise self._error(what, exc) from None
 
-    def _dump(self, what: str, method: str, **kw) -> list:
+    def _dump(self, what: str, method: str, **kw: Any) -> list[Any]:
         try:
             return list(getattr(self.ipr, method)(index=self.ifindex, **kw))
         except (OSError, NetlinkError) as exc:

@@ -12,10 +12,11 @@ import json
 import os
 import shutil
 from dataclasses import dataclass
+from typing import Any
 
 from turbonode.errors import DatapathError
 
-from .netlink import TC_H_ROOT, Link, UnsupportedKind
+from .netlink import TC_H_ROOT, ClassState, Link, UnsupportedKind
 from .tree import LEAF_KINDS, PROG_PREFIX, ROOT_HANDLE, HtbClass, Tree, fmt_handle
 
 
@@ -32,17 +33,18 @@ def places(dev: str, netns: str | None, bpffs: str = "/sys/fs/bpf", run_dir: str
     return Places(os.path.join(bpffs, "turbonode", ns, dev), os.path.join(run_dir, "qos", ns, f"{dev}.json"))
 
 
-def load_state(path: str) -> dict | None:
+def load_state(path: str) -> dict[str, Any] | None:
     try:
         with open(path) as f:
-            return json.load(f)
+            state: dict[str, Any] = json.load(f)
+            return state
     except FileNotFoundError:
         return None
     except (OSError, ValueError) as exc:
         raise DatapathError(f"unreadable datapath state {path}: {exc}") from None
 
 
-def save_state(path: str, state: dict) -> None:
+def save_state(path: str, state: dict[str, Any]) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -50,7 +52,7 @@ def save_state(path: str, state: dict) -> None:
     os.replace(tmp, path)
 
 
-def _same_class(have, want: HtbClass) -> bool:
+def _same_class(have: ClassState, want: HtbClass) -> bool:
     # The kernel reports a class attached directly to the qdisc with parent TC_H_ROOT.
     parent = ROOT_HANDLE if have.parent == TC_H_ROOT else have.parent
     return (
@@ -62,7 +64,7 @@ def _same_class(have, want: HtbClass) -> bool:
     )
 
 
-def owns_root(link: Link, state: dict | None) -> bool:
+def owns_root(link: Link, state: dict[str, Any] | None) -> bool:
     """Is the root qdisc turbonode's? Our HTB 1: recorded in the state file, or, when the state
     is gone (a wiped /run), an HTB 1: whose filter carries our name (PROG_PREFIX)."""
     root = link.root_qdisc()
@@ -71,7 +73,7 @@ def owns_root(link: Link, state: dict | None) -> bool:
     return state is not None or any(f.name and f.name.startswith(PROG_PREFIX) for f in link.filters())
 
 
-def claim_root(link: Link, tree: Tree, state: dict | None, state_file: str) -> dict:
+def claim_root(link: Link, tree: Tree, state: dict[str, Any] | None, state_file: str) -> dict[str, Any]:
     """Make sure 1: is our HTB; record what it replaces. Returns the (new) state."""
     root = link.root_qdisc()
     ours = owns_root(link, state)
@@ -88,7 +90,7 @@ def claim_root(link: Link, tree: Tree, state: dict | None, state_file: str) -> d
         previous = None if ours else (root.kind if root else None)
         state = {"dev": link.dev, "netns": link.netns, "previous_root": {"kind": previous, "handle": 0}}
         save_state(state_file, state)
-    if not ours or root.defcls != tree.default_minor:
+    if not ours or root is None or root.defcls != tree.default_minor:
         link.replace_htb_root(tree.default_minor)
     return state
 
@@ -108,7 +110,7 @@ def reconcile_classes(link: Link, tree: Tree) -> int:
     return changes
 
 
-def reconcile_leaves(link: Link, tree: Tree, state: dict) -> int:
+def reconcile_leaves(link: Link, tree: Tree, state: dict[str, Any]) -> int:
     """Bounded leaf queues: the first kind in LEAF_KINDS this kernel has (remembered in state)."""
     have = {q.parent: q for q in link.qdiscs()}
     kinds = [state["leaf_kind"]] if state.get("leaf_kind") else list(LEAF_KINDS)
@@ -150,7 +152,7 @@ def read_back(link: Link, tree: Tree, prog_name: str) -> None:
         raise DatapathError(f"read-back: classifier filter on {link.where} is not direct-action on 1:")
 
 
-def remove(link: Link, state: dict | None, where: Places) -> dict:
+def remove(link: Link, state: dict[str, Any] | None, where: Places) -> dict[str, Any]:
     """Delete our root (and with it every class, leaf and filter), unpin the maps, forget state."""
     removed = False
     if owns_root(link, state):

@@ -14,7 +14,7 @@ import tomllib
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from .errors import ConfigError, RateError
 from .levels import ACTION_LEVELS
@@ -28,42 +28,45 @@ SAMPLER_NAMES = ("euler_a", "euler", "dpmpp_2m", "ddim", "lcm")
 # UNet/VAE backends (render/backends/select.py builds them; `auto` picks one).
 BACKEND_NAMES = ("auto", "torch", "tensorrt")
 ENV_PREFIX = "TURBONODE_"
+T = TypeVar("T")
 
 
 # ---- checks (raise ValueError with a message; the loader names the key) -------------
 
+Check = Callable[[Any], None]
 
-def positive(v):
+
+def positive(v: Any) -> None:
     if v <= 0:
         raise ValueError(f"must be positive, got {v}")
 
 
-def fraction(v):
+def fraction(v: Any) -> None:
     if not 0 <= v <= 1:
         raise ValueError(f"must be between 0 and 1, got {v}")
 
 
-def guidance_scale(v):
+def guidance_scale(v: Any) -> None:
     if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 50:
         raise ValueError(f"must be a number between 0 and 50, got {v!r}")
 
 
-def rate(v):
+def rate(v: Any) -> None:
     try:
         parse_rate(v)
     except RateError as exc:
         raise ValueError(str(exc)) from None
 
 
-def one_of(*choices):
-    def check(v):
+def one_of(*choices: object) -> Check:
+    def check(v: Any) -> None:
         if v not in choices:
             raise ValueError(f"must be one of {', '.join(map(str, choices))}, got {v!r}")
 
     return check
 
 
-def host_port(v):
+def host_port(v: Any) -> None:
     host, sep, port = v.rpartition(":")
     if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
         raise ValueError(f"expected HOST:PORT, got {v!r}")
@@ -75,10 +78,10 @@ def split_host_port(address: str) -> tuple[str, int]:
     return host.strip("[]") or "0.0.0.0", int(port)
 
 
-def per_tier(inner=None):
+def per_tier(inner: Check | None = None) -> Check:
     """A table keyed by tier name; every value checked with `inner`."""
 
-    def check(v):
+    def check(v: Any) -> None:
         for k, x in v.items():
             if k not in TIER_NAMES:
                 raise ValueError(f"unknown tier {k!r} (expected one of {', '.join(TIER_NAMES)})")
@@ -91,11 +94,7 @@ def per_tier(inner=None):
     return check
 
 
-def tier_list(v):
-    per_tier()(dict.fromkeys(v))
-
-
-def dscp_table(v):
+def dscp_table(v: Any) -> None:
     for k, name in v.items():
         if not str(k).isdigit() or not 0 <= int(k) < 64:
             raise ValueError(f"DSCP key {k!r} must be an integer 0..63")
@@ -103,7 +102,7 @@ def dscp_table(v):
             raise ValueError(f"DSCP {k} maps to unknown tier {name!r}")
 
 
-def opt(default, check=None, help="", table_help=None):
+def opt(default: Any, check: Check | None = None, help: str = "", table_help: Mapping[str, str] | None = None) -> Any:
     """A config field: default, optional check, one-line help (a comment in `config example`;
     `table_help` comments each sub-table of a table of tables)."""
     factory = (lambda d=default: copy.deepcopy(d)) if isinstance(default, (dict, list)) else None
@@ -122,9 +121,9 @@ class QosConfig:
     netns: str = opt("", help="named network namespace of dev ('' = the agent's own)")
     rate: str = opt("1gbit", rate, "link rate the HTB root shapes to")
     leaf_limit: int = opt(1000, positive, "packets each leaf queue holds")
-    dscp: dict = opt({}, dscp_table, "DSCP -> tier overrides on top of the default table")
-    rate_pct: dict = opt({}, per_tier(positive), "guaranteed share per tier, percent of rate")
-    ceil_pct: dict = opt({}, per_tier(positive), "ceiling per tier, percent of rate")
+    dscp: dict[str, str] = opt({}, dscp_table, "DSCP -> tier overrides on top of the default table")
+    rate_pct: dict[str, int] = opt({}, per_tier(positive), "guaranteed share per tier, percent of rate")
+    ceil_pct: dict[str, int] = opt({}, per_tier(positive), "ceiling per tier, percent of rate")
     keep_on_stop: bool = opt(True, help="leave the datapath in place when the agent stops (fail-static)")
 
 
@@ -138,21 +137,21 @@ class WorkerConfig:
     device: str = opt("auto", help="torch device: auto, cpu, cuda, cuda:N")
     max_batch: int = opt(4, positive, "largest UNet batch")
     size: int = opt(256, positive, "default image size in pixels")
-    steps: dict = opt(
+    steps: dict[str, int] = opt(
         {"turbo": 4, "fast": 12, "other": 20, "relax": 25}, per_tier(positive), "default denoising steps per tier"
     )
-    queue_limit: dict = opt(
+    queue_limit: dict[str, int] = opt(
         {"turbo": 32, "fast": 64, "other": 64, "relax": 256}, per_tier(positive), "queued jobs per tier before 429"
     )
     min_share: float = opt(0.1, fraction, "minimum share of steps each waiting lower tier gets")
     text_cache_size: int = opt(256, positive, "entries in the text-embedding LRU cache")
     engine_cache_dir: str = opt("/var/cache/turbonode/engines", help="TensorRT engine cache")
-    sampler: dict = opt(
+    sampler: dict[str, str] = opt(
         {"turbo": "euler_a", "fast": "dpmpp_2m", "other": "dpmpp_2m", "relax": "dpmpp_2m"},
         per_tier(one_of(*SAMPLER_NAMES)),
         "diffusers scheduler per tier (few-step turbo: euler_a)",
     )
-    guidance: dict = opt(
+    guidance: dict[str, float] = opt(
         {"turbo": 0.0, "fast": 7.5, "other": 7.5, "relax": 7.5},
         per_tier(guidance_scale),
         "default classifier-free guidance per tier (<= 1 disables it)",
@@ -178,7 +177,7 @@ class RuleDefaults:
 
     enter: float
     exit: float
-    check: Callable[[Any], None]
+    check: Check
     help: str
 
 
@@ -197,7 +196,7 @@ POLICY_SIGNALS = tuple(POLICY_RULES)
 RULE_KEYS = ("enter", "exit", "enter_samples", "exit_samples")
 
 
-def policy_signals(v):
+def policy_signals(v: Any) -> None:
     for name in v:
         if name not in POLICY_SIGNALS:
             raise ValueError(f"unknown signal {name!r} (known: {', '.join(POLICY_SIGNALS)})")
@@ -209,7 +208,7 @@ def merged_rules(rules: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, 
     return {signal: {"enter": d.enter, "exit": d.exit, **rules.get(signal, {})} for signal, d in POLICY_RULES.items()}
 
 
-def policy_rules(v):
+def policy_rules(v: Any) -> None:
     """[policy.rules.<signal>]: enter and exit thresholds (exit <= enter), optional own dwell."""
     for signal, table in v.items():
         if signal not in POLICY_RULES:
@@ -237,7 +236,7 @@ def policy_rules(v):
 ACTION_KEYS = ("relax_ceil_pct", *THROTTLE_KEYS)
 
 
-def level_actions(v):
+def level_actions(v: Any) -> None:
     """Per degradation level, what the agent does: the relax ceil and the worker's throttle, whose
     limits are checked as the worker checks them (turbonode.throttle_params)."""
     for level, acts in v.items():
@@ -262,15 +261,15 @@ class PolicyConfig:
     enter_samples: int = opt(3, positive, "samples above a rule's enter threshold before escalating (rules' default)")
     exit_samples: int = opt(12, positive, "samples below a rule's exit threshold before it is healthy (rules' default)")
     min_change_interval: float = opt(1.0, positive, "seconds between two level changes")
-    disabled: list = opt([], policy_signals, "signals the policy ignores (still watched and shown)")
+    disabled: list[str] = opt([], policy_signals, "signals the policy ignores (still watched and shown)")
     psi_trigger_us: int = opt(100000, positive, "PSI trigger: stall microseconds per 1 s window that wakes the sampler")
-    rules: dict = opt(
+    rules: dict[str, dict[str, Any]] = opt(
         merged_rules({}),
         policy_rules,
         "per signal: enter and exit thresholds; enter_samples/exit_samples override the dwell",
         table_help={signal: d.help for signal, d in POLICY_RULES.items()},
     )
-    actions: dict = opt(
+    actions: dict[str, dict[str, Any]] = opt(
         {
             "pressured": {"relax_ceil_pct": 50, "max_batch": 2},
             "degraded": {"relax_ceil_pct": 25, "max_batch": 2, "paused_tiers": ["relax"], "step_caps": {"fast": 8}},
@@ -303,7 +302,7 @@ class Config:
 _TYPE_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "table", list: "array"}
 
 
-def _coerce(key: str, typ, value):
+def _coerce(key: str, typ: type, value: Any) -> Any:
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is int and isinstance(value, bool) or not isinstance(value, typ):
@@ -311,18 +310,18 @@ def _coerce(key: str, typ, value):
     return value
 
 
-def _build(cls, data: Mapping[str, Any], prefix: str):
+def _build(cls: type[T], data: Mapping[str, Any], prefix: str) -> T:
     if not isinstance(data, Mapping):
         raise ConfigError(prefix.rstrip("."), f"expected a table, got {data!r}")
     hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls)}
-    kwargs = {}
+    fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # a config dataclass
+    kwargs: dict[str, Any] = {}
     for name, value in data.items():
         key = prefix + name
         if name not in fields:
             raise ConfigError(key, f"unknown key (known: {', '.join(fields)})")
         typ = hints[name]
-        if dataclasses.is_dataclass(typ):
+        if isinstance(typ, type) and dataclasses.is_dataclass(typ):
             kwargs[name] = _build(typ, value, key + ".")
             continue
         value = _coerce(key, typing.get_origin(typ) or typ, value)
@@ -336,10 +335,10 @@ def _build(cls, data: Mapping[str, Any], prefix: str):
     return cls(**kwargs)
 
 
-def _merge(base: dict, extra: Mapping[str, Any]) -> dict:
+def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for dotted, value in extra.items():
-        node = out
+        node: Any = out
         *parents, leaf = dotted.split(".")
         for p in parents:
             node = node.setdefault(p, {})
@@ -351,7 +350,7 @@ def _merge(base: dict, extra: Mapping[str, Any]) -> dict:
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     sections = {f.name for f in dataclasses.fields(Config)}
-    out = {}
+    out: dict[str, Any] = {}
     for name, raw in env.items():
         if not name.startswith(ENV_PREFIX):
             continue
@@ -370,7 +369,7 @@ def load_config(
     path: str | None = None, env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
 ) -> Config:
     """Load and validate. `path=None` reads DEFAULT_PATH if it exists; an explicit path must exist."""
-    data: dict = {}
+    data: dict[str, Any] = {}
     source = path or DEFAULT_PATH
     try:
         with open(source, "rb") as f:
@@ -387,5 +386,5 @@ def load_config(
     return _build(Config, data, "")
 
 
-def as_dict(cfg) -> dict:
+def as_dict(cfg: Any) -> dict[str, Any]:
     return dataclasses.asdict(cfg)

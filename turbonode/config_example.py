@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+from typing import Any
 
 from .config import DEFAULT_PATH, Config
 
@@ -24,12 +25,12 @@ HEADER = f"""\
 """
 
 
-def _key(k) -> str:
-    k = str(k)
-    return k if _BARE_KEY.match(k) else json.dumps(k)
+def _key(k: object) -> str:
+    text = str(k)
+    return text if _BARE_KEY.match(text) else json.dumps(text)
 
 
-def toml_value(v) -> str:
+def toml_value(v: object) -> str:
     """One TOML value (inline tables and arrays for containers)."""
     if isinstance(v, bool):
         return "true" if v else "false"
@@ -46,13 +47,13 @@ def toml_value(v) -> str:
     raise TypeError(f"no TOML form for {type(v).__name__}")
 
 
-def _is_table_of_tables(v) -> bool:
+def _is_table_of_tables(v: object) -> bool:
     return isinstance(v, dict) and bool(v) and all(isinstance(x, dict) for x in v.values())
 
 
-def _section(obj, name: str) -> list[str]:
+def _section(obj: Any, name: str) -> list[str]:
     lines = ["", f"[{name}]"]
-    later = []  # nested sections and tables of tables follow the plain keys, as TOML requires
+    later: list[str] = []  # nested sections and tables of tables follow the plain keys, as TOML requires
     for f in dataclasses.fields(obj):
         value = getattr(obj, f.name)
         if dataclasses.is_dataclass(value):
@@ -71,7 +72,7 @@ def _section(obj, name: str) -> list[str]:
     return lines + later
 
 
-def render_example(cfg=None) -> str:
+def render_example(cfg: Config | None = None) -> str:
     """The example file for `cfg` (default: all defaults), one [section] per config section."""
     cfg = cfg if cfg is not None else Config()
     lines = [HEADER.rstrip("\n")]

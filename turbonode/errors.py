@@ -20,7 +20,7 @@ class RateError(TurbonodeError, ValueError):
 class ControlError(TurbonodeError):
     """The worker's control socket could not be reached or answered with an error."""
 
-    def __init__(self, message: str, code: int | None = None, data=None):
+    def __init__(self, message: str, code: int | None = None, data: object = None):
         super().__init__(message)
         self.code = code
         self.data = data

@@ -9,11 +9,20 @@ from __future__ import annotations
 
 import json
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 from .errors import ControlError
+
+JsonObject = dict[str, Any]
+
+
+class LineReader(Protocol):
+    """A binary file read line by line (a socket's makefile("rb"), a request handler's rfile)."""
+
+    def readline(self, size: int = -1, /) -> bytes: ...
+
 
 MAX_REQUEST_BYTES = 64 * 1024
 DEFAULT_SOCKET = "/run/turbonode/worker.sock"
@@ -33,18 +42,18 @@ class RpcError(Exception):
         self.code, self.message, self.data = code, message, data
 
 
-def error_response(req_id: Any, code: int, message: str, data: Any = None) -> dict:
-    err = {"code": code, "message": message}
+def error_response(req_id: Any, code: int, message: str, data: Any = None) -> JsonObject:
+    err: JsonObject = {"code": code, "message": message}
     if data is not None:
         err["data"] = data
     return {"jsonrpc": "2.0", "id": req_id, "error": err}
 
 
-def result_response(req_id: Any, result: Any) -> dict:
+def result_response(req_id: Any, result: Any) -> JsonObject:
     return {"jsonrpc": "2.0", "id": req_id, "result": result}
 
 
-def encode(obj: dict) -> bytes:
+def encode(obj: JsonObject) -> bytes:
     return json.dumps(obj, separators=(",", ":")).encode() + b"\n"
 
 
@@ -52,11 +61,11 @@ def encode(obj: dict) -> bytes:
 class Request:
     id: Any
     method: str
-    params: dict | list
+    params: JsonObject | list[Any]
     notification: bool
 
 
-def parse_request(line: bytes) -> Request | dict:
+def parse_request(line: bytes) -> Request | JsonObject:
     """Parse one line; returns a Request or a ready error response."""
     try:
         obj = json.loads(line)
@@ -78,7 +87,7 @@ def parse_request(line: bytes) -> Request | dict:
     return Request(req_id, method, params, "id" not in obj)
 
 
-def dispatch(handlers: dict[str, Callable[..., Any]], line: bytes) -> dict | None:
+def dispatch(handlers: Mapping[str, Callable[..., Any]], line: bytes) -> JsonObject | None:
     """Handle one request line with `handlers` (method -> callable taking keyword params).
 
     Returns the response object, or None for a notification. Never raises for bad input.
@@ -102,13 +111,13 @@ def dispatch(handlers: dict[str, Callable[..., Any]], line: bytes) -> dict | Non
     return None if req.notification else resp
 
 
-def read_line(sock_file, limit: int = MAX_REQUEST_BYTES) -> bytes | None:
+def read_line(sock_file: LineReader, limit: int = MAX_REQUEST_BYTES) -> bytes | None:
     """Read one line of at most `limit` bytes from a binary file; None at EOF.
 
     Raises RpcError(INVALID_REQUEST) when the line is longer than the limit; the rest of
     that line is discarded so the connection stays usable.
     """
-    line = sock_file.readline(limit + 1)
+    line: bytes = sock_file.readline(limit + 1)
     if not line:
         return None
     if len(line) > limit and not line.endswith(b"\n"):
@@ -127,7 +136,7 @@ class ControlClient:
         self.path, self.timeout, self.peer = path, timeout, peer  # peer names the server in errors
         self._next_id = 0
 
-    def call(self, method: str, **params) -> Any:
+    def call(self, method: str, **params: Any) -> Any:
         self._next_id += 1
         req = {"jsonrpc": "2.0", "id": self._next_id, "method": method, "params": params}
         try:

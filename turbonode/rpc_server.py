@@ -67,7 +67,7 @@ def _chgrp(path: str, group: str | None) -> None:
 class _Handler(socketserver.StreamRequestHandler):
     timeout = IDLE_TIMEOUT_S
 
-    def handle(self):
+    def handle(self) -> None:
         handlers = self.server.handlers  # type: ignore[attr-defined]
         while True:
             try:
@@ -85,7 +85,7 @@ class _Handler(socketserver.StreamRequestHandler):
             if resp is not None and not self._send(resp):
                 return
 
-    def _send(self, obj) -> bool:
+    def _send(self, obj: jsonrpc.JsonObject) -> bool:
         try:
             self.wfile.write(jsonrpc.encode(obj))
             self.wfile.flush()
@@ -127,7 +127,7 @@ class UnixRpcServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             raise TurbonodeError(f"cannot listen on {path}: {exc.strerror or exc}") from None
         self._thread: threading.Thread | None = None
 
-    def process_request(self, request, client_address):
+    def process_request(self, request: Any, client_address: Any) -> None:
         if not self._slots.acquire(blocking=False):
             try:
                 request.sendall(
@@ -143,7 +143,7 @@ class UnixRpcServer(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
             return
         super().process_request(request, client_address)
 
-    def process_request_thread(self, request, client_address):
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)
         finally:

@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import os
 import socket
+from collections.abc import Mapping
 
 
-def notify(state: str, env: dict | None = None) -> bool:
+def notify(state: str, env: Mapping[str, str] | None = None) -> bool:
     """Send e.g. 'READY=1', 'STOPPING=1', 'WATCHDOG=1', 'STATUS=...'; True if sent."""
     path = (env if env is not None else os.environ).get("NOTIFY_SOCKET")
     if not path:
@@ -28,11 +29,11 @@ def notify(state: str, env: dict | None = None) -> bool:
     return True
 
 
-def watchdog_interval(env: dict | None = None) -> float | None:
+def watchdog_interval(env: Mapping[str, str] | None = None) -> float | None:
     """Seconds between WATCHDOG=1 pings (half of WatchdogSec), or None when no watchdog is set."""
-    env = env if env is not None else os.environ
-    usec = env.get("WATCHDOG_USEC")
-    pid = env.get("WATCHDOG_PID")
+    environ = env if env is not None else os.environ
+    usec = environ.get("WATCHDOG_USEC")
+    pid = environ.get("WATCHDOG_PID")
     if not usec or (pid and pid != str(os.getpid())):
         return None
     try:

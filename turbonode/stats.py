@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 
-def percentile(values, q: float) -> float | None:
+def percentile(values: Iterable[float], q: float) -> float | None:
     """Nearest-rank percentile (q in 0..100) of a small sample; None when empty."""
     data = sorted(values)
     if not data:

@@ -24,6 +24,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -50,7 +51,7 @@ class UNetForExport(torch.nn.Module):
 class VAEDecoderForExport(torch.nn.Module):
     """Latents as the scheduler produced them -> images, exactly what `TorchBackend.decode` computes."""
 
-    def __init__(self, vae: torch.nn.Module):
+    def __init__(self, vae: Any):  # a diffusers AutoencoderKL
         super().__init__()
         self.vae = vae
         self.scale = float(vae.config.scaling_factor)
@@ -104,9 +105,7 @@ def _placement(module: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
     return param.device, param.dtype
 
 
-def export_unet(
-    unet: torch.nn.Module, path: str | Path, *, shape: ExportShape = DEFAULT_SHAPE, opset: int = OPSET
-) -> Path:
+def export_unet(unet: Any, path: str | Path, *, shape: ExportShape = DEFAULT_SHAPE, opset: int = OPSET) -> Path:
     """Write the UNet as ONNX with dynamic batch, latent H/W and text length.
 
     The graph's precision and the tracing device are the module's own (move it first).
@@ -125,12 +124,12 @@ def export_unet(
         "encoder_hidden_states": {0: "batch", 1: "text_len"},
         UNET_OUTPUT: {0: "batch", 2: "height", 3: "width"},
     }
-    return _export(UNetForExport(unet), (sample, timestep, ehs), path, UNET_INPUTS, (UNET_OUTPUT,), dynamic, opset)
+    return _export(
+        UNetForExport(unet), (sample, timestep, ehs), Path(path), UNET_INPUTS, (UNET_OUTPUT,), dynamic, opset
+    )
 
 
-def export_vae_decoder(
-    vae: torch.nn.Module, path: str | Path, *, shape: ExportShape = DEFAULT_SHAPE, opset: int = OPSET
-) -> Path:
+def export_vae_decoder(vae: Any, path: str | Path, *, shape: ExportShape = DEFAULT_SHAPE, opset: int = OPSET) -> Path:
     """Write the VAE decoder (with the latent scaling) as ONNX, dynamic batch and H/W."""
     device, dtype = _placement(vae)
     latents = torch.randn(
@@ -140,4 +139,4 @@ def export_vae_decoder(
         VAE_INPUT: {0: "batch", 2: "height", 3: "width"},
         VAE_OUTPUT: {0: "batch", 2: "image_height", 3: "image_width"},
     }
-    return _export(VAEDecoderForExport(vae), (latents,), path, (VAE_INPUT,), (VAE_OUTPUT,), dynamic, opset)
+    return _export(VAEDecoderForExport(vae), (latents,), Path(path), (VAE_INPUT,), (VAE_OUTPUT,), dynamic, opset)
