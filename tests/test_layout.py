@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import ast
 import os
+import re
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -110,3 +112,12 @@ def test_importing_the_agent_side_never_imports_torch():
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr or proc.stdout
+
+
+def test_the_distribution_and_the_image_ship_every_package():
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        include = tomllib.load(f)["tool"]["setuptools"]["packages"]["find"]["include"]
+    shipped = {p.removesuffix("*") for p in include}
+    assert shipped == set(MAY_IMPORT)
+    copied = set(re.findall(r"^COPY (\w+) \1$", (ROOT / "deploy" / "Dockerfile").read_text(), re.M))
+    assert shipped <= copied, f"deploy/Dockerfile does not copy {sorted(shipped - copied)}"
