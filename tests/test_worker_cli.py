@@ -214,10 +214,14 @@ def test_daemon_ready_sigterm_finishes_running_and_fails_queued(tmp_path):
         )
         queued.start()
         running.start()
-        for _ in range(600):
+        # SIGTERM only once one job runs and one waits: on a loaded machine the first step can
+        # take seconds to start, and a job still queued at SIGTERM is (rightly) failed.
+        deadline = time.monotonic() + 60
+        while True:
             tiers = client.call("status")["tiers"]
             if tiers["other"]["in_flight"] == 1 and tiers["relax"]["queued"] == 1:
                 break
+            assert time.monotonic() < deadline, f"jobs never reached running + queued: {tiers}"
             time.sleep(0.01)
         proc.send_signal(signal.SIGTERM)
         assert b"STOPPING=1" in notify.recv(4096)
