@@ -4,13 +4,17 @@ Compiling needs bcc and LLVM (~130 MB resident that never goes back to the OS), 
 datapath runs this in a short-lived child process (`python -m tc.classifier`): the caller
 stays small, and the tc filter's own reference keeps the program running after the child
 exits. The child reports one JSON line: {"prog_id": N} or {"error": kind, "message": ...}.
+It dies with its parent (PR_SET_PDEATHSIG): an apply killed with -9 leaves no loader behind
+to attach a program after the next apply or remove has run.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -24,6 +28,7 @@ from .tree import PROG_PREFIX, Tree
 NTIERS = len(TIERS)
 COUNTER_SLOTS = NTIERS + 1  # the last slot counts frames that could not be parsed
 _ERRORS = {"bpf": BpfUnavailableError, "device": NoDeviceError, "root": NotRootError, "datapath": DatapathError}
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 def prog_name() -> str:
@@ -101,6 +106,7 @@ def _headers_hint(stderr: str) -> str:
 def attach_in_child(dev: str, netns: str | None, pin_dir: str, tree: Tree, timeout: float = 60) -> int:
     """Run load_and_attach in a child process; return the program id or raise its error."""
     request = {
+        "parent_pid": os.getpid(),
         "dev": dev,
         "netns": netns,
         "pin_dir": pin_dir,
@@ -133,8 +139,17 @@ def attach_in_child(dev: str, netns: str | None, pin_dir: str, tree: Tree, timeo
     return int(reply["prog_id"])
 
 
+def _die_with_parent(parent_pid: int) -> None:
+    """SIGKILL this process when its parent dies; exit now if it already has."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != parent_pid:  # it died before prctl took effect
+        os._exit(1)
+
+
 def _main() -> int:
     req = json.loads(sys.stdin.read())
+    _die_with_parent(req["parent_pid"])
     kinds = {v: k for k, v in _ERRORS.items()}
     try:
         prog_id = load_and_attach(req["dev"], req["netns"], req["pin_dir"], req["dscp_table"], req["tier_minors"])

@@ -2,18 +2,25 @@
 
     dp = Datapath("eth0", netns=None)
     dp.apply(qos_config)          # declarative: same config twice changes nothing
+    dp.plan(qos_config)           # what apply would change; changes nothing (the agent's dry-run)
     dp.show()                     # {tier: {packets, bytes, htb_sent_bytes, drops, backlog_*, borrowed, ...}}
     dp.set_map({46: "turbo"})     # live DSCP -> tier change, no reload
     dp.set_rate("relax", 5_000_000, 100_000_000)   # live class change, no reload
-    dp.remove()                   # restores the interface's previous root qdisc
+    dp.remove()                   # restores the interface's default root qdisc
+    dp.hold()                     # own the device until close(): other processes' changes are refused
 
-The datapath lives on in the kernel when the process exits. A Datapath object keeps one
+Everything is read back from the kernel (tc/reconcile.py); nothing is remembered in files. The
+datapath lives on in the kernel when the process exits. Changes take the device's lock
+(turbonode.locks, <run_dir>/qos/<netns>/<dev>.lock): another process's change waits for the
+one in progress, and is refused while an agent holds the device. A Datapath object keeps one
 rtnetlink socket open for its frequent calls (show, set_map, set_rate: opening one inside a
-namespace forks, ~25 ms); close() or `with` releases it. Calls on one object serialise on a lock.
+namespace forks, ~25 ms); close() or `with` releases it and the hold. Calls on one object
+serialise on a lock.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import struct
 import threading
@@ -21,15 +28,23 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from turbonode import caps
 from turbonode.config import QosConfig
-from turbonode.errors import DatapathError
-from turbonode.rates import parse_rate
+from turbonode.errors import BpfUnavailableError, DatapathError, NoDeviceError
+from turbonode.locks import FileLock, LockHeld
+from turbonode.rates import format_rate, parse_rate
 from turbonode.tiers import tier as tier_by_name
 
 from . import bpfobj, classifier, reconcile
 from .class_stats import tier_rows
-from .netlink import Link
-from .tree import Tree, build_tree, with_rate
+from .netlink import ClassState, Link, require_net_admin
+from .tree import ROOT_CLASS, Tree, build_tree, class_handle, fmt_handle, htb_class, tier_leaves, with_rate
+
+log = logging.getLogger("turbonode.qos")
+
+HOLD_ROLE = "agent"  # what an owner for its whole life writes in the lock file
+CHANGE_ROLE = "qos "  # prefix of a single change's role: "qos apply", "qos remove", ...
+LOCK_WAIT_S = 90.0  # another process's single change (a compile on a loaded node included) ends within this
 
 
 class Datapath:
@@ -41,20 +56,30 @@ class Datapath:
         self.dev = dev
         self.netns = netns or None
         self.places = reconcile.places(dev, self.netns, bpffs, run_dir)
+        self._bpffs, self._run_dir = bpffs, run_dir
         self._cached: Link | None = None
         self._lock = threading.RLock()
+        self._owner = FileLock(self.places.lock_file)
+        self._holding = False
 
     def close(self) -> None:
+        """Close the kept-open link and let go of the device if this object held it."""
         with self._lock:
-            if self._cached is not None:
-                self._cached.close()
-                self._cached = None
+            self._drop_link()
+            if self._holding:
+                self._owner.release()
+                self._holding = False
 
     def __enter__(self) -> Datapath:
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+    def _drop_link(self) -> None:
+        if self._cached is not None:
+            self._cached.close()
+            self._cached = None
 
     @contextmanager
     def _link(self) -> Iterator[Link]:
@@ -66,8 +91,55 @@ class Datapath:
             try:
                 yield self._cached
             except DatapathError:
-                self.close()
+                self._drop_link()
                 raise
+
+    def _where(self) -> str:
+        return f"{self.dev} in netns {self.netns}" if self.netns else self.dev
+
+    # ---- ownership --------------------------------------------------------------------
+
+    def _refusal(self, pid: int | None, role: str) -> str:
+        who = f"pid {pid}" if pid else "another process"
+        if role.startswith(CHANGE_ROLE):
+            return f"{self._where()} is busy: {who} has been running `{role}` on it for {LOCK_WAIT_S:.0f} s"
+        return (
+            f"{self._where()} is managed by a running turbonode {role or 'process'} ({who}): "
+            "stop it first, or change QoS through its configuration"
+        )
+
+    def _take(self, role: str, wait_s: float) -> None:
+        try:
+            self._owner.acquire(role, self._refusal, wait_s, wait_for=lambda other: other.startswith(CHANGE_ROLE))
+        except LockHeld as exc:
+            raise DatapathError(str(exc)) from None
+
+    def hold(self, role: str = HOLD_ROLE) -> None:
+        """Own the device until close() (the agent): others' changes are refused meanwhile.
+        Raises DatapathError naming the holder if another process holds it."""
+        with self._lock:
+            if not self._holding:
+                require_net_admin(f"tc on {self._where()}")
+                self._take(role, 0.0)
+                self._holding = True
+
+    @contextmanager
+    def _changing(self, op: str) -> Iterator[None]:
+        """The device's lock for one change, unless this object holds the device already."""
+        with self._lock:
+            if self._holding:
+                yield
+                return
+            require_net_admin(f"tc on {self._where()}")  # the first thing a change lacks, named
+            self._take(CHANGE_ROLE + op, LOCK_WAIT_S)
+            try:
+                yield
+            finally:
+                self._owner.release()
+
+    def _require_ours(self, link: Link) -> None:
+        if reconcile.read_owner(link)[1] != "ours":
+            raise DatapathError(f"no turbonode QoS on {self._where()}: run `turboctl qos apply` first")
 
     # ---- inputs ---------------------------------------------------------------------
 
@@ -83,18 +155,19 @@ class Datapath:
             "dscp": {int(k): v for k, v in qos.dscp.items()},
         }
 
-    def state(self) -> dict[str, Any] | None:
-        return reconcile.load_state(self.places.state_file)
+    def _tree(self, config: QosConfig | None, rate_bps: int | None) -> Tree:
+        try:
+            return build_tree(**self.inputs(config, rate_bps))
+        except ValueError as exc:
+            raise DatapathError(f"bad QoS settings: {exc}") from None
 
-    def _applied(self) -> tuple[dict[str, Any], Tree]:
-        state = self.state()
-        if state is None or "inputs" not in state:
-            raise DatapathError(f"no turbonode QoS on {self._where()}: run `turboctl qos apply` first")
-        state["inputs"]["dscp"] = {int(k): v for k, v in state["inputs"]["dscp"].items()}  # JSON keys are str
-        return state, build_tree(**state["inputs"])
-
-    def _where(self) -> str:
-        return f"{self.dev} in netns {self.netns}" if self.netns else self.dev
+    def _needs_compile(self, link: Link, reload: bool) -> tuple[bool, int | None]:
+        """(compile?, id of the attached current program): compile when the attached filter is
+        not the current source version or a pinned map is missing."""
+        name = classifier.prog_name()
+        current = [f for f in link.filters() if f.kind == "bpf" and f.name == name]
+        pins_ok = all(os.path.exists(p) for p in classifier.pin_paths(self.places.pin_dir).values())
+        return reload or not (current and pins_ok), current[0].prog_id if current else None
 
     # ---- operations -----------------------------------------------------------------
 
@@ -103,54 +176,117 @@ class Datapath:
     ) -> dict[str, Any]:
         """Make the interface match `config` (a turbonode.config.QosConfig; defaults if None).
         `reload` recompiles and swaps the program even when the attached one is current.
-        Returns {"changes": n, "prog_id": id, "leaf_kind": kind, "compiled": bool}."""
-        inputs = self.inputs(config, rate_bps)
-        try:
-            tree = build_tree(**inputs)
-        except ValueError as exc:
-            raise DatapathError(f"bad QoS settings: {exc}") from None
-        with Link(self.dev, self.netns) as link:
-            state = reconcile.claim_root(link, tree, self.state(), self.places.state_file)
-            changes = reconcile.reconcile_classes(link, tree)
-            changes += reconcile.reconcile_leaves(link, tree, state)
-            name = classifier.prog_name()
-            current = [f for f in link.filters() if f.kind == "bpf" and f.name == name]
-            pins_ok = all(os.path.exists(p) for p in classifier.pin_paths(self.places.pin_dir).values())
-            compiled = reload or not (current and pins_ok and state.get("prog_id"))
+        Returns {"changes": n, "prog_id": id, "leaf_kind": kind, "compiled": bool,
+        "extra_classes": [classes deleted], "stale": [netns/dev entries cleaned]}."""
+        tree = self._tree(config, rate_bps)
+        with self._changing("apply"), Link(self.dev, self.netns) as link:
+            missing = caps.missing_bpf()
+            if missing:  # before the first change; bcc would only say "Failed to compile BPF module"
+                raise BpfUnavailableError(caps.lacks(missing, f"loading the classifier on {self._where()}"))
+            stale = self._sweep(link)
+            changes = reconcile.claim_root(link, tree)
+            n, extra = reconcile.reconcile_classes(link, tree)
+            changes += n + reconcile.reconcile_leaves(link, tree)
+            compiled, prog_id = self._needs_compile(link, reload)
             if compiled:
                 # Compiling happens in a child: this process never holds LLVM's memory.
-                state["prog_id"] = classifier.attach_in_child(self.dev, self.netns, self.places.pin_dir, tree)
+                prog_id = classifier.attach_in_child(self.dev, self.netns, self.places.pin_dir, tree)
                 changes += 1
             else:
                 classifier.write_tables(self.places.pin_dir, tree.dscp_table, tree.tier_minors)
-            state["inputs"] = inputs
-            state["prog_name"] = name
-            reconcile.save_state(self.places.state_file, state)
-            reconcile.read_back(link, tree, name)
-        return {"changes": changes, "prog_id": state["prog_id"], "leaf_kind": state["leaf_kind"], "compiled": compiled}
+            reconcile.read_back(link, tree, classifier.prog_name())
+            kind = reconcile.leaf_kind(link.qdiscs(), tree.leaves)
+        if extra:
+            log.warning("%s: deleted classes turbonode does not define: %s", self._where(), ", ".join(extra))
+        return {
+            "changes": changes,
+            "prog_id": prog_id,
+            "leaf_kind": kind,
+            "compiled": compiled,
+            "extra_classes": extra,
+            "stale": stale,
+        }
+
+    def _sweep(self, link: Link) -> list[str]:
+        """Forget the pins and locks that deleted namespaces, or devices deleted from this one,
+        left behind; returns them as "netns/dev"."""
+        own = (self.netns or reconcile.HOST, self.dev)
+        found = reconcile.entries(self._bpffs, self._run_dir) - {own}
+        devices = link.device_names() if self.netns else set()
+        cleaned = []
+        for ns, dev in reconcile.stale(found, self.netns, devices):
+            where = reconcile.places(dev, ns, self._bpffs, self._run_dir)
+            lock = FileLock(where.lock_file)
+            try:
+                lock.acquire(CHANGE_ROLE + "sweep", lambda pid, role: "")
+            except LockHeld:
+                continue  # somebody is working on it right now: not stale
+            try:
+                reconcile.forget(where)
+            finally:
+                lock.release()
+            cleaned.append(f"{ns}/{dev}")
+        if cleaned:
+            log.warning("cleaned what deleted namespaces or devices left behind: %s", ", ".join(cleaned))
+        return cleaned
+
+    def plan(self, config: QosConfig | None = None, rate_bps: int | None = None) -> list[str]:
+        """What apply would change, read from the kernel; changes nothing. [] when current."""
+        tree = self._tree(config, rate_bps)
+        with self._link() as link:
+            root, owner = reconcile.read_owner(link)
+            if owner == "foreign":
+                assert root is not None
+                return [f"refuse: the root qdisc {root.kind} {fmt_handle(root.handle)} is not turbonode's"]
+            if owner == "default":
+                return [
+                    f"replace the root qdisc {root.kind if root else 'none'} with htb 1:",
+                    f"create {len(tree.classes)} classes and {len(tree.leaves)} leaf queues",
+                    "compile and attach the classifier",
+                ]
+            assert root is not None
+            out = [] if root.defcls == tree.default_minor else ["re-create htb 1: (its default class changes)"]
+            replace, extra = reconcile.class_changes(reconcile.tree_classes(link.classes()), tree)
+            out += [f"delete class {fmt_handle(h)} (not in the tree)" for h in extra]
+            out += [
+                f"set class {fmt_handle(c.handle)} ({c.tier or 'link'}) to rate {format_rate(c.rate_bps)} "
+                f"ceil {format_rate(c.ceil_bps)}"
+                for c in replace
+            ]
+            have = {q.parent: q for q in link.qdiscs()}
+            kind = reconcile.leaf_kinds(have, tree.leaves)[0]
+            out += [
+                f"replace leaf {fmt_handle(leaf.handle)} with {kind} limit {leaf.limit}"
+                for leaf in tree.leaves
+                if not reconcile.leaf_current(have.get(leaf.parent), leaf, kind)
+            ]
+            if self._needs_compile(link, False)[0]:
+                out.append("compile and attach the classifier")
+        return out
 
     def show(self) -> dict[str, Any]:
         """Per-tier counters and class statistics, plus "unparsed" and the applied link rate."""
         with self._link() as link:  # first: names a missing device or namespace
-            state, tree = self._applied()
+            self._require_ours(link)
             classes = link.classes()
+            qdiscs = link.qdiscs()
+            filters = link.filters()
         paths = classifier.pin_paths(self.places.pin_dir)
         counters = bpfobj.read_counters(paths["counters"], classifier.COUNTER_SLOTS)
         dscp_table = bpfobj.read_u32_array(paths["dscp_map"], 64)
+        root = next((c for c in classes if c.handle == ROOT_CLASS), None)
         return {
             "dev": self.dev,
             "netns": self.netns,
-            "rate_bps": tree.rate_bps,
-            "leaf_kind": state.get("leaf_kind"),
-            "prog_id": state.get("prog_id"),
+            "rate_bps": root.rate_bps if root else None,
+            "leaf_kind": reconcile.leaf_kind(qdiscs, tier_leaves(0)),
+            "prog_id": next((f.prog_id for f in filters if f.kind == "bpf"), None),
             "tiers": tier_rows(counters, classes, dscp_table),
         }
 
     def set_map(self, mapping: dict[int, str]) -> None:
         """Change DSCP -> tier entries in the live map (the program is not reloaded). Until
         the next apply: apply is declarative and writes the configured map."""
-        with self._link():
-            self._applied()
         entries = {}
         for dscp, name in mapping.items():
             if not 0 <= int(dscp) < 64:
@@ -159,27 +295,48 @@ class Datapath:
                 entries[int(dscp)] = tier_by_name(name).index
             except ValueError as exc:
                 raise DatapathError(str(exc)) from None
-        path = classifier.pin_paths(self.places.pin_dir)["dscp_map"]
-        with bpfobj.PinnedMap(path) as m:
-            for dscp, index in entries.items():
-                m.update(dscp, struct.pack("=I", index))
+        with self._changing("set-map"), self._link() as link:
+            self._require_ours(link)
+            path = classifier.pin_paths(self.places.pin_dir)["dscp_map"]
+            with bpfobj.PinnedMap(path) as m:
+                for dscp, index in entries.items():
+                    m.update(dscp, struct.pack("=I", index))
 
     def set_rate(self, tier: str, rate_bps: int, ceil_bps: int | None = None) -> dict[str, Any]:
         """Change one tier's HTB rate/ceil in place (no reload, queued packets stay queued)."""
-        with self._link() as link:
-            _, tree = self._applied()
+        try:
+            t = tier_by_name(tier)
+        except ValueError as exc:
+            raise DatapathError(f"set-rate {tier}: {exc}") from None
+        with self._changing("set-rate"), self._link() as link:
+            self._require_ours(link)
+            have = {c.handle: c for c in link.classes()}
+            cur, root = have.get(class_handle(t.class_minor)), have.get(ROOT_CLASS)
+            if cur is None or root is None:
+                raise DatapathError(f"no class for {tier} on {self._where()}: run `turboctl qos apply`")
             try:
-                tier_by_name(tier)
-                new = with_rate(tree, tier, rate_bps, ceil_bps)
+                old = htb_class(tier, t.class_minor, ROOT_CLASS, cur.rate_bps, cur.ceil_bps, t.prio)
+                new = with_rate(old, root.rate_bps, rate_bps, ceil_bps)
             except ValueError as exc:
                 raise DatapathError(f"set-rate {tier}: {exc}") from None
             link.replace_class(new)
-            got = {c.handle: c for c in link.classes()}.get(new.handle)
+            got: ClassState | None = {c.handle: c for c in link.classes()}.get(new.handle)
         if got is None or got.rate_bps != new.rate_bps // 8 * 8 or got.ceil_bps != new.ceil_bps // 8 * 8:
             raise DatapathError(f"read-back: class for {tier} is {got}, wanted rate {new.rate_bps} ceil {new.ceil_bps}")
         return {"tier": tier, "rate_bps": got.rate_bps, "ceil_bps": got.ceil_bps}
 
     def remove(self) -> dict[str, Any]:
-        """Remove everything turbonode put on the interface; the previous root qdisc comes back."""
-        with Link(self.dev, self.netns) as link:
-            return reconcile.remove(link, self.state(), self.places)
+        """Remove everything turbonode put on the interface; the kernel's default root qdisc
+        comes back. With the namespace or device gone (and the kernel's tree with it), forget
+        the pins it left: {"removed": False, "stale": ["netns/dev"]}."""
+        with self._changing("remove"):
+            try:
+                link = Link(self.dev, self.netns)
+            except NoDeviceError:
+                if not reconcile.forget(self.places):
+                    raise
+                entry = f"{self.netns or reconcile.HOST}/{self.dev}"
+                log.warning("%s is gone; cleaned the pins it left (%s)", self._where(), self.places.pin_dir)
+                return {"removed": False, "root": None, "restored": True, "stale": [entry]}
+            with link:
+                return reconcile.remove(link, self.places)

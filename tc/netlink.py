@@ -9,18 +9,22 @@ from __future__ import annotations
 import errno
 import logging
 import os
+import struct
 from dataclasses import dataclass
 from typing import Any
 
 from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
+from turbonode import caps
 from turbonode.errors import DatapathError, NoDeviceError, NotRootError
 
-from .tree import FILTER_HANDLE, FILTER_PRIO, ROOT_HANDLE, HtbClass, fmt_handle
+from .tree import FILTER_HANDLE, FILTER_PRIO, OWNER_R2Q, ROOT_HANDLE, HtbClass, fmt_handle
 
 ETH_P_ALL = 0x0003
 TC_H_ROOT = 0xFFFFFFFF
+TCA_BPF_ID = 11  # linux/pkt_cls.h: the attached program's id (pyroute2 0.9 does not decode it)
+NLA_TYPE_MASK = 0x3FFF
 # pyroute2 warns on every fq_codel parameter ("naming will change"); the names are pinned here.
 logging.getLogger("pyroute2.netlink.rtnl.tcmsg.sched_fq_codel").setLevel(logging.ERROR)
 
@@ -36,6 +40,7 @@ class Qdisc:
     parent: int
     limit: int | None = None
     defcls: int | None = None
+    r2q: int | None = None  # htb only: turbonode's root carries OWNER_R2Q
 
 
 @dataclass(frozen=True)
@@ -67,20 +72,34 @@ class FilterState:
     direct_action: bool
 
 
-def _root_check() -> None:
-    if os.geteuid() != 0:
-        raise NotRootError("turbonode's datapath needs root (tc and bpf need CAP_NET_ADMIN and CAP_BPF)")
+def raw_u32(nested: Any, nla_type: int) -> int | None:
+    """A u32 attribute pyroute2 left undecoded, read from the nested attribute's own bytes."""
+    data, pos, end = nested.data, nested.offset + 4, nested.offset + nested.length
+    while pos + 4 <= end:
+        length, kind = struct.unpack_from("=HH", data, pos)
+        if length < 4:
+            return None
+        if kind & NLA_TYPE_MASK == nla_type and length >= 8:
+            return int(struct.unpack_from("=I", data, pos + 4)[0])
+        pos += (length + 3) & ~3
+    return None
+
+
+def require_net_admin(what: str) -> None:
+    missing = caps.missing_net_admin()
+    if missing:
+        raise NotRootError(caps.lacks(missing, what))
 
 
 class Link:
     """rtnetlink for tc on device `dev` inside named netns `netns` (None: this process's own)."""
 
     def __init__(self, dev: str, netns: str | None = None):
-        _root_check()
         self.dev = dev
         self.netns = netns
         where = f" in netns {netns}" if netns else ""
         self.where = f"{dev}{where}"
+        require_net_admin(f"tc on {self.where}")
         if netns and not os.path.exists(f"/run/netns/{netns}"):
             raise NoDeviceError(f"unknown network namespace {netns!r} (no /run/netns/{netns})")
         try:
@@ -101,6 +120,13 @@ class Link:
     def close(self) -> None:
         self.ipr.close()
 
+    def device_names(self) -> set[str]:
+        """Every interface name in this link's namespace."""
+        try:
+            return {msg.get_attr("IFLA_IFNAME") for msg in self.ipr.get_links()}
+        except (OSError, NetlinkError) as exc:
+            raise self._error("list devices", exc) from None
+
     def __enter__(self) -> Link:
         return self
 
@@ -111,7 +137,10 @@ class Link:
         code = getattr(exc, "code", None) or getattr(exc, "errno", None) or 0
         msg = f"{what} on {self.where}: {os.strerror(code) if code else exc}"
         if code in (errno.EPERM, errno.EACCES):
-            return NotRootError(msg + " (needs root)")
+            missing = caps.missing_net_admin()
+            if missing:
+                return NotRootError(caps.lacks(missing, f"{what} on {self.where}"))
+            return NotRootError(msg + " (refused although this process has CAP_NET_ADMIN: a seccomp filter or LSM?)")
         if code == errno.ENODEV:
             return NoDeviceError(f"unknown device {self.where}")
         return DatapathError(msg)
@@ -136,17 +165,18 @@ class Link:
             if msg["index"] != self.ifindex:
                 continue
             opts = msg.get_attr("TCA_OPTIONS")
-            limit = defcls = None
+            limit = defcls = r2q = None
             if opts is not None:
                 kind = msg.get_attr("TCA_KIND")
                 if kind == "htb":
                     init = opts.get_attr("TCA_HTB_INIT")
                     defcls = init["defcls"] if init else None
+                    r2q = init["rate2quantum"] if init else None
                 elif kind == "fq_codel":
                     limit = opts.get_attr("TCA_FQ_CODEL_LIMIT")
                 elif kind in ("pfifo", "bfifo"):
                     limit = opts.get("limit") if hasattr(opts, "get") else None
-            out.append(Qdisc(msg.get_attr("TCA_KIND"), msg["handle"], msg["parent"], limit, defcls))
+            out.append(Qdisc(msg.get_attr("TCA_KIND"), msg["handle"], msg["parent"], limit, defcls, r2q))
         return out
 
     def root_qdisc(self) -> Qdisc | None:
@@ -156,6 +186,7 @@ class Link:
         return None
 
     def replace_htb_root(self, default_minor: int) -> None:
+        """Our root, with its ownership mark set in the same message that creates it."""
         self._tc(
             "replace the root qdisc with htb 1:",
             "replace",
@@ -164,6 +195,7 @@ class Link:
             ROOT_HANDLE,
             parent=TC_H_ROOT,
             default=default_minor,
+            r2q=OWNER_R2Q,
         )
 
     def delete_root(self) -> None:
@@ -178,6 +210,10 @@ class Link:
             if exc.code in (errno.ENOENT, errno.EOPNOTSUPP):
                 raise UnsupportedKind(f"no {kind} qdisc in this kernel") from None
             raise self._error(f"replace leaf {kind} {fmt_handle(handle)}", exc) from None
+
+    def delete_leaf(self, parent: int, handle: int) -> None:
+        """Delete the qdisc under a class (HTB puts a default pfifo there until the next one)."""
+        self._tc(f"delete leaf {fmt_handle(handle)}", "del", index=self.ifindex, parent=parent, handle=handle)
 
     # ---- HTB classes ----------------------------------------------------------------
 
@@ -198,7 +234,8 @@ class Link:
         )
 
     def delete_class(self, handle: int) -> None:
-        self._tc(f"delete class {fmt_handle(handle)}", "del-class", "htb", self.ifindex, handle)
+        # No kind: with "htb" pyroute2 builds (and fails on) rate tables a delete does not carry.
+        self._tc(f"delete class {fmt_handle(handle)}", "del-class", index=self.ifindex, handle=handle)
 
     def classes(self) -> list[ClassState]:
         out = []
@@ -266,7 +303,7 @@ class Link:
                     prio=msg["info"] >> 16,
                     handle=msg["handle"],
                     name=opts.get_attr("TCA_BPF_NAME") if kind == "bpf" else None,
-                    prog_id=opts.get_attr("TCA_BPF_ID") if kind == "bpf" else None,
+                    prog_id=raw_u32(opts, TCA_BPF_ID) if kind == "bpf" else None,
                     classid=opts.get_attr("TCA_BPF_CLASSID") if kind == "bpf" else None,
                     direct_action=bool((flags or 0) & 1),
                 )

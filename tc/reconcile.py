@@ -1,55 +1,84 @@
-"""Declarative reconcile of the HTB tree on one interface: compare, replace what differs,
-read back. Touches only what turbonode created, and records the root qdisc it replaced so
-`remove` can leave the interface as it was.
+"""Declarative reconcile of the HTB tree on one interface, from what the kernel holds.
 
-What turbonode owns on an interface is recorded in a state file (run_dir/qos/<ns>/<dev>.json),
-written before the first change so that a crash half-way still leaves `remove` able to undo it.
+Nothing is remembered between runs: whether the root is ours, which leaf kind the kernel has
+and which program is attached are read back from the kernel every time, so a wiped /run, a
+killed apply or a root somebody else created cannot mislead apply or remove.
+
+Ownership (docs/qos.md): turbonode creates its `htb 1:` with r2q = OWNER_R2Q in the very
+message that creates it, so there is no moment at which our root lacks its mark; trees made by
+earlier versions are recognised by the classifier filter's name (PROG_PREFIX). A root with
+neither is somebody else's: apply refuses it and remove leaves it alone. Roots the kernel
+attached itself (handle 0: noqueue, pfifo_fast, mq, ...) come back when ours is deleted.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any
 
 from turbonode.errors import DatapathError
 
-from .netlink import TC_H_ROOT, ClassState, Link, UnsupportedKind
-from .tree import LEAF_KINDS, PROG_PREFIX, ROOT_HANDLE, HtbClass, Tree, fmt_handle
+from .netlink import TC_H_ROOT, ClassState, FilterState, Link, Qdisc, UnsupportedKind
+from .tree import LEAF_KINDS, OWNER_R2Q, PROG_PREFIX, ROOT_HANDLE, HtbClass, Leaf, Tree, fmt_handle
+
+HOST = "host"  # the directory name for the process's own network namespace
+LOCK_SUFFIX = ".lock"
+NETNS_DIR = "/run/netns"
 
 
 @dataclass(frozen=True)
 class Places:
-    """Where an interface's pinned maps and state live."""
+    """Where an interface's pinned maps and its ownership lock live."""
 
     pin_dir: str
-    state_file: str
+    lock_file: str
 
 
 def places(dev: str, netns: str | None, bpffs: str = "/sys/fs/bpf", run_dir: str = "/run/turbonode") -> Places:
-    ns = netns or "host"
-    return Places(os.path.join(bpffs, "turbonode", ns, dev), os.path.join(run_dir, "qos", ns, f"{dev}.json"))
+    ns = netns or HOST
+    return Places(os.path.join(bpffs, "turbonode", ns, dev), os.path.join(run_dir, "qos", ns, dev + LOCK_SUFFIX))
 
 
-def load_state(path: str) -> dict[str, Any] | None:
-    try:
-        with open(path) as f:
-            state: dict[str, Any] = json.load(f)
-            return state
-    except FileNotFoundError:
-        return None
-    except (OSError, ValueError) as exc:
-        raise DatapathError(f"unreadable datapath state {path}: {exc}") from None
+# ---- ownership ------------------------------------------------------------------------
 
 
-def save_state(path: str, state: dict[str, Any]) -> None:
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        json.dump(state, f, indent=1, sort_keys=True)
-    os.replace(tmp, path)
+def root_owner(root: Qdisc | None, filters: Iterable[FilterState]) -> str:
+    """'ours', 'default' (none, or one the kernel attached: handle 0) or 'foreign'."""
+    if root is None or root.handle == 0:
+        return "default"
+    if root.kind == "htb" and root.handle == ROOT_HANDLE:
+        if root.r2q == OWNER_R2Q or any(f.name and f.name.startswith(PROG_PREFIX) for f in filters):
+            return "ours"
+    return "foreign"
+
+
+def read_owner(link: Link) -> tuple[Qdisc | None, str]:
+    root = link.root_qdisc()
+    filters = link.filters() if root is not None and root.handle == ROOT_HANDLE else []
+    return root, root_owner(root, filters)
+
+
+def claim_root(link: Link, tree: Tree) -> int:
+    """Make sure 1: is our HTB with the tree's default class. Returns the number of changes."""
+    root, owner = read_owner(link)
+    if owner == "foreign":
+        assert root is not None
+        raise DatapathError(
+            f"{link.where} has a root qdisc {root.kind} {fmt_handle(root.handle)} that turbonode did not create: "
+            "remove it first (tc qdisc del dev ... root)"
+        )
+    if owner == "ours":
+        assert root is not None
+        if root.defcls == tree.default_minor:
+            return 0
+        link.delete_root()  # HTB has no change operation: our own root is made again
+    link.replace_htb_root(tree.default_minor)
+    return 1
+
+
+# ---- classes and leaves ---------------------------------------------------------------
 
 
 def _same_class(have: ClassState, want: HtbClass) -> bool:
@@ -64,74 +93,88 @@ def _same_class(have: ClassState, want: HtbClass) -> bool:
     )
 
 
-def owns_root(link: Link, state: dict[str, Any] | None) -> bool:
-    """Is the root qdisc turbonode's? Our HTB 1: recorded in the state file, or, when the state
-    is gone (a wiped /run), an HTB 1: whose filter carries our name (PROG_PREFIX)."""
-    root = link.root_qdisc()
-    if root is None or root.kind != "htb" or root.handle != ROOT_HANDLE:
-        return False
-    return state is not None or any(f.name and f.name.startswith(PROG_PREFIX) for f in link.filters())
+def tree_classes(classes: Iterable[ClassState]) -> dict[int, ClassState]:
+    """The classes of the qdisc 1: (a leaf qdisc's own classes go with the leaf)."""
+    return {c.handle: c for c in classes if c.handle >> 16 == ROOT_HANDLE >> 16}
 
 
-def claim_root(link: Link, tree: Tree, state: dict[str, Any] | None, state_file: str) -> dict[str, Any]:
-    """Make sure 1: is our HTB; record what it replaces. Returns the (new) state."""
-    root = link.root_qdisc()
-    ours = owns_root(link, state)
-    if not ours and root is not None and root.handle != 0:
-        # A handle of 0 means the kernel attached it (noqueue, pfifo_fast, mq...): deleting ours
-        # brings it back. Anything else somebody configured; replacing it would lose their setup.
-        raise DatapathError(
-            f"{link.where} has a root qdisc {root.kind} {fmt_handle(root.handle)} that "
-            "turbonode did not create: remove it first (tc qdisc del dev ... root)"
-        )
-    if state is None:
-        # Without a state file our own HTB may already be there: the kernel default comes back
-        # when it is deleted, and that default's kind is not known any more.
-        previous = None if ours else (root.kind if root else None)
-        state = {"dev": link.dev, "netns": link.netns, "previous_root": {"kind": previous, "handle": 0}}
-        save_state(state_file, state)
-    if not ours or root is None or root.defcls != tree.default_minor:
-        link.replace_htb_root(tree.default_minor)
-    return state
+def class_changes(have: dict[int, ClassState], tree: Tree) -> tuple[list[HtbClass], list[int]]:
+    """(classes to replace, parents first; handles of classes the tree lacks, children first)."""
+    replace = [w for w in tree.classes if w.handle not in have or not _same_class(have[w.handle], w)]
+
+    def depth(handle: int) -> int:
+        d, parent = 0, have[handle].parent
+        while parent in have and d < len(have):  # bounded: a parent loop cannot hang us
+            d, parent = d + 1, have[parent].parent
+        return d
+
+    extra = sorted(set(have) - {c.handle for c in tree.classes}, key=lambda h: (-depth(h), h))
+    return replace, extra
 
 
-def reconcile_classes(link: Link, tree: Tree) -> int:
-    """Replace classes that differ, delete ours that are no longer wanted. Returns changes."""
-    have = {c.handle: c for c in link.classes()}
-    changes = 0
-    for want in tree.classes:
-        if want.handle not in have or not _same_class(have[want.handle], want):
-            link.replace_class(want)
-            changes += 1
-    wanted = {c.handle for c in tree.classes}
-    for handle in sorted(set(have) - wanted, key=lambda h: have[h].parent == ROOT_HANDLE):
-        link.delete_class(handle)  # leaves before the root class, as HTB requires
-        changes += 1
-    return changes
+def reconcile_classes(link: Link, tree: Tree) -> tuple[int, list[str]]:
+    """Delete classes the tree does not have (added by hand, or from an older tree: children
+    first, as HTB requires), then replace ours that differ. Returns (changes, deleted handles)."""
+    replace, extra = class_changes(tree_classes(link.classes()), tree)
+    for handle in extra:
+        link.delete_class(handle)
+    for want in replace:
+        link.replace_class(want)
+    return len(extra) + len(replace), [fmt_handle(h) for h in sorted(extra)]
 
 
-def reconcile_leaves(link: Link, tree: Tree, state: dict[str, Any]) -> int:
-    """Bounded leaf queues: the first kind in LEAF_KINDS this kernel has (remembered in state)."""
+def our_leaves(have: dict[int, Qdisc], leaves: Iterable[Leaf]) -> list[Qdisc]:
+    """The qdiscs the kernel holds at our leaves' places, with our handles and a kind we make."""
+    return [
+        q
+        for leaf in leaves
+        if (q := have.get(leaf.parent)) is not None and q.handle == leaf.handle and q.kind in LEAF_KINDS
+    ]
+
+
+def leaf_kinds(have: dict[int, Qdisc], leaves: Iterable[Leaf]) -> list[str]:
+    """LEAF_KINDS, those the kernel already holds under our classes first: the leaves stay of
+    one kind, and a kernel without fq_codel is not asked for it on every apply."""
+    present = {q.kind for q in our_leaves(have, leaves)}
+    return sorted(LEAF_KINDS, key=lambda k: (k not in present, LEAF_KINDS.index(k)))
+
+
+def leaf_current(q: Qdisc | None, leaf: Leaf, kind: str) -> bool:
+    return q is not None and q.handle == leaf.handle and q.kind == kind and q.limit == leaf.limit
+
+
+def reconcile_leaves(link: Link, tree: Tree) -> int:
+    """Bounded leaf queues of one kind (the kernel's, or the first of LEAF_KINDS it accepts)."""
     have = {q.parent: q for q in link.qdiscs()}
-    kinds = [state["leaf_kind"]] if state.get("leaf_kind") else list(LEAF_KINDS)
+    kinds = leaf_kinds(have, tree.leaves)
     changes = 0
     for leaf in tree.leaves:
         q = have.get(leaf.parent)
-        if q and q.handle == leaf.handle and q.kind in kinds and q.limit == leaf.limit:
+        if leaf_current(q, leaf, kinds[0]):
             continue
-        for kind in list(kinds):
+        if q is not None and q.handle == leaf.handle and q.kind != kinds[0]:
+            link.delete_leaf(leaf.parent, leaf.handle)  # a qdisc cannot change its kind in place (EINVAL)
+        while True:
             try:
-                link.replace_leaf(kind, leaf.parent, leaf.handle, leaf.limit)
+                link.replace_leaf(kinds[0], leaf.parent, leaf.handle, leaf.limit)
+                break
             except UnsupportedKind:
-                kinds.remove(kind)
-                continue
-            kinds = [kind]
-            break
-        else:
-            raise DatapathError(f"none of the leaf qdiscs {', '.join(LEAF_KINDS)} exists in this kernel")
+                kinds.pop(0)
+                if not kinds:
+                    raise DatapathError(
+                        f"none of the leaf qdiscs {', '.join(LEAF_KINDS)} exists in this kernel"
+                    ) from None
         changes += 1
-    state["leaf_kind"] = kinds[0]
     return changes
+
+
+def leaf_kind(qdiscs: Iterable[Qdisc], leaves: Iterable[Leaf]) -> str | None:
+    """The kind of the leaf queues the kernel holds under our classes ("a,b" if mixed)."""
+    kinds = {q.kind for q in our_leaves({q.parent: q for q in qdiscs}, leaves)}
+    return ",".join(sorted(kinds)) or None
+
+
+# ---- read back --------------------------------------------------------------------------
 
 
 def read_back(link: Link, tree: Tree, prog_name: str) -> None:
@@ -144,6 +187,10 @@ def read_back(link: Link, tree: Tree, prog_name: str) -> None:
                 f"read-back: class {fmt_handle(want.handle)} on {link.where} is {got}, "
                 f"wanted rate {want.rate_bps} ceil {want.ceil_bps} prio {want.prio}"
             )
+    qdiscs = link.qdiscs()
+    found = our_leaves({q.parent: q for q in qdiscs}, tree.leaves)
+    if len(found) != len(tree.leaves) or len({q.kind for q in found}) != 1:
+        raise DatapathError(f"read-back: leaf queues on {link.where} are not one kind under every tier: {qdiscs}")
     filters = link.filters()
     ours = [f for f in filters if f.kind == "bpf" and f.name == prog_name]
     if len(ours) != 1 or len(filters) != 1:
@@ -152,27 +199,60 @@ def read_back(link: Link, tree: Tree, prog_name: str) -> None:
         raise DatapathError(f"read-back: classifier filter on {link.where} is not direct-action on 1:")
 
 
-def remove(link: Link, state: dict[str, Any] | None, where: Places) -> dict[str, Any]:
-    """Delete our root (and with it every class, leaf and filter), unpin the maps, forget state."""
-    removed = False
-    if owns_root(link, state):
-        link.delete_root()
-        removed = True
+# ---- what stays behind ------------------------------------------------------------------
+
+
+def forget(where: Places) -> bool:
+    """Unpin the maps; drop the per-namespace pin directory once empty. Returns whether there
+    were pins. (The lock file goes when its holder releases it: turbonode.locks.)"""
+    found = os.path.isdir(where.pin_dir)
     shutil.rmtree(where.pin_dir, ignore_errors=True)
     try:
-        os.remove(where.state_file)
-    except FileNotFoundError:
+        os.rmdir(os.path.dirname(where.pin_dir))  # the namespace's directory, once its last interface is gone
+    except OSError:
         pass
-    for d in (os.path.dirname(where.pin_dir), os.path.dirname(where.state_file)):
+    return found
+
+
+def entries(bpffs: str, run_dir: str) -> set[tuple[str, str]]:
+    """(netns dir name, device) of every interface with pins or a lock file."""
+    found: set[tuple[str, str]] = set()
+    for base, suffix in ((os.path.join(bpffs, "turbonode"), ""), (os.path.join(run_dir, "qos"), LOCK_SUFFIX)):
         try:
-            os.rmdir(d)  # the per-namespace directory, once its last interface is gone
+            namespaces = os.listdir(base)
         except OSError:
-            pass
+            continue
+        for ns in namespaces:
+            try:
+                names = os.listdir(os.path.join(base, ns))
+            except OSError:
+                continue
+            found |= {(ns, n.removesuffix(suffix)) for n in names if n.endswith(suffix)}
+    return found
+
+
+def stale(found: Iterable[tuple[str, str]], netns: str | None, devices: set[str]) -> list[tuple[str, str]]:
+    """Entries whose named namespace is gone, or whose device is gone from `netns` (whose
+    devices are `devices`). Entries of the process's own namespace ("host") are never guessed
+    at: one process's host is another's netns (`ip netns exec`); `remove` cleans those."""
+    return sorted(
+        (ns, dev)
+        for ns, dev in found
+        if ns != HOST and (not os.path.exists(os.path.join(NETNS_DIR, ns)) or (ns == netns and dev not in devices))
+    )
+
+
+def remove(link: Link, where: Places) -> dict[str, object]:
+    """Delete our root (and with it every class, leaf and filter) and unpin the maps. The
+    kernel puts the interface's default root qdisc back."""
+    _, owner = read_owner(link)
+    if owner == "ours":
+        link.delete_root()
     now = link.root_qdisc()
-    previous = (state or {}).get("previous_root", {}).get("kind")
+    forget(where)
     return {
-        "removed": removed,
+        "removed": owner == "ours",
         "root": now.kind if now else None,
-        "previous_root": previous,
-        "restored": previous is None or (now is not None and now.kind == previous),
+        "restored": now is None or now.handle == 0,
+        "stale": [],
     }

@@ -19,7 +19,11 @@ ROOT_HANDLE = 0x10000  # qdisc 1:
 ROOT_CLASS = 0x10001  # class 1:1
 FILTER_PRIO = 1
 FILTER_HANDLE = 1
-PROG_PREFIX = "turbonode_"  # TCA_BPF_NAME prefix of our classifier filter: marks the tree as ours
+PROG_PREFIX = "turbonode_"  # TCA_BPF_NAME prefix of our classifier filter (trees of earlier versions)
+# The mark of turbonode's root: r2q (rate to quantum divisor) of our `htb 1:`, set in the message
+# that creates it and read back from the kernel (docs/qos.md, "Ownership"). Every class turbonode
+# makes sets its quantum, so r2q changes nothing of ours; nobody sets 29794 ("tb") by chance.
+OWNER_R2Q = 0x7462
 MTU = 1514  # Ethernet frame without FCS
 HTB_QUANTUM_MIN = 1000  # HTB warns "quantum is small" below this
 HTB_QUANTUM_MAX = 200000  # ... and "quantum is big" above
@@ -81,6 +85,11 @@ class Tree:
         raise KeyError(name)
 
 
+def tier_leaves(limit: int) -> tuple[Leaf, ...]:
+    """One bounded leaf queue <minor>: under each tier's class 1:<minor>."""
+    return tuple(Leaf(t.name, class_handle(t.class_minor), leaf_handle(t.class_minor), limit) for t in TIERS)
+
+
 def burst_bytes(rate_bps: int) -> int:
     """Token bucket depth: BURST_TIME_S at `rate`, never less than two full frames."""
     return max(int(rate_bps / 8 * BURST_TIME_S), 2 * MTU)
@@ -128,7 +137,6 @@ def build_tree(
     if total > 100:
         raise ValueError(f"guaranteed rates add up to {total}% of the link (at most 100%)")
     classes = [htb_class(None, 1, ROOT_HANDLE, rate_bps, rate_bps, 0)]
-    leaves = []
     for t in TIERS:
         if not rate_pct[t.name] > 0:
             raise ValueError(f"rate_pct.{t.name}: must be positive")
@@ -139,25 +147,24 @@ def build_tree(
         rate = max(rate_bps * rate_pct[t.name] // 100, 8)  # HTB needs a non-zero rate
         ceil = max(rate_bps * ceil_pct[t.name] // 100, rate)
         classes.append(htb_class(t.name, t.class_minor, ROOT_CLASS, rate, ceil, t.prio))
-        leaves.append(Leaf(t.name, class_handle(t.class_minor), leaf_handle(t.class_minor), leaf_limit))
     return Tree(
         rate_bps=rate_bps,
         default_minor=BY_NAME[DEFAULT_TIER].class_minor,
         classes=tuple(classes),
-        leaves=tuple(leaves),
+        leaves=tier_leaves(leaf_limit),
         dscp_table=tuple(full_dscp_map(dscp)),
         tier_minors=tuple(t.class_minor for t in sorted(TIERS, key=lambda t: t.index)),
     )
 
 
-def with_rate(tree: Tree, tier: str, rate_bps: int, ceil_bps: int | None = None) -> HtbClass:
-    """The class for `tier` with a new rate/ceil (ceil defaults to the current one, at least rate)."""
-    old = tree.tier_class(tier)
+def with_rate(old: HtbClass, link_bps: int, rate_bps: int, ceil_bps: int | None = None) -> HtbClass:
+    """Tier class `old` with a new rate/ceil (ceil defaults to the current one, at least rate)
+    on a link of `link_bps`."""
     ceil = max(ceil_bps if ceil_bps is not None else old.ceil_bps, rate_bps)
     if rate_bps <= 0:
         raise ValueError("rate must be positive")
-    if ceil > tree.rate_bps:
-        raise ValueError(f"ceil {format_rate(ceil)} exceeds the link rate {format_rate(tree.rate_bps)}")
+    if ceil > link_bps:
+        raise ValueError(f"ceil {format_rate(ceil)} exceeds the link rate {format_rate(link_bps)}")
     if ceil_bps is not None and ceil_bps < rate_bps:
         raise ValueError(f"ceil {format_rate(ceil_bps)} is below rate {format_rate(rate_bps)}")
-    return htb_class(tier, old.minor, old.parent, rate_bps, ceil, old.prio)
+    return htb_class(old.tier, old.minor, old.parent, rate_bps, ceil, old.prio)

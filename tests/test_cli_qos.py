@@ -2,10 +2,14 @@
 
 import json
 import os
+import shutil
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
 from conftest import needs_bcc
+from daemon_harness import ROOT, daemon_env, turboctl_argv
 
 from turboctl import main
 
@@ -26,7 +30,7 @@ def target(sandbox):
 def test_qos_commands_end_to_end(sandbox, target, tmp_path):
     res = run("apply", *target, "--rate", "100mbit")
     assert res.exit_code == 0, res.output
-    assert "10 change(s); classifier compiled and attached" in res.output
+    assert "11 change(s); classifier compiled and attached" in res.output
     res = run("apply", *target, "--rate", "100mbit")
     assert res.exit_code == 0 and "0 change(s); classifier already current" in res.output
 
@@ -104,11 +108,57 @@ def test_unknown_device_and_namespace(sandbox):
     assert not os.path.exists("/run/netns/tn-no-such-ns")  # opening it must not create it
 
 
-def test_not_root_is_named(sandbox, monkeypatch):
-    # Reproduce a non-root caller (tests run as root): the check happens before any kernel call.
-    monkeypatch.setattr("tc.netlink.os.geteuid", lambda: 1000)
-    res = run("apply", "--dev", sandbox.dev, "--netns", sandbox.server)
-    assert res.exit_code == 1 and "needs root" in res.output
+NOBODY = 65534
+
+
+def turboctl_with_caps(sandbox, privileges: list[str], *args: str) -> subprocess.CompletedProcess:
+    """`turboctl ARGS` inside the sandbox node with its privileges cut by setpriv, as a unit's
+    CapabilityBoundingSet or User= would cut them (tests/test_service_daemons.py does the same)."""
+    # `ip netns exec` gives a fresh /sys: bpffs is mounted there first, as the unit's host has it.
+    script = 'mountpoint -q /sys/fs/bpf || mount -t bpf bpf /sys/fs/bpf; exec setpriv --inh-caps=-all "$@"'
+    argv = sandbox.cmd(sandbox.server, "sh", "-c", script, "sh", *privileges, *turboctl_argv(*args))
+    return subprocess.run(argv, capture_output=True, text=True, timeout=120, env=daemon_env(), cwd=ROOT)
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")
+@pytest.mark.parametrize(
+    "privileges",
+    [
+        ["--bounding-set=-net_admin"],  # root, but not allowed tc
+        [f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups", "--bounding-set=-all"],  # not root
+    ],
+    ids=["root-without-net-admin", "unprivileged-user"],
+)
+def test_missing_net_admin_is_named(sandbox, privileges):
+    res = turboctl_with_caps(sandbox, privileges, "qos", "apply", "--dev", sandbox.dev)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"tc on {sandbox.dev} needs CAP_NET_ADMIN, which this process does not have" in res.stderr, res.stderr
+    assert "needs root" not in res.stderr
+
+
+@needs_bcc
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")
+def test_missing_cap_bpf_is_named_before_anything_changes(sandbox):
+    before = sandbox.run(sandbox.server, "tc", "qdisc", "show", "dev", sandbox.dev).stdout
+    # CAP_SYS_ADMIN would grant BPF too: both go, CAP_NET_ADMIN stays.
+    res = turboctl_with_caps(sandbox, ["--bounding-set=-bpf,-sys_admin"], "qos", "apply", "--dev", sandbox.dev)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert "loading the classifier on " + sandbox.dev + " needs CAP_BPF" in res.stderr, res.stderr
+    assert "Failed to compile" not in res.stderr
+    assert sandbox.run(sandbox.server, "tc", "qdisc", "show", "dev", sandbox.dev).stdout == before
+
+
+@needs_bcc
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")
+def test_the_softirq_probes_name_cap_bpf():
+    from agent.watchers.softirq import missing_tracepoints
+
+    if missing_tracepoints():
+        pytest.skip("tracefs or the irq tracepoints are missing here: the probes stop before the capability check")
+    probe = "from agent.watchers.softirq import SoftirqWatcher as W; print(W().bpf_error)"
+    argv = ["setpriv", "--inh-caps=-all", "--bounding-set=-bpf,-sys_admin", sys.executable, "-c", probe]
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=60, env=daemon_env(), cwd=ROOT)
+    assert "loading the softirq tracepoint probes needs CAP_BPF" in res.stdout, res.stdout + res.stderr
 
 
 FAKE_BCC = {
@@ -136,3 +186,14 @@ def test_no_bcc_and_no_headers_are_named(sandbox, tmp_path, monkeypatch, case, m
     res = run("apply", "--dev", sandbox.dev, "--netns", sandbox.server)
     run("remove", "--dev", sandbox.dev, "--netns", sandbox.server)
     assert res.exit_code == 1 and message in res.output, res.output
+
+
+@needs_bcc
+def test_remove_after_the_namespace_is_gone_cleans_and_says_so(sandbox):
+    assert run("apply", "--dev", sandbox.dev, "--netns", sandbox.server).exit_code == 0
+    sandbox.delete()
+    res = run("remove", "--dev", sandbox.dev, "--netns", sandbox.server)
+    assert res.exit_code == 0, res.output
+    assert f"cleaned the pins of deleted namespaces or devices: {sandbox.server}/{sandbox.dev}" in res.output
+    res = run("remove", "--dev", sandbox.dev, "--netns", sandbox.server)
+    assert res.exit_code == 1 and "unknown network namespace" in res.output

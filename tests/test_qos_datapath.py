@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -155,12 +156,14 @@ def test_remove_restores_previous_root_and_unpins(sandbox):
     assert "noqueue" in before
     dp = Datapath(sandbox.dev, sandbox.server)
     dp.apply(rate_bps=RATE)
-    assert os.path.isdir(dp.places.pin_dir) and os.path.exists(dp.places.state_file)
+    assert os.path.isdir(dp.places.pin_dir)
+    assert not os.path.exists(dp.places.lock_file)  # held only while a change runs
     result = dp.remove()
-    assert result == {"removed": True, "root": "noqueue", "previous_root": "noqueue", "restored": True}
+    assert result == {"removed": True, "root": "noqueue", "restored": True, "stale": []}
     assert tc_text(sandbox, "qdisc", "show", "dev", sandbox.dev) == before
-    assert not os.path.exists(dp.places.pin_dir) and not os.path.exists(dp.places.state_file)
+    assert not os.path.exists(dp.places.pin_dir) and not os.path.exists(dp.places.lock_file)
     assert not os.path.exists(os.path.dirname(dp.places.pin_dir))  # no empty per-netns dir left
+    assert not os.path.exists(os.path.dirname(dp.places.lock_file))
     assert dp.remove()["removed"] is False  # a second remove is a no-op
 
 
@@ -325,16 +328,46 @@ def test_remove_restores_a_kernel_default_root_with_a_queue(sandbox):
     dp = Datapath("tnifb0", sandbox.server)
     dp.apply(rate_bps=RATE)
     assert "qdisc htb 1: root" in tc_text(sandbox, "qdisc", "show", "dev", "tnifb0")
-    assert dp.remove() == {"removed": True, "root": kind, "previous_root": kind, "restored": True}
+    assert dp.remove() == {"removed": True, "root": kind, "restored": True, "stale": []}
     assert tc_text(sandbox, "qdisc", "show", "dev", "tnifb0") == before
 
 
-def test_a_lost_state_file_does_not_orphan_the_tree(sandbox, datapath):
-    """/run wiped (the tree and pins survive): the filter's name still marks the tree as ours."""
-    os.remove(datapath.places.state_file)
-    again = datapath.apply(rate_bps=RATE)
-    assert again["compiled"] and again["changes"] == 1  # only the program: its id was in the state
-    assert tc_text(sandbox, "filter", "show", "dev", sandbox.dev).count("direct-action") == 1
-    os.remove(datapath.places.state_file)
-    assert datapath.remove()["removed"] is True
-    assert "noqueue" in tc_text(sandbox, "qdisc", "show", "dev", sandbox.dev)
+def test_a_wiped_run_dir_does_not_orphan_the_tree(sandbox, tmp_path):
+    """/run wiped (the tree and pins survive): the kernel's own mark still says the tree is
+    ours, and nothing is recompiled."""
+    from tc.datapath import Datapath
+
+    dp = Datapath(sandbox.dev, sandbox.server, run_dir=str(tmp_path / "run"))
+    try:
+        dp.apply(rate_bps=RATE)
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)
+        again = dp.apply(rate_bps=RATE)
+        assert again["changes"] == 0 and not again["compiled"]
+        assert tc_text(sandbox, "filter", "show", "dev", sandbox.dev).count("direct-action") == 1
+        shutil.rmtree(tmp_path / "run", ignore_errors=True)
+        assert dp.remove()["removed"] is True
+        assert "noqueue" in tc_text(sandbox, "qdisc", "show", "dev", sandbox.dev)
+    finally:
+        dp.remove()
+
+
+def test_a_tree_of_an_earlier_version_is_still_ours(sandbox, monkeypatch):
+    """Roots made before the r2q mark carry only the classifier filter's name: still ours."""
+    import tc.netlink
+    from tc.datapath import Datapath
+    from tc.tree import OWNER_R2Q
+
+    dp = Datapath(sandbox.dev, sandbox.server)
+    try:
+        with monkeypatch.context() as m:
+            m.setattr(tc.netlink, "OWNER_R2Q", 10)  # what the earlier version's root had: the default
+            dp.apply(rate_bps=RATE)
+        qdisc = tc_text(sandbox, "-d", "qdisc", "show", "dev", sandbox.dev, "root")
+        assert "r2q 10 " in qdisc and f"r2q {OWNER_R2Q} " not in qdisc, qdisc
+        again = dp.apply(rate_bps=RATE)
+        assert again["changes"] == 0 and not again["compiled"]
+        assert dp.remove()["removed"] is True
+        dp.apply(rate_bps=RATE)
+        assert f"r2q {OWNER_R2Q} " in tc_text(sandbox, "-d", "qdisc", "show", "dev", sandbox.dev, "root")
+    finally:
+        dp.remove()

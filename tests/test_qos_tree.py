@@ -70,13 +70,14 @@ def test_overrides_and_their_errors():
 
 def test_with_rate():
     tree = build_tree(10**8)
-    c = with_rate(tree, "relax", 5_000_000, 20_000_000)
-    assert (c.minor, c.prio, c.rate_bps, c.ceil_bps) == (0x40, 3, 5_000_000, 20_000_000)
-    assert with_rate(tree, "relax", 5_000_000).ceil_bps == 100_000_000  # ceil kept
+    relax = tree.tier_class("relax")
+    c = with_rate(relax, tree.rate_bps, 5_000_000, 20_000_000)
+    assert (c.tier, c.minor, c.prio, c.rate_bps, c.ceil_bps) == ("relax", 0x40, 3, 5_000_000, 20_000_000)
+    assert with_rate(relax, tree.rate_bps, 5_000_000).ceil_bps == 100_000_000  # ceil kept
     with pytest.raises(ValueError, match="exceeds the link rate 100mbit"):
-        with_rate(tree, "relax", 5_000_000, 200_000_000)
+        with_rate(relax, tree.rate_bps, 5_000_000, 200_000_000)
     with pytest.raises(ValueError, match="below rate"):
-        with_rate(tree, "relax", 5_000_000, 1_000_000)
+        with_rate(relax, tree.rate_bps, 5_000_000, 1_000_000)
 
 
 def test_leaf_handles_do_not_collide_with_the_root():

@@ -77,6 +77,14 @@ def apply_cmd(qos, dp, rate):
         f"{dp.dev}: {result['changes']} change(s); classifier {how} (prog id {result['prog_id']}); "
         f"leaf queues {result['leaf_kind']}"
     )
+    if result["extra_classes"]:
+        click.echo(f"{dp.dev}: deleted classes turbonode does not define: {', '.join(result['extra_classes'])}")
+    _report_stale(result["stale"])
+
+
+def _report_stale(entries: list[str]) -> None:
+    if entries:
+        click.echo(f"cleaned the pins of deleted namespaces or devices: {', '.join(entries)}")
 
 
 def _dscp_cell(codes: list[int]) -> str:
@@ -133,14 +141,18 @@ def show_cmd(qos, dp, as_json):
 @command.command("remove")
 @_target
 def remove_cmd(qos, dp):
-    """Remove the tree and classifier; the previous root qdisc comes back."""
+    """Remove the tree and classifier; the kernel's default root qdisc comes back. With the
+    device or namespace gone, clean the pins it left."""
     r = dp.remove()
+    _report_stale(r["stale"])
+    if r["stale"]:
+        return
     if not r["removed"]:
         click.echo(f"{dp.dev}: no turbonode QoS to remove (root qdisc {r['root']})")
         return
     click.echo(f"{dp.dev}: removed; root qdisc is {r['root']} again")
     if not r["restored"]:
-        raise click.ClickException(f"root qdisc is {r['root']}, was {r['previous_root']} before apply")
+        raise click.ClickException(f"root qdisc is {r['root']}, not the kernel's default")
 
 
 @command.command("set-map")

@@ -15,6 +15,7 @@ import os
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 
+from turbonode import caps
 from turbonode.errors import TurbonodeError
 
 from .base import Rate, Watcher
@@ -72,6 +73,9 @@ class SoftirqBpf:
         missing = missing_tracepoints(sysfs)
         if missing:
             raise BpfUnavailable(f"tracepoints missing: {', '.join(missing)}")
+        cap = caps.missing_bpf() or caps.missing_perfmon()
+        if cap:  # bcc would only say "Failed to compile BPF module"
+            raise BpfUnavailable(caps.lacks(cap, "loading the softirq tracepoint probes"))
         try:
             from bcc import BPF
         except ImportError as exc:
