@@ -1,6 +1,10 @@
 """Enforces the policy's actions: the worker throttle (renewed before its TTL runs out) and
 the relax class's HTB ceil. Idempotent per sample; I/O failures are reported, retried on
 the next sample, and never raise into the loop. In dry-run it only logs what it would do.
+
+An operator's hold on the worker (`turboctl throttle --hold`) is respected: the worker refuses
+our throttle and release with THROTTLE_HELD, and we keep our hands off (asking again every
+renew interval) until the hold is released or expires; the hold is shown in our status.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ from typing import Protocol
 
 from turbonode.errors import ControlError, TurbonodeError
 from turbonode.jsonrpc import ControlClient
+from turbonode.throttle_params import THROTTLE_HELD
 
 from .policy import Actions
 
@@ -39,6 +44,8 @@ class Actuator:
     applied: Actions = field(default_factory=Actions)
     worker_error: str | None = None
     datapath_error: str | None = None
+    worker_hold: dict | None = None  # the operator's hold in force at the worker, as it told us
+    _hold_checked: float = 0.0
     _sent: dict | None = None  # throttle in force at the worker, as far as we know
     _sent_at: float = 0.0
     _ceil_done: int | None = None
@@ -53,8 +60,11 @@ class Actuator:
         self._ceil(actions, signal)
 
     def _worker(self, worker: ControlClient, want: dict | None, reason: str, signal: str, now: float) -> None:
+        held = self.worker_hold is not None
+        if held and now - self._hold_checked < self.ttl_s * RENEW_FRACTION:
+            return  # the operator holds the worker: ask again at the renew interval, not every sample
         fresh = now - self._sent_at < self.ttl_s * RENEW_FRACTION
-        if want == self._sent and (want is None or fresh):
+        if not held and want == self._sent and (want is None or fresh):
             return
         action = "release" if want is None else "renew" if want == self._sent else "throttle"
         params = {"reason": reason} if want is None else {"reason": reason, "ttl_s": self.ttl_s, **want}
@@ -66,14 +76,31 @@ class Actuator:
             try:
                 worker.call("release" if want is None else "throttle", **params)
             except ControlError as exc:  # absent or restarting worker: retried next sample
+                if exc.code == THROTTLE_HELD:
+                    self._held(exc.data, action, now)
+                    return
                 if self.worker_error != str(exc):
                     log.warning("worker %s failed: %s", action, exc)
                 self.worker_error = str(exc)
                 return
             self.worker_error = None
+            if self.worker_hold is not None:
+                log.info("the operator's hold on the worker is over: the agent throttles it again")
+                self.worker_hold = None
             self.counts[(action, signal)] += 1
             log.log(logging.DEBUG if action == "renew" else logging.INFO, "worker %s %s", action, params)
         self._sent, self._sent_at = want, now
+
+    def _held(self, data: object, action: str, now: float) -> None:
+        hold = data.get("hold") if isinstance(data, dict) else None
+        hold = hold if isinstance(hold, dict) else {}
+        if self.worker_hold is None:
+            log.warning(
+                "worker held by the operator (%s): not changing its throttle (%s refused) until released or expired",
+                hold.get("reason", "no reason given"),
+                action,
+            )
+        self.worker_hold, self._hold_checked, self.worker_error = hold, now, None
 
     def _ceil(self, actions: Actions, signal: str) -> None:
         if self.datapath is None or not self.link_bps:
@@ -103,6 +130,7 @@ class Actuator:
             "applied": {"relax_ceil_pct": self.applied.relax_ceil_pct, "throttle": self.applied.throttle},
             "dry_run": self.dry_run,
             "worker_error": self.worker_error,
+            "worker_hold": self.worker_hold,
             "datapath_error": self.datapath_error,
             "relax_ceil_bps": self._ceil_done,
         }

@@ -1,6 +1,10 @@
 """The agent daemon: composition root. Builds watchers, policy, actuator, the status socket
 and the metrics endpoint from the configuration, then runs the sampling loop.
 
+Nothing on the node is touched before the agent holds what it owns (agent/ownership.py: its
+socket, its worker, its device): a second agent is refused having changed nothing. In dry-run
+it changes nothing at all: no mounts, no tree, no classifier, no pins; it logs what it would do.
+
 Signal handlers only set a flag (and wake the loop through the wakeup fd). sd_notify
 READY/WATCHDOG/STOPPING when run under systemd. On stop the datapath stays in place
 (qos.keep_on_stop, fail-static); the worker throttle is released and the relax ceil
@@ -29,6 +33,7 @@ from . import metrics
 from .actuator import Actuator
 from .loop import AgentLoop
 from .mounts import ensure_mounts
+from .ownership import owned
 from .policy import Actions, actions_table, policy_from_config
 from .watchers.cpu import CpuWatcher
 from .watchers.gpu import GpuWatcher
@@ -46,14 +51,36 @@ class Flags:
 
 
 def open_datapath(cfg: Config):
-    """The QoS datapath on qos.dev, applied (idempotent); None when no device is configured."""
+    """The QoS datapath on qos.dev, held for the agent's life (others' changes are refused);
+    None when no device is configured. A dry-run agent holds nothing."""
     if not cfg.qos.dev:
         return None
     from tc.datapath import Datapath
 
     dp = Datapath(cfg.qos.dev, cfg.qos.netns or None)
-    dp.apply(cfg.qos)
+    if not cfg.agent.dry_run:
+        try:
+            dp.hold()
+        except TurbonodeError:
+            dp.close()
+            raise
     return dp
+
+
+def apply_datapath(dp, cfg: Config) -> None:
+    """Apply the configured QoS (idempotent); in dry-run, log what applying would change."""
+    if not cfg.agent.dry_run:
+        dp.apply(cfg.qos)
+        return
+    try:
+        plan = dp.plan(cfg.qos)
+    except TurbonodeError as exc:
+        log.warning("dry-run: cannot read the QoS datapath: %s", exc)
+        return
+    for step in plan:
+        log.info("dry-run: would %s on %s", step, cfg.qos.dev)
+    if not plan:
+        log.info("dry-run: the QoS datapath on %s is current", cfg.qos.dev)
 
 
 def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
@@ -89,11 +116,14 @@ def run(cfg: Config, flags: Flags | None = None) -> int:
     flags = flags or Flags()
     a = cfg.agent
     with ExitStack() as stack:
-        if os.geteuid() == 0:
-            ensure_mounts(a.procfs, a.sysfs)
+        stack.enter_context(owned(a))  # first: nothing is touched before the agent holds what it owns
         datapath = open_datapath(cfg)
         if datapath is not None:
-            stack.callback(datapath.close)  # our netlink socket only: the datapath stays in the kernel
+            stack.callback(datapath.close)  # our socket and lock only: the datapath stays in the kernel
+        if os.geteuid() == 0:
+            ensure_mounts(a.procfs, a.sysfs, dry_run=a.dry_run)
+        if datapath is not None:
+            apply_datapath(datapath, cfg)
         loop = build_loop(cfg, datapath)
         for w in loop.watchers:
             stack.callback(w.close)
@@ -164,7 +194,7 @@ def _drain(fd: int) -> bool:
 
 def _shutdown(loop: AgentLoop, cfg: Config, datapath) -> None:
     loop.actuator.apply(Actions(), "agent stopping", "shutdown", time.monotonic())
-    if datapath is not None and not cfg.qos.keep_on_stop:
+    if datapath is not None and not cfg.qos.keep_on_stop and not cfg.agent.dry_run:
         try:
             datapath.remove()
         except TurbonodeError as exc:

@@ -17,8 +17,9 @@ def mounted_types(procfs: str = "/proc") -> dict[str, str]:
         return {fields[1]: fields[2] for fields in (line.split() for line in f) if len(fields) > 2}
 
 
-def ensure_mounts(procfs: str = "/proc", sysfs: str = "/sys") -> dict[str, str | None]:
-    """Mount what is missing; fstype -> None if present/mounted, else the reason it is not."""
+def ensure_mounts(procfs: str = "/proc", sysfs: str = "/sys", dry_run: bool = False) -> dict[str, str | None]:
+    """Mount what is missing; fstype -> None if present/mounted, else the reason it is not.
+    In dry-run only say what would be mounted."""
     try:
         have = mounted_types(procfs)
     except OSError as exc:
@@ -29,6 +30,10 @@ def ensure_mounts(procfs: str = "/proc", sysfs: str = "/sys") -> dict[str, str |
         target = os.path.join(sysfs, rel)
         if have.get(target) == fstype:
             out[fstype] = None
+            continue
+        if dry_run:
+            out[fstype] = f"dry-run: would mount {fstype} at {target}"
+            log.info("%s", out[fstype])
             continue
         proc = subprocess.run(["mount", "-t", fstype, source, target], capture_output=True, text=True)
         out[fstype] = None if proc.returncode == 0 else f"mount -t {fstype} {target}: {proc.stderr.strip()}"

@@ -17,7 +17,10 @@ import torch
 
 from turbonode import jsonrpc
 from turbonode.rpc_server import UnixRpcServer
+from turbonode.throttle_params import THROTTLE_HELD
 from turbonode.tiers import PROTECTED_TIER, TIER_NAMES
+
+from .throttle import Held
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +83,9 @@ class ControlHandlers:
         )
         return out
 
-    def throttle(self, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=(), reason=None, ttl_s=None) -> dict:
+    def throttle(
+        self, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=(), reason=None, ttl_s=None, hold=False
+    ) -> dict:
         try:
             t = self.engine.throttle.set(
                 max_batch=max_batch,
@@ -89,23 +94,38 @@ class ControlHandlers:
                 shed_tiers=shed_tiers,
                 reason=reason if reason is not None else "",
                 ttl_s=ttl_s,
+                hold=hold,
             )
         except ValueError as exc:
             raise jsonrpc.RpcError(
                 jsonrpc.INVALID_PARAMS, str(exc), {"protected_tier": PROTECTED_TIER, "tiers": list(TIER_NAMES)}
             ) from None
-        log.info("throttle set: %s", t.describe(self.engine.throttle.now()))
+        except Held as exc:
+            raise self._held(exc) from None
+        log.info("%s set: %s", "operator hold" if t.hold else "throttle", t.describe(self.engine.throttle.now()))
         self.engine.wake()
         return t.describe(self.engine.throttle.now())
 
-    def release(self, reason="") -> dict:
-        if not isinstance(reason, str):
-            raise jsonrpc.RpcError(jsonrpc.INVALID_PARAMS, "reason must be a string")
-        old = self.engine.throttle.release()
+    def release(self, reason="", hold=False) -> dict:
+        if not isinstance(reason, str) or not isinstance(hold, bool):
+            raise jsonrpc.RpcError(jsonrpc.INVALID_PARAMS, "reason must be a string and hold true or false")
+        try:
+            old = self.engine.throttle.release(hold)
+        except Held as exc:
+            raise self._held(exc) from None
         if old is not None:
-            log.info("throttle released (%s)", reason or "no reason given")
+            log.info("%s released (%s)", "operator hold" if old.hold else "throttle", reason or "no reason given")
         self.engine.wake()
-        return {"released": old is not None, "reason": reason}
+        return {"released": old is not None, "reason": reason, "hold": old is not None and old.hold}
+
+    def _held(self, exc: Held) -> jsonrpc.RpcError:
+        hold = exc.hold.describe(self.engine.throttle.now())
+        return jsonrpc.RpcError(
+            THROTTLE_HELD,
+            f"an operator hold is in force ({hold['reason']}, {hold['expires_in_s']:.0f} s left): "
+            "`turboctl release` lifts it, `turboctl throttle --hold` replaces it",
+            {"hold": hold},
+        )
 
 
 class ControlServer(UnixRpcServer):

@@ -4,6 +4,10 @@ A throttle is a lease: it lasts `ttl_s` unless the agent renews it by setting it
 a dead agent never leaves the worker throttled. Its limits are checked by
 turbonode.throttle_params, the same check the agent's config passes: turbo can never be
 paused, shed or capped.
+
+An operator's throttle may be a *hold* (`hold: true`): until it is released with `hold: true`
+or expires, a throttle or release without `hold` (the agent's) is refused with Held, so the
+agent's next decision cannot silently replace what the operator set (docs/design.md).
 """
 
 from __future__ import annotations
@@ -15,6 +19,15 @@ from dataclasses import dataclass
 from turbonode.throttle_params import ThrottleLimits, check_throttle
 
 MAX_TTL_S = 3600.0
+MAX_HOLD_TTL_S = 86400.0  # an operator's hold may last a working day; it still expires
+
+
+class Held(Exception):
+    """An operator hold is in force: only a `hold` throttle or release may change it."""
+
+    def __init__(self, hold: Throttle):
+        super().__init__(f"an operator hold is in force ({hold.reason!r})")
+        self.hold = hold
 
 
 @dataclass(frozen=True)
@@ -23,6 +36,7 @@ class Throttle(ThrottleLimits):
     ttl_s: float = 0.0
     set_at: float = 0.0  # monotonic
     set_at_wall: float = 0.0
+    hold: bool = False  # an operator's hold: the agent's throttle and release are refused
 
     @property
     def expires_at(self) -> float:
@@ -38,6 +52,7 @@ class Throttle(ThrottleLimits):
             "ttl_s": self.ttl_s,
             "expires_at": self.set_at_wall + self.ttl_s,
             "expires_in_s": round(max(0.0, self.expires_at - now), 3),
+            "hold": self.hold,
         }
 
 
@@ -49,6 +64,7 @@ def make_throttle(
     shed_tiers=(),
     reason="",
     ttl_s=None,
+    hold=False,
     now: float,
     now_wall: float,
 ) -> Throttle:
@@ -56,8 +72,11 @@ def make_throttle(
     limits = check_throttle(max_batch, paused_tiers, step_caps, shed_tiers)
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError("reason must be a non-empty string (it is logged and shown in status)")
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= MAX_TTL_S:
-        raise ValueError(f"ttl_s must be a number of seconds in (0, {MAX_TTL_S:g}], got {ttl_s!r}")
+    if not isinstance(hold, bool):
+        raise ValueError(f"hold must be true or false, got {hold!r}")
+    limit = MAX_HOLD_TTL_S if hold else MAX_TTL_S
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= limit:
+        raise ValueError(f"ttl_s must be a number of seconds in (0, {limit:g}], got {ttl_s!r}")
     return Throttle(
         limits.max_batch,
         limits.paused_tiers,
@@ -67,6 +86,7 @@ def make_throttle(
         float(ttl_s),
         now,
         now_wall,
+        hold,
     )
 
 
@@ -80,22 +100,35 @@ class ThrottleState:
         self.expired_total = 0
 
     def set(self, **params) -> Throttle:
+        """Replace the throttle; raises Held if an operator hold is in force and this is not one."""
         throttle = make_throttle(now=self._clock(), now_wall=self._wall(), **params)
         with self._lock:
+            self._check_hold(throttle.hold)
             self._current = throttle
         return throttle
 
-    def release(self) -> Throttle | None:
+    def release(self, hold: bool = False) -> Throttle | None:
+        """Lift the throttle; an operator hold only with `hold` (else Held)."""
         with self._lock:
-            old, self._current = self._current, None
+            old = self._check_hold(hold)
+            self._current = None
         return old
+
+    def _check_hold(self, hold: bool) -> Throttle | None:
+        current = self._live()
+        if current is not None and current.hold and not hold:
+            raise Held(current)
+        return current
+
+    def _live(self) -> Throttle | None:
+        if self._current is not None and self._clock() >= self._current.expires_at:
+            self._current = None
+            self.expired_total += 1
+        return self._current
 
     def current(self) -> Throttle | None:
         with self._lock:
-            if self._current is not None and self._clock() >= self._current.expires_at:
-                self._current = None
-                self.expired_total += 1
-            return self._current
+            return self._live()
 
     def now(self) -> float:
         return self._clock()

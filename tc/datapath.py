@@ -31,7 +31,7 @@ from typing import Any
 from turbonode import caps
 from turbonode.config import QosConfig
 from turbonode.errors import BpfUnavailableError, DatapathError, NoDeviceError
-from turbonode.locks import FileLock, LockHeld
+from turbonode.locks import AGENT_ROLE, FileLock, LockHeld
 from turbonode.rates import format_rate, parse_rate
 from turbonode.tiers import tier as tier_by_name
 
@@ -42,7 +42,6 @@ from .tree import ROOT_CLASS, Tree, build_tree, class_handle, fmt_handle, htb_cl
 
 log = logging.getLogger("turbonode.qos")
 
-HOLD_ROLE = "agent"  # what an owner for its whole life writes in the lock file
 CHANGE_ROLE = "qos "  # prefix of a single change's role: "qos apply", "qos remove", ...
 LOCK_WAIT_S = 90.0  # another process's single change (a compile on a loaded node included) ends within this
 
@@ -59,7 +58,7 @@ class Datapath:
         self._bpffs, self._run_dir = bpffs, run_dir
         self._cached: Link | None = None
         self._lock = threading.RLock()
-        self._owner = FileLock(self.places.lock_file)
+        self._owner = FileLock(self.places.lock_file, remove_dir=True)
         self._holding = False
 
     def close(self) -> None:
@@ -114,7 +113,7 @@ class Datapath:
         except LockHeld as exc:
             raise DatapathError(str(exc)) from None
 
-    def hold(self, role: str = HOLD_ROLE) -> None:
+    def hold(self, role: str = AGENT_ROLE) -> None:
         """Own the device until close() (the agent): others' changes are refused meanwhile.
         Raises DatapathError naming the holder if another process holds it."""
         with self._lock:
@@ -216,7 +215,7 @@ class Datapath:
         cleaned = []
         for ns, dev in reconcile.stale(found, self.netns, devices):
             where = reconcile.places(dev, ns, self._bpffs, self._run_dir)
-            lock = FileLock(where.lock_file)
+            lock = FileLock(where.lock_file, remove_dir=True)
             try:
                 lock.acquire(CHANGE_ROLE + "sweep", lambda pid, role: "")
             except LockHeld:

@@ -174,3 +174,31 @@ def test_agent_run_names_bad_config_key(tmp_path):
     cfg.write_text("[policy]\nexit_samples = 0\n")
     result = CliRunner().invoke(main, ["agent", "run", "--config", str(cfg)])
     assert result.exit_code == 1 and "policy.exit_samples" in result.output
+
+
+def test_a_watcher_raising_anything_is_reported_and_the_agent_keeps_running(tmp_path):
+    """A worker whose status lacks a key the watcher reads (KeyError) used to kill the agent."""
+    from turbonode.rpc_server import UnixRpcServer
+
+    good = {"gc": {"last_seq": 1, "pauses": []}, "tiers": {}}
+    answer = {"status": good}
+    wsock = str(tmp_path / "worker.sock")
+    server = UnixRpcServer(wsock, {"status": lambda since_gc_seq=None: answer["status"]}).start()
+    proc = None
+    try:
+        proc, agent, _ = start_agent(tmp_path, wsock, "sample_period = 0.1\n")
+        assert wait_for(lambda: agent.call("status")["watchers"]["worker"]["ok"], 10)
+        answer["status"] = {"gc": {"last_seq": 5, "pauses": [{"seq": 5, "generation": 2}]}}  # no pause_s
+        st = wait_for(lambda: (s := agent.call("status"))["watchers"]["worker"]["error"] and s, 10)
+        assert st and st["watchers"]["worker"]["error"] == "KeyError: 'pause_s'", st["watchers"]["worker"]
+        assert st["worker"] == {"state": "absent", "error": "KeyError: 'pause_s'"}
+        time.sleep(0.5)  # several more samples of the same failure
+        assert proc.poll() is None and agent.call("ping") == "pong"
+        answer["status"] = good
+        assert wait_for(lambda: agent.call("status")["watchers"]["worker"]["ok"], 10)
+    finally:
+        server.close()
+        if proc is not None:
+            rc, out = stop(proc)
+    assert rc == 0, out
+    assert out.count("worker watcher failed: KeyError: 'pause_s'") == 1 and "Traceback" in out

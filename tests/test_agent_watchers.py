@@ -235,3 +235,40 @@ def test_real_nvml_gpu():
     assert 0 < gpu["memory_total_bytes"] and 0 <= gpu["memory_used_bytes"] <= gpu["memory_total_bytes"]
     assert 'turbonode_gpu_memory_total_bytes{gpu="0"}' in scrape(w)
     w.close()
+
+
+# ---- a source that answers nonsense ------------------------------------------------------
+
+GOOD_STATUS = {"gc": {"last_seq": 1, "pauses": []}, "tiers": {"turbo": {"oldest_wait_s": 0.01}}}
+
+
+@pytest.mark.parametrize(
+    "status, error",
+    [
+        ([], "the worker's status is not an object"),
+        ({"tiers": "all of them"}, "AttributeError: 'str' object has no attribute 'get'"),
+        ({"tiers": {"turbo": {"oldest_wait_s": "soon"}}}, "signal turbo_wait_s is not a finite number: 'soon'"),
+        ({"gc": {"last_seq": 2, "pauses": [{"seq": 2}]}}, "KeyError: 'pause_s'"),
+    ],
+    ids=["list", "tiers-a-string", "wait-a-string", "pause-without-duration"],
+)
+def test_a_malformed_worker_status_fails_the_watcher_not_its_caller(tmp_path, status, error):
+    """Whatever exception reading a source raises, sample() reports the watcher as failed,
+    names the error, and recovers when the source does."""
+    from agent.watchers.worker import WorkerWatcher
+    from turbonode.jsonrpc import ControlClient
+    from turbonode.rpc_server import UnixRpcServer
+
+    answer = {"status": GOOD_STATUS}
+    path = str(tmp_path / "worker.sock")
+    server = UnixRpcServer(path, {"status": lambda since_gc_seq=None: answer["status"]}).start()
+    try:
+        w = WorkerWatcher(ControlClient(path, timeout=2.0))
+        assert w.sample(0.0) and w.ok
+        answer["status"] = status
+        assert w.sample(1.0) == {} and not w.ok and error in w.error, w.error
+        assert w.status_view()["worker"] == {"state": "absent", "error": w.error}
+        answer["status"] = GOOD_STATUS
+        assert w.sample(2.0) and w.ok and w.error is None
+    finally:
+        server.close()

@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import stat
+import time
 
 import pytest
 
@@ -17,6 +18,7 @@ from turbonode import jsonrpc
 from turbonode.errors import ControlError
 from turbonode.jsonrpc import ControlClient
 from turbonode.rpc_server import SocketInUse
+from turbonode.throttle_params import THROTTLE_HELD
 
 
 @pytest.fixture
@@ -97,16 +99,45 @@ def test_throttle_release_and_expiry_over_the_socket(control):
     st = client.call("status")
     assert st["max_batch"] == 2 and st["throttle"]["reason"] == "softirq saturation"
     assert st["throttle"]["paused_tiers"] == ["relax"] and st["throttle"]["step_caps"] == {"other": 5}
-    assert client.call("release", reason="recovered") == {"released": True, "reason": "recovered"}
+    assert client.call("release", reason="recovered") == {"released": True, "reason": "recovered", "hold": False}
     assert client.call("status")["throttle"] is None
     assert client.call("release")["released"] is False
     # a throttle nobody renews expires (the real clock, a short lease)
     client.call("throttle", max_batch=1, reason="short", ttl_s=0.2)
     assert engine.limits().max_batch == 1
-    import time
-
     time.sleep(0.3)
     assert client.call("status")["throttle"] is None and engine.limits().max_batch == 4
+
+
+def test_an_operator_hold_refuses_the_agents_throttle_and_release(control):
+    """A hold (`hold: true`) is changed only by another hold or a release with `hold: true`; the
+    agent's calls get THROTTLE_HELD with the hold in the error's data. It still expires."""
+    engine, _, path = control
+    client = ControlClient(path)
+    client.call("throttle", max_batch=3, reason="agent: cpu_load", ttl_s=30)
+    held = client.call("throttle", max_batch=1, paused_tiers=["relax"], reason="maintenance", ttl_s=7200, hold=True)
+    assert held["hold"] is True and held["expires_in_s"] == pytest.approx(7200, abs=1)
+    for method, params in (("throttle", {"max_batch": 4, "reason": "agent", "ttl_s": 3}), ("release", {})):
+        with pytest.raises(ControlError, match="an operator hold is in force .maintenance") as info:
+            client.call(method, **params)
+        assert info.value.code == THROTTLE_HELD and info.value.data["hold"]["reason"] == "maintenance"
+    st = client.call("status")["throttle"]
+    assert st["hold"] is True and st["reason"] == "maintenance" and engine.limits().max_batch == 1
+    replaced = client.call("throttle", max_batch=2, reason="maintenance, step 2", ttl_s=60, hold=True)
+    assert replaced["reason"] == "maintenance, step 2"
+    assert client.call("release", reason="done", hold=True) == {"released": True, "reason": "done", "hold": True}
+    assert client.call("throttle", max_batch=4, reason="agent", ttl_s=3)["hold"] is False
+    # a hold nobody releases expires like any throttle
+    client.call("throttle", max_batch=1, reason="short hold", ttl_s=0.2, hold=True)
+    time.sleep(0.3)
+    assert client.call("throttle", max_batch=3, reason="agent", ttl_s=3)["hold"] is False
+    with pytest.raises(ControlError, match="ttl_s must be a number of seconds in .0, 86400.") as info:
+        client.call("throttle", reason="too long", ttl_s=90000, hold=True)
+    assert info.value.code == jsonrpc.INVALID_PARAMS
+    with pytest.raises(ControlError, match="ttl_s must be a number of seconds in .0, 3600."):
+        client.call("throttle", reason="a lease is short", ttl_s=7200)
+    with pytest.raises(ControlError, match="hold must be true or false"):
+        client.call("throttle", reason="x", ttl_s=1, hold="yes")
 
 
 @pytest.mark.parametrize(

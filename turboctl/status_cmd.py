@@ -51,6 +51,9 @@ def render(st: dict, now: float | None = None) -> str:
         f"{' %' if applied.get('relax_ceil_pct') else ''}, worker throttle {applied.get('throttle') or 'none'}"
         + ("  (dry-run)" if acts.get("dry_run") else "")
     )
+    hold = acts.get("worker_hold")
+    if hold is not None:
+        out.append(f"hold:     the operator holds the worker ({hold.get('reason', '?')}): its throttle is left alone")
     watchers = st.get("watchers", {})
     bad = [f"{n}: {w['error']}" for n, w in watchers.items() if not w["ok"]]
     out.append("watchers: " + ("all ok" if not bad else "; ".join(bad)))
@@ -94,9 +97,11 @@ def render(st: dict, now: float | None = None) -> str:
         )
     thr = worker.get("throttle")
     if worker.get("state") == "ok":
+        shown = {k: v for k, v in (thr or {}).items() if k != "hold" and v not in (None, [], {})}
         out.append(
             "throttle: "
-            + ("none" if not thr else ", ".join(f"{k}={v}" for k, v in thr.items() if v not in (None, [], {})))
+            + ("none" if not thr else ", ".join(f"{k}={v}" for k, v in shown.items()))
+            + ("  (operator hold)" if thr and thr.get("hold") else "")
         )
     return "\n".join(out)
 

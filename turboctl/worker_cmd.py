@@ -18,6 +18,9 @@ from turbonode.jsonrpc import DEFAULT_SOCKET, ControlClient
 
 from .params import TIER, TIER_STEPS, json_option
 
+THROTTLE_TTL_S = 60.0
+HOLD_TTL_S = 3600.0  # an operator's hold outlasts an incident's first hour unless released
+
 
 def _set_client(ctx: click.Context, param, value):
     if value is not None or not isinstance(ctx.obj, ControlClient):
@@ -130,6 +133,7 @@ def status(client, as_json):
         if t is None
         else f"throttle: {t['reason']} (max batch {t['max_batch']}, paused {t['paused_tiers']}, "
         f"caps {t['step_caps']}, shed {t['shed_tiers']}; expires in {t['expires_in_s']:.1f} s)"
+        + ("; operator hold: the agent does not change it" if t.get("hold") else "")
     )
 
 
@@ -143,15 +147,20 @@ def status(client, as_json):
 @click.option("--shed", "shed", type=TIER, multiple=True, help="tier whose new jobs get 429 (repeatable)")
 @click.option("--reason", required=True, help="why (logged, shown in status)")
 @click.option(
+    "--hold",
+    is_flag=True,
+    help="an operator hold: the agent does not replace or release it until `turboctl release` or expiry",
+)
+@click.option(
     "--ttl",
     type=click.FloatRange(min=0, min_open=True),
-    default=60.0,
-    show_default=True,
-    help="seconds until the throttle expires unless set again",
+    help=f"seconds until the throttle expires unless set again [default: {THROTTLE_TTL_S:g}, "
+    f"with --hold {HOLD_TTL_S:g}]",
 )
 @control_command
-def throttle(client, max_batch, paused, caps, shed, reason, ttl, as_json):
+def throttle(client, max_batch, paused, caps, shed, reason, hold, ttl, as_json):
     """Throttle the worker's lower tiers (turbo cannot be throttled); it expires after --ttl."""
+    params = {"hold": True} if hold else {}  # only an operator's hold says so on the wire
     result = _call(
         client,
         "throttle",
@@ -160,18 +169,21 @@ def throttle(client, max_batch, paused, caps, shed, reason, ttl, as_json):
         step_caps=dict(caps),
         shed_tiers=list(shed),
         reason=reason,
-        ttl_s=ttl,
+        ttl_s=ttl or (HOLD_TTL_S if hold else THROTTLE_TTL_S),
+        **params,
     )
-    click.echo(json.dumps(result) if as_json else f"throttled ({reason}); expires in {result['expires_in_s']:.1f} s")
+    what = "held" if hold else "throttled"
+    click.echo(json.dumps(result) if as_json else f"{what} ({reason}); expires in {result['expires_in_s']:.1f} s")
 
 
 @click.command("release")
 @click.option("--reason", default="", help="why (logged)")
 @control_command
 def release(client, reason, as_json):
-    """Lift the worker's throttle now."""
-    result = _call(client, "release", reason=reason)
-    click.echo(json.dumps(result) if as_json else ("released" if result["released"] else "no throttle was set"))
+    """Lift the worker's throttle now, an operator hold included."""
+    result = _call(client, "release", reason=reason, hold=True)
+    text = "released the operator hold" if result.get("hold") else "released" if result["released"] else None
+    click.echo(json.dumps(result) if as_json else text or "no throttle was set")
 
 
 commands = (command, throttle, release)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from .errors import TurbonodeError
 
 POLL_S = 0.05
+AGENT_ROLE = "agent"  # the role of a lock held for a whole life (the agent's), as opposed to one change
 
 
 class LockHeld(TurbonodeError):
@@ -35,8 +36,10 @@ def parse_holder(text: str) -> tuple[int | None, str]:
 class FileLock:
     """An exclusive lock on `path`, held from acquire() until release() or the process's death."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, remove_dir: bool = False):
+        """`remove_dir`: the lock's directory is its own (created for it), removed once empty."""
         self.path = path
+        self.remove_dir = remove_dir
         self._fd: int | None = None
 
     @property
@@ -97,8 +100,8 @@ class FileLock:
             return
 
     def release(self) -> None:
-        """Unlink the file, let go (a waiter then re-opens the path) and remove the directory
-        if that left it empty: nothing stays behind."""
+        """Unlink the file and let go (a waiter then re-opens the path); with `remove_dir`,
+        remove the directory too if that left it empty: nothing stays behind."""
         if self._fd is None:
             return
         try:
@@ -107,7 +110,8 @@ class FileLock:
             pass
         os.close(self._fd)
         self._fd = None
-        try:
-            os.rmdir(os.path.dirname(os.path.abspath(self.path)))
-        except OSError:
-            pass  # not empty, or not ours to remove
+        if self.remove_dir:
+            try:
+                os.rmdir(os.path.dirname(os.path.abspath(self.path)))
+            except OSError:
+                pass  # another interface's lock is still there

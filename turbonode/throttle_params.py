@@ -14,6 +14,9 @@ from typing import Any
 from .tiers import PROTECTED_TIER, TIER_NAMES
 
 THROTTLE_KEYS: tuple[str, ...] = ("max_batch", "paused_tiers", "step_caps", "shed_tiers")
+# JSON-RPC error code (implementation-defined server error range) of a `throttle` or `release`
+# refused because an operator hold is in force; the error's data carries {"hold": the throttle}.
+THROTTLE_HELD = -32001
 
 
 @dataclass(frozen=True)

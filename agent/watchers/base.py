@@ -1,8 +1,13 @@
-"""The watcher contract: sample() never raises; failures are a reported state."""
+"""The watcher contract: sample() never raises; failures are a reported state.
+
+Whatever a source does, malformed data included (a worker's status missing a key, a value that
+is not a number), the watcher is reported as failed and the agent keeps running.
+"""
 
 from __future__ import annotations
 
 import logging
+import math
 from typing import Any
 
 from turbonode.errors import TurbonodeError
@@ -37,11 +42,15 @@ class Watcher:
             return {}
         self._read_at = now
         try:
-            self.signals, self.detail = self.read(now)
-        except (TurbonodeError, OSError, ValueError) as exc:
-            if self.ok or self.error != str(exc):  # log transitions, not every failed sample
-                log.warning("%s watcher failed: %s", self.name, exc)
-            self.ok, self.error, self.signals = False, str(exc), {}
+            signals, detail = self.read(now)
+            self.signals, self.detail = checked(signals), detail
+        except Exception as exc:  # a failing watcher is a state, never the agent's death
+            expected = isinstance(exc, (TurbonodeError, OSError, ValueError))
+            error = str(exc) if expected else f"{type(exc).__name__}: {exc}"
+            if self.ok or self.error != error:  # log transitions, not every failed sample
+                # Anything else is malformed data or a bug: the traceback says where.
+                log.warning("%s watcher failed: %s", self.name, error, exc_info=not expected)
+            self.ok, self.error, self.signals = False, error, {}
             return {}
         if not self.ok:
             log.info("%s watcher ok", self.name)
@@ -66,6 +75,16 @@ class Watcher:
 
     def close(self) -> None:
         pass
+
+
+def checked(signals: Signals) -> Signals:
+    """The signals, if each is None or a finite number (the policy compares them with thresholds)."""
+    for name, value in signals.items():
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value)
+        ):
+            raise ValueError(f"signal {name} is not a finite number: {value!r}")
+    return signals
 
 
 class Rate:

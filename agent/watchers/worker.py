@@ -20,6 +20,8 @@ class WorkerWatcher(Watcher):
 
     def read(self, now):
         st = self.client.call("status", since_gc_seq=self._gc_seq)
+        if not isinstance(st, dict):
+            raise ValueError(f"the worker's status is not an object: {str(st)[:80]!r}")
         gc = st.get("gc") or {}
         last_seq = gc.get("last_seq")
         if self._gc_seq is None or last_seq is None or last_seq < self._gc_seq:
