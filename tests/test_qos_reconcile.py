@@ -201,3 +201,40 @@ def test_kill_9_at_random_points_of_apply_leaves_a_recoverable_device(sandbox, t
         assert dp.remove()["removed"], where
         assert "noqueue" in tc(sandbox, "qdisc", "show"), where
         assert not os.path.exists(dp.places.pin_dir), where
+
+
+def test_plan_says_what_apply_would_change_and_changes_nothing(sandbox, make):
+    dp = make()
+    assert dp.plan(rate_bps=RATE) == [
+        "replace the root qdisc noqueue with htb 1:",
+        "create 5 classes and 4 leaf queues",
+        "compile and attach the classifier",
+    ]
+    assert "noqueue" in tc(sandbox, "qdisc", "show")
+    dp.apply(rate_bps=RATE)
+    assert dp.plan(rate_bps=RATE) == []
+    dp.set_rate("relax", 5_000_000, 20_000_000)
+    tc_do(sandbox, "class", "add", "dev", sandbox.dev, "parent", "1:1", "classid", "1:50", "htb", "rate", "1mbit")
+    before = sorted(tc(sandbox, "class", "show").splitlines())
+    assert dp.plan(rate_bps=RATE) == [
+        "delete class 1:50 (not in the tree)",
+        "set class 1:40 (relax) to rate 10mbit ceil 100mbit",
+    ]
+    assert sorted(tc(sandbox, "class", "show").splitlines()) == before
+
+
+def test_concurrent_applies_on_one_device_take_turns(sandbox, tmp_path):
+    """Two processes applying at once: the device's lock makes the second wait for the first;
+    both succeed and the device holds one tree and one classifier."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    argv = [sys.executable, "-c", APPLIER, sandbox.dev, sandbox.server, str(tmp_path / "run"), str(RATE)]
+    procs = [subprocess.Popen(argv, env=env, stderr=subprocess.PIPE, text=True) for _ in range(2)]
+    try:
+        errors = [p.communicate(timeout=120)[1] for p in procs]
+        assert [p.returncode for p in procs] == [0, 0], errors
+        assert tc(sandbox, "filter", "show").count("direct-action") == 1
+        assert tc(sandbox, "qdisc", "show").count("qdisc htb 1: root") == 1
+    finally:
+        from tc.datapath import Datapath
+
+        Datapath(sandbox.dev, sandbox.server, run_dir=str(tmp_path / "run")).remove()
