@@ -46,6 +46,12 @@ CHANGE_ROLE = "qos "  # prefix of a single change's role: "qos apply", "qos remo
 LOCK_WAIT_S = 90.0  # another process's single change (a compile on a loaded node included) ends within this
 
 
+def _passing(role: str) -> bool:
+    """Is a holder's hold worth waiting for: a single change, or one that has not written its
+    role yet (never an agent's)?"""
+    return role == "" or role.startswith(CHANGE_ROLE)
+
+
 class Datapath:
     def __init__(
         self, dev: str, netns: str | None = None, *, bpffs: str = "/sys/fs/bpf", run_dir: str = "/run/turbonode"
@@ -109,7 +115,7 @@ class Datapath:
 
     def _take(self, role: str, wait_s: float) -> None:
         try:
-            self._owner.acquire(role, self._refusal, wait_s, wait_for=lambda other: other.startswith(CHANGE_ROLE))
+            self._owner.acquire(role, self._refusal, wait_s, wait_for=_passing)
         except LockHeld as exc:
             raise DatapathError(str(exc)) from None
 
