@@ -12,7 +12,7 @@ die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 ARCH=$(dpkg --print-architecture)
 KREL=$(uname -r)
 PKGS=(python3-bpfcc python3-venv python3-dev iproute2 iperf3 stress-ng iputils-ping kmod prometheus
-      "linux-headers-$ARCH")
+      systemd-container "linux-headers-$ARCH")
 missing=()
 for p in "${PKGS[@]}"; do
     dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "ok installed" || missing+=("$p")

@@ -1,0 +1,221 @@
+"""A real systemd, booted in a container, for tests/test_systemd_units.py.
+
+The container (systemd-nspawn, see tests/systemd_container.sh) has a throwaway overlay of this
+machine's root as its root, this checkout at /opt/turbonode, a private bpffs, and runs in a
+network namespace the test created (never the host's), in a cgroup of its own. Commands run
+inside it through nsenter. close() powers it off and removes what boot() made, also after a
+failed boot; the private mount namespace takes every mount with it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = Path(__file__).with_name("systemd_container.sh")
+NAMESPACES = ("--mount", "--uts", "--ipc", "--net", "--pid", "--cgroup")
+# What a command run inside sees: nothing of the test's own environment.
+CONTAINER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
+                 "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0", "SYSTEMD_LESS": ""}
+
+
+class BootError(Exception):
+    """The container did not come up; the message carries the end of its console."""
+
+
+def cgroup_parents() -> list[Path]:
+    """This process's cgroup in each hierarchy nspawn uses: cgroup2 and the name=systemd one."""
+    mounts: dict[str, str] = {}
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            sep = fields.index("-")
+            fstype, options = fields[sep + 1], fields[sep + 3].split(",")
+            if fstype == "cgroup2":
+                mounts.setdefault("", fields[4])
+            elif fstype == "cgroup" and "name=systemd" in options:
+                mounts.setdefault("name=systemd", fields[4])
+    out = []
+    with open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if controllers in mounts:
+                out.append(Path(mounts[controllers] + path))
+    return out
+
+
+def skip_reason() -> str | None:
+    """Why this machine cannot boot the container, or None."""
+    if os.geteuid() != 0:
+        return "needs root (mount namespaces, cgroups, systemd-nspawn)"
+    for tool, package in (("systemd-nspawn", "systemd-container"), ("unshare", "util-linux"),
+                          ("nsenter", "util-linux"), ("setpriv", "util-linux"), ("ip", "iproute2")):
+        if shutil.which(tool) is None:
+            return f"{tool} not installed (Debian package {package}; scripts/setup.sh installs it)"
+    filesystems = Path("/proc/filesystems").read_text().split()
+    for fs in ("overlay", "bpf", "tmpfs"):
+        if fs not in filesystems:
+            return f"the kernel has no {fs} filesystem (needed for the container's root and pins)"
+    if not cgroup_parents():
+        return "neither a cgroup2 nor a name=systemd cgroup hierarchy is mounted: systemd cannot run"
+    if not (ROOT / ".venv/bin/turboctl").exists():
+        return "no .venv with turboctl in the checkout (run scripts/setup.sh): the units run it"
+    return None
+
+
+class Container:
+    """`boot()`, then `run(argv)` / `sh(script)` inside; `close()` always."""
+
+    def __init__(self, netns: str, console: Path, checkout: Path = ROOT):
+        self.tag = uuid.uuid4().hex[:8]
+        self.machine = f"turbonode-test-{self.tag}"
+        self.netns_path = f"/run/netns/{netns}"
+        self.console_path = console
+        self.checkout = checkout
+        self.cgroups: list[Path] = []
+        self.scratch: str | None = None
+        self.proc: subprocess.Popen | None = None
+        self.leader: int | None = None
+
+    def boot(self, timeout: float = 120) -> float:
+        """Start the container and wait until its systemd has booted; seconds it took."""
+        start = time.monotonic()
+        try:
+            for parent in cgroup_parents():
+                cg = parent / self.machine
+                cg.mkdir()
+                self.cgroups.append(cg)
+            self.scratch = tempfile.mkdtemp(prefix="turbonode-nspawn-")
+            with open(self.console_path, "wb") as console:
+                # setpriv: nspawn powers the container off (SIGTERM) if the test process dies.
+                self.proc = subprocess.Popen(
+                    ["unshare", "--mount", "--propagation", "private", "--",
+                     "setpriv", "--pdeathsig", "TERM", "--",
+                     "bash", str(SCRIPT), str(self.checkout), self.netns_path, self.machine, self.scratch,
+                     *map(str, self.cgroups)],
+                    stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT)
+            deadline = start + timeout
+            self.leader = self._find_leader(deadline)
+            self._wait_booted(deadline)
+        except BaseException:
+            self.close()
+            raise
+        return time.monotonic() - start
+
+    def _find_leader(self, deadline: float) -> int:
+        """The container's PID 1: the child of nspawn that is pid 1 of its own pid namespace."""
+        assert self.proc is not None
+        pid = self.proc.pid
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise BootError(f"systemd-nspawn exited with status {self.proc.returncode}:\n{self.console()}")
+            try:
+                children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+            except OSError:
+                children = []
+            for child in children:
+                try:
+                    status = Path(f"/proc/{child}/status").read_text()
+                except OSError:
+                    continue
+                nspid = next((line.split()[1:] for line in status.splitlines() if line.startswith("NSpid:")), [])
+                if len(nspid) > 1 and nspid[-1] == "1":
+                    return int(child)
+            time.sleep(0.1)
+        raise BootError(f"no container init after the boot timeout:\n{self.console()}")
+
+    def _wait_booted(self, deadline: float) -> None:
+        state = ""
+        while time.monotonic() < deadline:
+            if self.proc is not None and self.proc.poll() is not None:
+                raise BootError(f"systemd-nspawn exited with status {self.proc.returncode}:\n{self.console()}")
+            # fails until the container's systemd listens on its private socket
+            res = self.run("systemctl", "is-system-running", "--wait", check=False,
+                           timeout=max(1.0, deadline - time.monotonic()))
+            state = res.stdout.strip()
+            if state in ("running", "degraded"):
+                return
+            time.sleep(0.2)
+        raise BootError(f"the container's systemd is {state or 'unreachable'} at the boot timeout:\n{self.console()}")
+
+    def run(self, *argv: str, timeout: float = 60, check: bool = True,
+            input: str | None = None) -> subprocess.CompletedProcess:
+        """argv inside the container (its namespaces, a clean environment), as root."""
+        assert self.leader is not None, "boot() first"
+        cmd = ["nsenter", f"--target={self.leader}", *NAMESPACES, "--",
+               "env", "-i", *(f"{k}={v}" for k, v in CONTAINER_ENV.items()), *argv]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=input)
+        if check and res.returncode != 0:
+            raise AssertionError(f"in the container, `{' '.join(argv)}` exited {res.returncode}:\n"
+                                 f"{res.stdout}{res.stderr}")
+        return res
+
+    def sh(self, script: str, **kw) -> subprocess.CompletedProcess:
+        return self.run("sh", "-c", script, **kw)
+
+    def popen(self, *argv: str, **kw) -> subprocess.Popen:
+        """argv inside the container, not waited for."""
+        assert self.leader is not None, "boot() first"
+        return subprocess.Popen(["nsenter", f"--target={self.leader}", *NAMESPACES, "--", "env", "-i",
+                                 *(f"{k}={v}" for k, v in CONTAINER_ENV.items()), *argv], **kw)
+
+    def console(self, lines: int = 40) -> str:
+        try:
+            text = self.console_path.read_text(errors="replace")
+        except OSError:
+            return "(no console output)"
+        return "\n".join(text.splitlines()[-lines:])
+
+    def close(self) -> None:
+        """Power off (nspawn turns SIGTERM into a clean shutdown), then remove what boot() made."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                if self.leader is not None:
+                    _kill(self.leader)  # its pid namespace, and every process in it, dies with it
+                self.proc.kill()
+                self.proc.wait(10)
+        for cg in self.cgroups:
+            _remove_cgroup(cg)
+        self.cgroups = []
+        if self.scratch is not None:
+            os.rmdir(self.scratch)  # empty: the tmpfs on it was in the private mount namespace
+            self.scratch = None
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def _remove_cgroup(top: Path, timeout: float = 10) -> None:
+    """Remove the cgroup tree the container's systemd built under `top`, children first. Anything
+    still in it is the container's, started by this test: killed by pid."""
+    deadline = time.monotonic() + timeout
+    while top.exists():
+        for dirpath, _, _ in os.walk(top, topdown=False):
+            try:
+                os.rmdir(dirpath)
+            except FileNotFoundError:
+                pass
+            except OSError:  # EBUSY: processes left in it
+                try:
+                    pids = Path(dirpath, "cgroup.procs").read_text().split()
+                except OSError:
+                    pids = []
+                for pid in pids:
+                    _kill(int(pid))
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"cgroup {top} could not be removed")
+        time.sleep(0.1)
