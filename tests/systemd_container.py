@@ -22,8 +22,13 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = Path(__file__).with_name("systemd_container.sh")
 NAMESPACES = ("--mount", "--uts", "--ipc", "--net", "--pid", "--cgroup")
 # What a command run inside sees: nothing of the test's own environment.
-CONTAINER_ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG": "C.UTF-8",
-                 "SYSTEMD_PAGER": "", "SYSTEMD_COLORS": "0", "SYSTEMD_LESS": ""}
+CONTAINER_ENV = {
+    "PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+    "LANG": "C.UTF-8",
+    "SYSTEMD_PAGER": "",
+    "SYSTEMD_COLORS": "0",
+    "SYSTEMD_LESS": "",
+}
 
 
 class BootError(Exception):
@@ -55,8 +60,13 @@ def skip_reason() -> str | None:
     """Why this machine cannot boot the container, or None."""
     if os.geteuid() != 0:
         return "needs root (mount namespaces, cgroups, systemd-nspawn)"
-    for tool, package in (("systemd-nspawn", "systemd-container"), ("unshare", "util-linux"),
-                          ("nsenter", "util-linux"), ("setpriv", "util-linux"), ("ip", "iproute2")):
+    for tool, package in (
+        ("systemd-nspawn", "systemd-container"),
+        ("unshare", "util-linux"),
+        ("nsenter", "util-linux"),
+        ("setpriv", "util-linux"),
+        ("ip", "iproute2"),
+    ):
         if shutil.which(tool) is None:
             return f"{tool} not installed (Debian package {package}; scripts/setup.sh installs it)"
     filesystems = Path("/proc/filesystems").read_text().split()
@@ -96,11 +106,28 @@ class Container:
             with open(self.console_path, "wb") as console:
                 # setpriv: nspawn powers the container off (SIGTERM) if the test process dies.
                 self.proc = subprocess.Popen(
-                    ["unshare", "--mount", "--propagation", "private", "--",
-                     "setpriv", "--pdeathsig", "TERM", "--",
-                     "bash", str(SCRIPT), str(self.checkout), self.netns_path, self.machine, self.scratch,
-                     *map(str, self.cgroups)],
-                    stdin=subprocess.DEVNULL, stdout=console, stderr=subprocess.STDOUT)
+                    [
+                        "unshare",
+                        "--mount",
+                        "--propagation",
+                        "private",
+                        "--",
+                        "setpriv",
+                        "--pdeathsig",
+                        "TERM",
+                        "--",
+                        "bash",
+                        str(SCRIPT),
+                        str(self.checkout),
+                        self.netns_path,
+                        self.machine,
+                        self.scratch,
+                        *map(str, self.cgroups),
+                    ],
+                    stdin=subprocess.DEVNULL,
+                    stdout=console,
+                    stderr=subprocess.STDOUT,
+                )
             deadline = start + timeout
             self.leader = self._find_leader(deadline)
             self._wait_booted(deadline)
@@ -137,24 +164,35 @@ class Container:
             if self.proc is not None and self.proc.poll() is not None:
                 raise BootError(f"systemd-nspawn exited with status {self.proc.returncode}:\n{self.console()}")
             # fails until the container's systemd listens on its private socket
-            res = self.run("systemctl", "is-system-running", "--wait", check=False,
-                           timeout=max(1.0, deadline - time.monotonic()))
+            res = self.run(
+                "systemctl", "is-system-running", "--wait", check=False, timeout=max(1.0, deadline - time.monotonic())
+            )
             state = res.stdout.strip()
             if state in ("running", "degraded"):
                 return
             time.sleep(0.2)
         raise BootError(f"the container's systemd is {state or 'unreachable'} at the boot timeout:\n{self.console()}")
 
-    def run(self, *argv: str, timeout: float = 60, check: bool = True,
-            input: str | None = None) -> subprocess.CompletedProcess:
+    def run(
+        self, *argv: str, timeout: float = 60, check: bool = True, input: str | None = None
+    ) -> subprocess.CompletedProcess:
         """argv inside the container (its namespaces, a clean environment), as root."""
         assert self.leader is not None, "boot() first"
-        cmd = ["nsenter", f"--target={self.leader}", *NAMESPACES, "--",
-               "env", "-i", *(f"{k}={v}" for k, v in CONTAINER_ENV.items()), *argv]
+        cmd = [
+            "nsenter",
+            f"--target={self.leader}",
+            *NAMESPACES,
+            "--",
+            "env",
+            "-i",
+            *(f"{k}={v}" for k, v in CONTAINER_ENV.items()),
+            *argv,
+        ]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=input)
         if check and res.returncode != 0:
-            raise AssertionError(f"in the container, `{' '.join(argv)}` exited {res.returncode}:\n"
-                                 f"{res.stdout}{res.stderr}")
+            raise AssertionError(
+                f"in the container, `{' '.join(argv)}` exited {res.returncode}:\n{res.stdout}{res.stderr}"
+            )
         return res
 
     def sh(self, script: str, **kw) -> subprocess.CompletedProcess:
@@ -163,8 +201,19 @@ class Container:
     def popen(self, *argv: str, **kw) -> subprocess.Popen:
         """argv inside the container, not waited for."""
         assert self.leader is not None, "boot() first"
-        return subprocess.Popen(["nsenter", f"--target={self.leader}", *NAMESPACES, "--", "env", "-i",
-                                 *(f"{k}={v}" for k, v in CONTAINER_ENV.items()), *argv], **kw)
+        return subprocess.Popen(
+            [
+                "nsenter",
+                f"--target={self.leader}",
+                *NAMESPACES,
+                "--",
+                "env",
+                "-i",
+                *(f"{k}={v}" for k, v in CONTAINER_ENV.items()),
+                *argv,
+            ],
+            **kw,
+        )
 
     def console(self, lines: int = 40) -> str:
         try:

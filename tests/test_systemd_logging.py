@@ -29,9 +29,21 @@ def journal_env(f) -> dict[str, str]:
     return {"JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
 
 
-@pytest.mark.parametrize("levelno,priority", [(logging.CRITICAL, 2), (logging.ERROR, 3), (logging.WARNING, 4),
-                                              (logging.INFO, 6), (logging.DEBUG, 7), (logging.NOTSET, 7),
-                                              (25, 6), (35, 4), (45, 3), (60, 2)])
+@pytest.mark.parametrize(
+    "levelno,priority",
+    [
+        (logging.CRITICAL, 2),
+        (logging.ERROR, 3),
+        (logging.WARNING, 4),
+        (logging.INFO, 6),
+        (logging.DEBUG, 7),
+        (logging.NOTSET, 7),
+        (25, 6),
+        (35, 4),
+        (45, 3),
+        (60, 2),
+    ],
+)
 def test_syslog_priority(levelno, priority):
     assert logs.syslog_priority(levelno) == priority
 
@@ -100,8 +112,12 @@ def test_uncaught_exceptions_and_warnings_reach_the_journal_with_a_priority(tmp_
         raise RuntimeError("crash")
     """)
     with open(tmp_path / "journal", "w+") as err:
-        proc = subprocess.run([sys.executable, "-c", script], stderr=err, cwd=os.path.dirname(os.path.dirname(
-            os.path.abspath(__file__))), timeout=60)
+        proc = subprocess.run(
+            [sys.executable, "-c", script],
+            stderr=err,
+            cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            timeout=60,
+        )
         err.seek(0)
         lines = err.read().splitlines()
     assert proc.returncode == 1

@@ -13,14 +13,14 @@ import json
 import re
 import subprocess
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Callable, TypeVar
+from typing import TypeVar
 
 import pytest
-
 from systemd_container import ROOT, Container, skip_reason
-from tc.sandbox import Sandbox
+
+from sandbox.netns import Sandbox
 
 pytestmark = [pytest.mark.root, pytest.mark.slow]
 
@@ -73,13 +73,33 @@ class Node:
 
     def render(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         """`turboctl render` from the client namespace, through the veth and the shaped device."""
-        return self.sandbox.run(self.sandbox.client, str(ROOT / ".venv/bin/turboctl"), "render", "a lighthouse",
-                                "--url", self.url, "--json", *args, timeout=timeout, check=False)
+        return self.sandbox.run(
+            self.sandbox.client,
+            str(ROOT / ".venv/bin/turboctl"),
+            "render",
+            "a lighthouse",
+            "--url",
+            self.url,
+            "--json",
+            *args,
+            timeout=timeout,
+            check=False,
+        )
 
     def render_popen(self, *args: str) -> subprocess.Popen:
-        return self.sandbox.popen(self.sandbox.client, str(ROOT / ".venv/bin/turboctl"), "render", "a lighthouse",
-                                  "--url", self.url, "--json", *args, stdout=subprocess.PIPE,
-                                  stderr=subprocess.STDOUT, text=True)
+        return self.sandbox.popen(
+            self.sandbox.client,
+            str(ROOT / ".venv/bin/turboctl"),
+            "render",
+            "a lighthouse",
+            "--url",
+            self.url,
+            "--json",
+            *args,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
 
     def datapath(self) -> dict:
         """What is on the node's device and in bpffs, as sorted lists (duplicates would show)."""
@@ -91,11 +111,16 @@ class Node:
         pins = self.box.run("find", "/sys/fs/bpf/turbonode", "-mindepth", "1").stdout.split()
         # rates left out: the agent moves the relax ceiling; iproute2 6.1 has no JSON for htb classes
         classes = self.box.run("tc", "class", "show", "dev", dev).stdout
-        return {"qdiscs": sorted(f"{q['kind']} {q['handle']} {q.get('parent', 'root')}" for q in tc("qdisc")),
-                "classes": sorted(re.findall(r"^class (\S+ \S+ (?:root|parent \S+))", classes, re.M)),
-                "filters": sorted(f"{f.get('options', {}).get('bpf_name')} prio {f.get('pref')}"
-                                  for f in tc("filter") if f.get("kind") == "bpf" and "options" in f),
-                "pins": sorted(pins)}
+        return {
+            "qdiscs": sorted(f"{q['kind']} {q['handle']} {q.get('parent', 'root')}" for q in tc("qdisc")),
+            "classes": sorted(re.findall(r"^class (\S+ \S+ (?:root|parent \S+))", classes, re.M)),
+            "filters": sorted(
+                f"{f.get('options', {}).get('bpf_name')} prio {f.get('pref')}"
+                for f in tc("filter")
+                if f.get("kind") == "bpf" and "options" in f
+            ),
+            "pins": sorted(pins),
+        }
 
 
 def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval: float = 0.5) -> T:
@@ -111,6 +136,7 @@ def wait_for(what: str, probe: Callable[[], T | None], timeout: float, interval:
 
 def wait_restarted(node: Node, unit: str, old_pid: str, old_restarts: int, timeout: float) -> dict[str, str]:
     """systemd brought `unit` back: a new main pid, one more restart, active again."""
+
     def back() -> dict[str, str] | None:
         s = node.show(unit, "ActiveState", "MainPID", "NRestarts", "Result")
         ok = s["ActiveState"] == "active" and s["MainPID"] not in ("0", old_pid) and int(s["NRestarts"]) > old_restarts
@@ -145,14 +171,16 @@ def test_units_reach_active_and_say_what_they_do(node):
     start = time.monotonic()
     box.sh("cd /opt/turbonode && " + " && ".join(INSTALL))
     # docs: "then set qos.dev, qos.rate"; the device is the container's end of the veth pair
-    box.sh(f"sed -i 's/^dev = \"\"/dev = \"{node.sandbox.dev}\"/; s/^rate = \"1gbit\"/rate = \"100mbit\"/' {CONFIG}")
+    box.sh(f'sed -i \'s/^dev = ""/dev = "{node.sandbox.dev}"/; s/^rate = "1gbit"/rate = "100mbit"/\' {CONFIG}')
     assert "OK" in box.sh(f"cd /opt/turbonode && {CONFIG_CHECK}").stdout
-    enable = box.popen("sh", "-c", f"cd /opt/turbonode && {ENABLE}", stdout=subprocess.PIPE,
-                       stderr=subprocess.STDOUT, text=True)
+    enable = box.popen(
+        "sh", "-c", f"cd /opt/turbonode && {ENABLE}", stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    )
     try:
         # while the model loads, `systemctl status` says so (STATUS= from the worker)
-        loading = wait_for("the worker's loading status",
-                           lambda: (node.show(WORKER, "StatusText")["StatusText"] or None), 120, 0.1)
+        loading = wait_for(
+            "the worker's loading status", lambda: node.show(WORKER, "StatusText")["StatusText"] or None, 120, 0.1
+        )
         assert "loading" in loading, loading
         out, _ = enable.communicate(timeout=300)
     finally:
@@ -177,8 +205,7 @@ def test_worker_answers_and_agent_status_shows_the_datapath(node):
     dp = node.agent_status()["datapath"]
     assert dp["dev"] == node.sandbox.dev and dp["rate_bps"] == 100_000_000, dp
     # the image went back through the classifier as turbo (the worker marks its socket EF)
-    wait_for("turbo bytes in the agent's status",
-             lambda: node.agent_status()["qos"]["turbo"]["bytes"] > 0, 10)
+    wait_for("turbo bytes in the agent's status", lambda: node.agent_status()["qos"]["turbo"]["bytes"] > 0, 10)
     text = node.box.run(TURBOCTL, "status").stdout
     assert node.sandbox.dev in text, text
 
@@ -280,16 +307,16 @@ def test_bad_config_fails_the_units_stops_them_and_names_the_key_at_err(node):
 
     def gave_up(unit: str) -> bool:
         log = box.run("journalctl", "--no-pager", "-o", "cat", "-u", unit).stdout
-        return (node.show(unit, "ActiveState")["ActiveState"] == "failed"
-                and "Start request repeated too quickly" in log)
+        return node.show(unit, "ActiveState")["ActiveState"] == "failed" and "Start request repeated too quickly" in log
 
     for unit in (AGENT, WORKER):
-        wait_for(f"{unit} to hit its start limit", lambda: gave_up(unit), 120)
+        wait_for(f"{unit} to hit its start limit", lambda unit=unit: gave_up(unit), 120)
     node.timings["start limit"] = time.monotonic() - start
     restarts = {u: node.show(u, "NRestarts")["NRestarts"] for u in (AGENT, WORKER)}
     time.sleep(5)  # stopped for good: no further restart
     assert {u: node.show(u, "NRestarts", "ActiveState") for u in (AGENT, WORKER)} == {
-        u: {"NRestarts": n, "ActiveState": "failed"} for u, n in restarts.items()}
+        u: {"NRestarts": n, "ActiveState": "failed"} for u, n in restarts.items()
+    }
     for unit in (AGENT, WORKER):
         errors = node.journal(unit, "-p", "err")
         assert "agent.sample_period: must be" in errors, node.journal(unit)[-2000:]

@@ -29,8 +29,12 @@ log = logging.getLogger("turbonode")
 
 def syslog_priority(levelno: int) -> int:
     """The syslog priority of a logging level; a level between two takes the lower one's."""
-    for floor, priority in ((logging.CRITICAL, CRIT), (logging.ERROR, ERR), (logging.WARNING, WARNING),
-                            (logging.INFO, INFO)):
+    for floor, priority in (
+        (logging.CRITICAL, CRIT),
+        (logging.ERROR, ERR),
+        (logging.WARNING, WARNING),
+        (logging.INFO, INFO),
+    ):
         if levelno >= floor:
             return priority
     return DEBUG
@@ -95,4 +99,3 @@ def _log_thread_exception(args: threading.ExceptHookArgs) -> None:
         return
     name = args.thread.name if args.thread is not None else "?"
     log.error("uncaught exception in thread %s", name, exc_info=(args.exc_type, args.exc_value, args.exc_traceback))
-
