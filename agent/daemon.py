@@ -70,7 +70,15 @@ def open_datapath(cfg: Config):
 def apply_datapath(dp, cfg: Config) -> None:
     """Apply the configured QoS (idempotent); in dry-run, log what applying would change."""
     if not cfg.agent.dry_run:
-        dp.apply(cfg.qos)
+        done = dp.apply(cfg.qos)
+        log.info(
+            "datapath: %s, %s leaves, %d changes, classifier prog %s %s",
+            doing(cfg),
+            done["leaf_kind"],
+            done["changes"],
+            done["prog_id"],
+            "compiled and attached" if done["compiled"] else "kept (already attached)",
+        )
         return
     try:
         plan = dp.plan(cfg.qos)
@@ -81,6 +89,16 @@ def apply_datapath(dp, cfg: Config) -> None:
         log.info("dry-run: would %s on %s", step, cfg.qos.dev)
     if not plan:
         log.info("dry-run: the QoS datapath on %s is current", cfg.qos.dev)
+
+
+def doing(cfg: Config) -> str:
+    """What the agent does, for `systemctl status` (STATUS=)."""
+    if not cfg.qos.dev:
+        return "watching, no datapath (qos.dev unset)"
+    where = f"{cfg.qos.dev} in netns {cfg.qos.netns}" if cfg.qos.netns else cfg.qos.dev
+    if cfg.agent.dry_run:
+        return f"dry-run, changing nothing; would shape {where} at {cfg.qos.rate}"
+    return f"shaping {where} at {cfg.qos.rate}"
 
 
 def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
@@ -136,11 +154,11 @@ def run(cfg: Config, flags: Flags | None = None) -> int:
         stack.callback(server.shutdown)
         triggers = PsiTriggers(a.procfs, cfg.policy.psi_trigger_us)
         stack.callback(triggers.close)
-        _run_loop(loop, triggers, flags, a.sample_period)
+        _run_loop(loop, triggers, flags, a.sample_period, doing(cfg))
     return 0
 
 
-def _run_loop(loop: AgentLoop, triggers: PsiTriggers, flags: Flags, period: float) -> None:
+def _run_loop(loop: AgentLoop, triggers: PsiTriggers, flags: Flags, period: float, what: str) -> None:
     rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     poller = select.poll()
     poller.register(rfd, select.POLLIN)
@@ -161,10 +179,10 @@ def _run_loop(loop: AgentLoop, triggers: PsiTriggers, flags: Flags, period: floa
             now = time.monotonic()
             decision = loop.step(now)
             if not ready:  # READY once the first sample is published, so `status` is never empty
-                sdnotify.notify("READY=1")
+                sdnotify.notify(f"READY=1\nSTATUS={what}; level {decision.level_name}")
                 ready = True
-            if decision.changed:
-                sdnotify.notify(f"STATUS=level {decision.describe()}")
+            elif decision.changed:
+                sdnotify.notify(f"STATUS={what}; level {decision.describe()}")
             if watchdog and now - last_ping >= watchdog:
                 sdnotify.notify("WATCHDOG=1")
                 last_ping = now

@@ -102,7 +102,6 @@ class ControlHandlers:
             ) from None
         except Held as exc:
             raise self._held(exc) from None
-        log.info("%s set: %s", "operator hold" if t.hold else "throttle", t.describe(self.engine.throttle.now()))
         self.engine.wake()
         return t.describe(self.engine.throttle.now())
 

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import signal
+import time
 from collections.abc import Callable
 
 from turbonode import sdnotify
@@ -25,6 +26,12 @@ WATCHDOG_STALL_S = 60.0  # an engine whose loop has not come round for this long
 
 class ListenError(TurbonodeError):
     """The HTTP address could not be bound."""
+
+
+def loading(what: str) -> None:
+    """A start-up stage: logged, and shown by `systemctl status` until READY=1."""
+    log.info("%s", what)
+    sdnotify.notify(f"STATUS={what}")
 
 
 def torch_threads() -> int:
@@ -52,11 +59,21 @@ class Worker:
         from .model import load_components
 
         self.cfg = cfg
+        started = time.monotonic()
+        loading(f"loading model {cfg.model}")
         torch_threads()
         components = load_components(cfg.model)
+        log.info(
+            "model %s loaded in %.1f s (%s)", components.model_id, time.monotonic() - started, components.fingerprint
+        )
+        started = time.monotonic()
+        # tensorrt: a first start exports ONNX and builds engines (minutes; progress in the log)
+        loading(f"preparing backend {cfg.backend} (device {cfg.device}) for model {components.model_id}")
         self.backend = make_backend(
             cfg.backend, components, cfg.device, tensorrt_options=TensorRTOptions.from_config(cfg)
         )
+        info = self.backend.describe()
+        log.info("backend %s on %s ready in %.1f s", info["name"], info["device"], time.monotonic() - started)
         encoder = PromptEncoder(components, self.backend.device, self.backend.dtype, cfg.text_cache_size)
         self.metrics = WorkerMetrics(CollectorRegistry())
         overrides = {"policy": policy} if policy is not None else {}
@@ -73,7 +90,7 @@ class Worker:
         )
         self.api = Api(self.engine, self.metrics.registry, defaults, components.model_id)
         self.backend_info = {
-            **self.backend.describe(),
+            **info,
             "model": components.model_id,
             "fingerprint": components.fingerprint,
         }
@@ -114,22 +131,30 @@ class Worker:
         bound = runner.addresses[0]
         self.address = (bound[0], bound[1])
         url = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"
-        sdnotify.notify(f"READY=1\nSTATUS=serving {url}, control {self.cfg.control_socket}")
+        serving = f"serving {url}, control {self.cfg.control_socket}"
+        sdnotify.notify(f"READY=1\nSTATUS={serving}")
+        log.info("%s", serving)
         if on_ready is not None:
             on_ready(url)
         watchdog = asyncio.create_task(self._watchdog())
         await stop.wait()
         watchdog.cancel()
-        sdnotify.notify("STOPPING=1\nSTATUS=draining")
-        log.info("stopping: no new jobs; finishing running ones (up to %ss)", self.cfg.drain_timeout)
-        self.engine.close_intake()
-        if not await loop.run_in_executor(None, self.engine.wait_idle, self.cfg.drain_timeout):
-            n = self.engine.fail_all(
-                f"the worker stopped before the job finished (drain timeout {self.cfg.drain_timeout:g} s)"
-            )
-            log.warning("failed %d unfinished jobs at shutdown", n)
+        await self._drain(loop)
         await self._shutdown(runner)
         return 0
+
+    async def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Stop intake, fail what has not started, give running jobs `drain_timeout` to finish."""
+        timeout = self.cfg.drain_timeout
+        failed, running = self.engine.close_intake()
+        sdnotify.notify(f"STOPPING=1\nSTATUS=draining {running} running jobs (up to {timeout:g} s)")
+        log.info("draining: %d running jobs get up to %g s to finish; %d queued jobs failed", running, timeout, failed)
+        started = time.monotonic()
+        if await loop.run_in_executor(None, self.engine.wait_idle, timeout):
+            log.info("drained in %.1f s", time.monotonic() - started)
+            return
+        n = self.engine.fail_all(f"the worker stopped before the job finished (drain timeout {timeout:g} s)")
+        log.warning("drain timeout: failed %d unfinished jobs after %g s", n, timeout)
 
     async def _watchdog(self) -> None:
         interval = sdnotify.watchdog_interval()

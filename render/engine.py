@@ -149,8 +149,8 @@ class Engine:
         """Cancel a job; a queued one leaves the queue at once, a running one at the next boundary."""
         return self.jobs.cancel(job_id)
 
-    def close_intake(self) -> None:
-        self.jobs.close_intake()
+    def close_intake(self) -> tuple[int, int]:
+        return self.jobs.close_intake()
 
     def wait_idle(self, timeout: float) -> bool:
         return self.jobs.wait_idle(timeout)

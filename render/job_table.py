@@ -166,14 +166,14 @@ class JobTable:
 
     # ---- draining ---------------------------------------------------------------------
 
-    def close_intake(self) -> None:
-        """Refuse new jobs and fail those that have not started: shutdown finishes only what runs."""
+    def close_intake(self) -> tuple[int, int]:
+        """Refuse new jobs and fail those that have not started: shutdown finishes only what runs.
+        Returns (jobs failed, jobs still running)."""
         with self.lock:
             self._intake_open = False
-            self.fail(
-                [j for j in self._active.values() if j.state is JobState.QUEUED],
-                "the worker is shutting down; the job did not start, resubmit it",
-            )
+            queued = [j for j in self._active.values() if j.state is JobState.QUEUED]
+            self.fail(queued, "the worker is shutting down; the job did not start, resubmit it")
+            return len(queued), len(self._active)
 
     def wait_idle(self, timeout: float) -> bool:
         deadline = self.clock() + timeout

@@ -12,11 +12,14 @@ agent's next decision cannot silently replace what the operator set (docs/design
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 
-from turbonode.throttle_params import ThrottleLimits, check_throttle
+from turbonode.throttle_params import THROTTLE_KEYS, ThrottleLimits, check_throttle
+
+log = logging.getLogger(__name__)
 
 MAX_TTL_S = 3600.0
 MAX_HOLD_TTL_S = 86400.0  # an operator's hold may last a working day; it still expires
@@ -90,8 +93,14 @@ def make_throttle(
     )
 
 
+def _limits(t: Throttle) -> tuple:
+    return tuple(getattr(t, key) for key in THROTTLE_KEYS)
+
+
 class ThrottleState:
-    """The current throttle, if any; expiry is checked on every read."""
+    """The current throttle, if any; expiry is checked on every read. Changes are logged at
+    INFO (set with new limits, released, expired); the agent's renewals of the same limits,
+    every third of the TTL, at DEBUG."""
 
     def __init__(self, clock=time.monotonic, wall=time.time):
         self._clock, self._wall = clock, wall
@@ -103,8 +112,16 @@ class ThrottleState:
         """Replace the throttle; raises Held if an operator hold is in force and this is not one."""
         throttle = make_throttle(now=self._clock(), now_wall=self._wall(), **params)
         with self._lock:
-            self._check_hold(throttle.hold)
+            previous = self._check_hold(throttle.hold)
             self._current = throttle
+        renewed = previous is not None and _limits(previous) == _limits(throttle) and previous.hold == throttle.hold
+        log.log(
+            logging.DEBUG if renewed else logging.INFO,
+            "%s %s: %s",
+            "operator hold" if throttle.hold else "throttle",
+            "renewed" if renewed else "set",
+            throttle.describe(self._clock()),
+        )
         return throttle
 
     def release(self, hold: bool = False) -> Throttle | None:
@@ -120,15 +137,18 @@ class ThrottleState:
             raise Held(current)
         return current
 
-    def _live(self) -> Throttle | None:
-        if self._current is not None and self._clock() >= self._current.expires_at:
-            self._current = None
-            self.expired_total += 1
-        return self._current
-
     def current(self) -> Throttle | None:
         with self._lock:
             return self._live()
+
+    def _live(self) -> Throttle | None:
+        """The current throttle, dropping (and logging) an expired one; call with the lock held."""
+        t = self._current
+        if t is not None and self._clock() >= t.expires_at:
+            self._current = None
+            self.expired_total += 1
+            log.info("throttle expired: not renewed within %g s (%s)", t.ttl_s, t.reason)
+        return self._current
 
     def now(self) -> float:
         return self._clock()

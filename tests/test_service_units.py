@@ -25,10 +25,12 @@ from turbonode.config_example import render_example, toml_value
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "systemd"
-UNITS = ("turbonode-agent.service", "turbonode-worker.service")
+DAEMONS = ("turbonode-agent.service", "turbonode-worker.service")
+MOUNTS = "turbonode-mounts.service"  # bpffs/tracefs for the agent, which Requires= it
+UNITS = (*DAEMONS, MOUNTS)
 PREFIX = "/opt/turbonode/.venv/bin/"
 # Exposure scores recorded in docs/service.md; a change that weakens the sandbox fails here.
-MAX_EXPOSURE = {"turbonode-agent.service": 2.8, "turbonode-worker.service": 1.7}
+MAX_EXPOSURE = {"turbonode-agent.service": 2.8, "turbonode-worker.service": 1.7, MOUNTS: 3.7}
 
 needs_analyze = pytest.mark.skipif(
     shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed (package systemd)"
@@ -101,7 +103,7 @@ def test_security_exposure(unit_dir, name):
 
 
 def test_units_match_the_contracts():
-    agent, worker = (unit_sections(u) for u in UNITS)
+    agent, worker = (unit_sections(u) for u in DAEMONS)
     cfg = Config()
     for unit, sub in ((agent, "agent"), (worker, "worker")):
         s = unit["Service"]
@@ -117,9 +119,44 @@ def test_units_match_the_contracts():
     caps = {"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN", "CAP_SYS_RESOURCE"}
     assert set(a["AmbientCapabilities"].split()) == caps == set(a["CapabilityBoundingSet"].split())
     assert a["LimitMEMLOCK"] == "infinity" and a["WatchdogSec"]
-    assert "/sys/fs/bpf" in a["ReadWritePaths"].split()
+    # ProtectKernelTunables= makes /sys/fs/bpf read-only and wins over ReadWritePaths=/sys/fs/bpf
+    # itself: only the pins' own directory is writable, made before the sandbox needs it ('-').
+    assert a["ProtectKernelTunables"] == "yes" and a["ReadWritePaths"] == "-/sys/fs/bpf/turbonode"
+    assert a["ExecStartPre"] == "+/bin/mkdir -p -m 0700 /sys/fs/bpf/turbonode"
     assert set(a["RestrictAddressFamilies"].split()) == {"AF_UNIX", "AF_INET", "AF_INET6", "AF_NETLINK"}
-    assert "mount -t bpf" in a["ExecStartPre"] and "mount -t tracefs" in a["ExecStartPre"]
+    # mounts come from a unit of their own: an ExecStartPre= mount is never seen by the main process
+    assert agent["Unit"]["Requires"] == MOUNTS and MOUNTS in agent["Unit"]["After"].split()
+    m = unit_sections(MOUNTS)["Service"]
+    assert "mount -t bpf bpf /sys/fs/bpf" in m["ExecStart"] and "mount -t tracefs" in m["ExecStart"]
+    assert m["Type"] == "oneshot" and m["RemainAfterExit"] == "yes"
+    namespacing = {
+        "ProtectSystem",
+        "PrivateTmp",
+        "PrivateDevices",
+        "PrivateMounts",
+        "ProtectKernelTunables",
+        "ProtectKernelModules",
+        "ProtectKernelLogs",
+        "ProtectControlGroups",
+        "ProtectHome",
+        "ProtectProc",
+        "ReadWritePaths",
+        "ReadOnlyPaths",
+        "InaccessiblePaths",
+        "TemporaryFileSystem",
+        "BindPaths",
+        "PrivateNetwork",
+        "RootDirectory",
+        "MountFlags",
+    }
+    assert not namespacing & m.keys(), "its mounts would land in a namespace of its own"
+    for unit in (agent, worker):
+        # a unit failing at every start stops: Burst starts fit in the interval, each RestartSec apart
+        # plus up to 4 x RestartSec to fail (systemd's default, 5 in 10 s, is never reached with 2 s)
+        u, restart = unit["Unit"], float(unit["Service"]["RestartSec"].removesuffix("s"))
+        interval = u["StartLimitIntervalSec"]
+        seconds = float(interval.removesuffix("min")) * 60 if interval.endswith("min") else float(interval.rstrip("s"))
+        assert int(u["StartLimitBurst"]) * restart * 5 <= seconds, u
     assert "ProtectKernelModules" not in a, "hides /lib/modules, where bcc finds kernel headers"
     w = worker["Service"]
     assert w["User"] == "turbonode-worker" and w["KillSignal"] == "SIGTERM"

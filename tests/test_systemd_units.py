@@ -64,8 +64,10 @@ class Node:
         assert self.show(unit, "ActiveState")["ActiveState"] == "active", f"{unit} is not running"
         self.box.run("systemctl", "kill", "--kill-whom=main", f"--signal={signal}", unit)
 
-    def journal(self, unit: str, *args: str) -> str:
-        """The daemon's own lines (not systemd's about it), as text."""
+    def journal(self, unit: str, *args: str, current: bool = False) -> str:
+        """The daemon's own lines (not systemd's about it), as text; `current`: this run's only."""
+        if current:
+            args = (f"_SYSTEMD_INVOCATION_ID={self.show(unit, 'InvocationID')['InvocationID']}", *args)
         return self.box.run("journalctl", "--no-pager", "-o", "cat", "-u", unit, "-t", "turboctl", *args).stdout
 
     def agent_status(self) -> dict:
@@ -222,7 +224,8 @@ def test_journal_priorities(node):
     agent_warnings = node.journal(AGENT, "-p", "warning")
     for line in failed:  # e.g. gpu without NVML: reported as a warning, not as info
         assert line in agent_warnings, (line, agent_warnings)
-    assert "datapath" in node.journal(AGENT, "-p", "info")
+    assert f"datapath: shaping {node.sandbox.dev} at 100mbit" in node.journal(AGENT, "-p", "info")
+    assert "datapath:" not in agent_warnings
 
 
 def test_watchdog_restarts_a_stopped_daemon(node):
@@ -250,6 +253,8 @@ def test_kill_9_restarts_and_reconciles_without_duplicates(node):
         wait_restarted(node, unit, s["MainPID"], int(s["NRestarts"]), 120)
     node.timings["kill -9 restarts"] = time.monotonic() - start
     assert node.datapath() == before  # same qdiscs, classes, one filter, same pins
+    applied = node.journal(AGENT, current=True)
+    assert "classifier prog" in applied and "kept (already attached)" in applied, applied
     res = node.render("--tier", "turbo", "--size", "64x64", "--steps", "2", "--out", "/dev/null")
     assert res.returncode == 0, res.stdout + res.stderr
 

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import logging
-
 import click
 
+from turbonode import logs
 from turbonode.config import load_config
 from turbonode.errors import ConfigError, TurbonodeError
 
@@ -39,8 +38,7 @@ def run(config_file, dev, netns, worker_socket, agent_socket, metrics, dry_run):
         cfg = load_config(config_file, overrides=overrides)
     except ConfigError as exc:
         raise click.ClickException(f"invalid configuration: {exc}") from None
-    # Decisions are logged at INFO; show them unless the user asked for less.
-    logging.getLogger("turbonode").setLevel(min(logging.getLogger().level, logging.INFO))
+    logs.show_lifecycle("turbonode")  # decisions and the datapath's state are logged at INFO
     try:
         raise SystemExit(daemon.run(cfg))
     except TurbonodeError as exc:

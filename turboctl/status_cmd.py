@@ -60,6 +60,13 @@ def render(st: dict, now: float | None = None) -> str:
     softirq = watchers.get("softirq", {})
     if softirq.get("mode") == "procfs":
         out.append(f"softirq:  /proc/softirqs fallback, no latency ({softirq.get('bpf_error')})")
+    dp = st.get("datapath")
+    if dp:
+        where = f"{dp['dev']} in netns {dp['netns']}" if dp.get("netns") else dp["dev"]
+        out.append(
+            f"datapath: {where}, HTB at {_rate(dp.get('rate_bps')) or '-'}, {dp.get('leaf_kind')} leaves, "
+            f"classifier prog {dp.get('prog_id')}"
+        )
     qos = st.get("qos") or {}
     if qos:
         out += ["", "QoS"] + _table(

@@ -12,6 +12,7 @@ import sys
 
 import click
 
+from turbonode import logs
 from turbonode.config import BACKEND_NAMES, load_config
 from turbonode.errors import ConfigError, ControlError, TurbonodeError
 from turbonode.jsonrpc import DEFAULT_SOCKET, ControlClient
@@ -82,11 +83,9 @@ def run(model, listen, control, config_file, backend, device):
         raise click.ClickException(f"invalid configuration: {exc}") from None
     from render import daemon  # imports torch: only here, never when the CLI loads
 
-    def ready(url):
-        click.echo(f"turbonode worker serving {url} (control {cfg.control_socket})", err=True)
-
+    logs.show_lifecycle("render", "turbonode")  # model load, engine builds, serving, drain, throttles
     try:
-        rc = daemon.run(cfg, on_ready=ready)
+        rc = daemon.run(cfg)
     except TurbonodeError as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(rc)

@@ -90,6 +90,13 @@ def setup(level: int, stream: IO[str] | None = None, env: dict[str, str] | None 
     return journal
 
 
+def show_lifecycle(*names: str) -> None:
+    """A daemon's lifecycle events are logged at INFO: show those of loggers `names` even when
+    the root level is WARNING (turboctl's default); -v/-vv still lower it further."""
+    for name in names:
+        logging.getLogger(name).setLevel(min(logging.getLogger().level, logging.INFO))
+
+
 def _log_uncaught(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
     log.critical("uncaught exception", exc_info=(exc_type, exc, tb))
 

@@ -28,10 +28,11 @@ class HtbWatcher(Watcher):
         rates = self._rate.update(now, {t: row.get("drops") or 0 for t, row in tiers.items()}) or {}
         signals = {f"{t}_drops_per_s": rates.get(t) for t in tiers}
         signals["turbo_backlog_bytes"] = tiers.get("turbo", {}).get("backlog_bytes")
-        return signals, {"tiers": tiers, "rate_bps": shown.get("rate_bps"), "unparsed": shown["tiers"].get("unparsed")}
+        applied = {k: shown.get(k) for k in ("dev", "netns", "rate_bps", "leaf_kind", "prog_id")}
+        return signals, {"tiers": tiers, "applied": applied, "unparsed": shown["tiers"].get("unparsed")}
 
     def status_view(self) -> dict:
-        return {"qos": self.detail.get("tiers", {})}
+        return {"qos": self.detail.get("tiers", {}), "datapath": self.detail.get("applied")}
 
     def families(self):
         if not self.ok:

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TypeVar
 
+from turbonode import sdnotify
 from turbonode.errors import BackendUnavailable
 
 log = logging.getLogger(__name__)
@@ -101,9 +102,9 @@ class EngineCache:
             log.warning("cached engine %s does not deserialize: rebuilding it", path)
             path.unlink(missing_ok=True)
         self.root.mkdir(parents=True, exist_ok=True)
-        # Warning level: the worker serves nothing for the minutes a large engine takes, and
-        # the default log level should say why.
-        log.warning(
+        # The worker serves nothing for the minutes a large engine takes: say why, in the log
+        # (the worker shows its lifecycle at INFO) and in `systemctl status`.
+        log.info(
             "building the %s engine (%s, batch %d..%d, %s): minutes for a large model -> %s",
             key.component,
             key.precision,
@@ -112,11 +113,12 @@ class EngineCache:
             ", ".join(f"{h}x{w}" for h, w in key.resolutions),
             path,
         )
+        sdnotify.notify(f"STATUS=building the {key.component} TensorRT engine (ONNX export, then TensorRT)")
         started = time.monotonic()
         blob = build()
         if not blob:
             raise BackendUnavailable(f"TensorRT could not build the {key.component} engine (see the log above)")
-        log.warning(
+        log.info(
             "built the %s engine in %.1f s (%.1f MiB)", key.component, time.monotonic() - started, len(blob) / 2**20
         )
         engine = self._try_deserialize(path, blob, deserialize)
