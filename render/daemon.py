@@ -131,7 +131,7 @@ class Worker:
         bound = runner.addresses[0]
         self.address = (bound[0], bound[1])
         url = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"
-        serving = f"serving {url}, control {self.cfg.control_socket}"
+        serving = f"serving {url} (control {self.cfg.control_socket})"
         sdnotify.notify(f"READY=1\nSTATUS={serving}")
         log.info("%s", serving)
         if on_ready is not None:

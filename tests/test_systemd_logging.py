@@ -98,6 +98,25 @@ def test_setup_prefixes_only_on_the_journal_stream(stream, tmp_path):
         root.setLevel(saved[0])
 
 
+def test_show_lifecycle_lasts_until_the_next_setup(stream):
+    root = logging.getLogger()
+    saved = root.level
+    daemon = logging.getLogger("turbonode.test.daemon")
+    try:
+        logs.setup(logging.WARNING, stream, {})
+        logs.show_lifecycle("turbonode.test.daemon")
+        assert daemon.getEffectiveLevel() == logging.INFO and root.level == logging.WARNING
+        logs.setup(logging.DEBUG, stream, {})  # -vv: lower than INFO stays lower
+        logs.show_lifecycle("turbonode.test.daemon")
+        assert daemon.getEffectiveLevel() == logging.DEBUG
+        logs.setup(logging.WARNING, stream, {})  # the next command (CliRunner) starts clean
+        assert daemon.level == logging.NOTSET and daemon.getEffectiveLevel() == logging.WARNING
+    finally:
+        for h in [h for h in root.handlers if h.name == logs.HANDLER_NAME]:
+            root.removeHandler(h)
+        root.setLevel(saved)
+
+
 def test_uncaught_exceptions_and_warnings_reach_the_journal_with_a_priority(tmp_path):
     """A real process whose stderr is the 'journal' file: a Python warning at <4>, a crash at <2>."""
     script = textwrap.dedent("""

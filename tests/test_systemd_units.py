@@ -40,7 +40,7 @@ INSTALL = (
 )
 CONFIG_CHECK = ".venv/bin/turboctl config check /etc/turbonode/turbonode.toml"
 ENABLE = "systemctl daemon-reload && systemctl enable --now turbonode-agent turbonode-worker"
-DRAIN_JOB_S = 5.0
+DRAIN_JOB_S = 2.0
 
 T = TypeVar("T")
 
@@ -266,11 +266,11 @@ def test_stop_drains_the_worker_and_leaves_the_datapath(node):
         return json.loads(node.box.run(TURBOCTL, "worker", "status", "--json").stdout)
 
     # A job that runs about DRAIN_JOB_S on this machine as loaded as it is now: still running when
-    # SIGTERM comes, well inside worker.drain_timeout (30 s).
+    # SIGTERM comes, well inside worker.drain_timeout (30 s) even if the machine gets busier.
     res = node.render("--tier", "turbo", "--size", "64x64", "--steps", "10", "--out", "/dev/null")
     assert res.returncode == 0, res.stdout + res.stderr
     step = worker_status()["step_time_s"]["p50"]
-    steps = max(10, min(200, round(DRAIN_JOB_S / step)))
+    steps = max(10, min(100, round(DRAIN_JOB_S / step)))
     job = node.render_popen("--tier", "turbo", "--size", "64x64", "--steps", str(steps), "--out", "/dev/null")
     try:
         wait_for("the job to run", lambda: worker_status()["tiers"]["turbo"]["in_flight"] > 0, 60, 0.1)
@@ -283,7 +283,7 @@ def test_stop_drains_the_worker_and_leaves_the_datapath(node):
     s = node.show(WORKER, "ActiveState", "Result")
     assert s == {"ActiveState": "inactive", "Result": "success"}, s
     info = node.journal(WORKER, "-p", "info")
-    assert re.search(r"draining: \d+ running", info) and "drained" in info, info[-2000:]
+    assert "draining: 1 running jobs" in info and "drained in" in info, info[-2000:]
     node.box.run("systemctl", "stop", AGENT, timeout=60)
     assert node.show(AGENT, "ActiveState")["ActiveState"] == "inactive"
     assert node.datapath() == before  # fail-static: qos.keep_on_stop = true (docs/service.md)

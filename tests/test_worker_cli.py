@@ -196,7 +196,10 @@ def test_daemon_ready_sigterm_finishes_running_and_fails_queued(tmp_path):
         text=True,
     )
     try:
-        assert b"READY=1" in notify.recv(4096)
+        # while it loads, `systemctl status` says so; then READY
+        assert notify.recv(4096) == b"STATUS=loading model tiny"
+        while b"READY=1" not in notify.recv(4096):
+            pass
         # log lines (e.g. backend auto's fallback notice) may come before the ready line
         found = None
         for line in iter(proc.stderr.readline, ""):

@@ -23,6 +23,7 @@ CRIT, ERR, WARNING, INFO, DEBUG = 2, 3, 4, 6, 7
 PLAIN_FORMAT = "%(asctime)s %(name)s %(levelname)s %(message)s"
 JOURNAL_FORMAT = "%(name)s %(levelname)s %(message)s"
 HANDLER_NAME = "turbonode"  # the root handler setup() owns and replaces on a second call
+_lifecycle: set[str] = set()  # loggers show_lifecycle() raised; setup() resets them
 
 log = logging.getLogger("turbonode")
 
@@ -70,8 +71,9 @@ class JournalFormatter(logging.Formatter):
 def setup(level: int, stream: IO[str] | None = None, env: dict[str, str] | None = None) -> bool:
     """Log to `stream` (stderr) at `level`, with priorities if it is the journal; True if it is.
 
-    Idempotent: a second call replaces the handler of the first (CliRunner invokes the CLI many
-    times in one process) and leaves other handlers (pytest's) alone. Under the journal, Python
+    Idempotent: a second call replaces the handler of the first and undoes show_lifecycle()
+    (CliRunner invokes the CLI many times in one process), and leaves other handlers (pytest's)
+    alone. Under the journal, Python
     warnings and uncaught exceptions go through logging too, so they carry a priority."""
     stream = stream if stream is not None else sys.stderr
     journal = stream_is_journal(stream, env)
@@ -83,6 +85,8 @@ def setup(level: int, stream: IO[str] | None = None, env: dict[str, str] | None 
         root.removeHandler(old)
     root.addHandler(handler)
     root.setLevel(level)
+    while _lifecycle:  # a previous command's daemon levels (CliRunner: one process, many commands)
+        logging.getLogger(_lifecycle.pop()).setLevel(logging.NOTSET)
     if journal:
         logging.captureWarnings(True)
         sys.excepthook = _log_uncaught
@@ -95,6 +99,7 @@ def show_lifecycle(*names: str) -> None:
     the root level is WARNING (turboctl's default); -v/-vv still lower it further."""
     for name in names:
         logging.getLogger(name).setLevel(min(logging.getLogger().level, logging.INFO))
+        _lifecycle.add(name)
 
 
 def _log_uncaught(exc_type: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
