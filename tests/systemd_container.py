@@ -173,22 +173,14 @@ class Container:
             time.sleep(0.2)
         raise BootError(f"the container's systemd is {state or 'unreachable'} at the boot timeout:\n{self.console()}")
 
-    def run(
-        self, *argv: str, timeout: float = 60, check: bool = True, input: str | None = None
-    ) -> subprocess.CompletedProcess:
-        """argv inside the container (its namespaces, a clean environment), as root."""
+    def _argv(self, *argv: str) -> list[str]:
+        """argv inside the container: its namespaces, a clean environment, root."""
         assert self.leader is not None, "boot() first"
-        cmd = [
-            "nsenter",
-            f"--target={self.leader}",
-            *NAMESPACES,
-            "--",
-            "env",
-            "-i",
-            *(f"{k}={v}" for k, v in CONTAINER_ENV.items()),
-            *argv,
-        ]
-        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, input=input)
+        env = (f"{k}={v}" for k, v in CONTAINER_ENV.items())
+        return ["nsenter", f"--target={self.leader}", *NAMESPACES, "--", "env", "-i", *env, *argv]
+
+    def run(self, *argv: str, timeout: float = 60, check: bool = True) -> subprocess.CompletedProcess:
+        res = subprocess.run(self._argv(*argv), capture_output=True, text=True, timeout=timeout)
         if check and res.returncode != 0:
             raise AssertionError(
                 f"in the container, `{' '.join(argv)}` exited {res.returncode}:\n{res.stdout}{res.stderr}"
@@ -200,20 +192,7 @@ class Container:
 
     def popen(self, *argv: str, **kw) -> subprocess.Popen:
         """argv inside the container, not waited for."""
-        assert self.leader is not None, "boot() first"
-        return subprocess.Popen(
-            [
-                "nsenter",
-                f"--target={self.leader}",
-                *NAMESPACES,
-                "--",
-                "env",
-                "-i",
-                *(f"{k}={v}" for k, v in CONTAINER_ENV.items()),
-                *argv,
-            ],
-            **kw,
-        )
+        return subprocess.Popen(self._argv(*argv), **kw)
 
     def console(self, lines: int = 40) -> str:
         try:

@@ -145,3 +145,19 @@ def test_uncaught_exceptions_and_warnings_reach_the_journal_with_a_priority(tmp_
     assert "<3>turbonode ERROR uncaught exception in thread engine" in lines
     assert "<3>ZeroDivisionError: division by zero" in lines
     assert "<2>turbonode CRITICAL uncaught exception" in lines and lines[-1] == "<2>RuntimeError: crash"
+
+
+def test_a_command_error_reaches_the_journal_at_err(tmp_path):
+    """turboctl's "Error: ..." (a bad key, here) carries <3> when stderr is the journal, and
+    stays plain on a terminal or a pipe."""
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[worker]\nmax_batch = 0\n")
+    argv = [os.path.join(os.path.dirname(sys.executable), "turboctl"), "config", "check", str(bad)]
+    with open(tmp_path / "journal", "w+") as err:
+        st = os.fstat(err.fileno())
+        env = {**os.environ, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
+        assert subprocess.run(argv, stderr=err, env=env, timeout=60).returncode == 1
+        err.seek(0)
+        assert err.read() == "<3>Error: invalid configuration: worker.max_batch: must be positive, got 0\n"
+    plain = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
+    assert plain.returncode == 1 and plain.stderr.startswith("Error: invalid configuration: worker.max_batch")

@@ -73,34 +73,17 @@ class Node:
     def agent_status(self) -> dict:
         return json.loads(self.box.run(TURBOCTL, "status", "--json").stdout)
 
+    def _render_argv(self, *args: str) -> list[str]:
+        """`turboctl render` as a client of the node, to its worker's URL."""
+        return [str(ROOT / ".venv/bin/turboctl"), "render", "a lighthouse", "--url", self.url, "--json", *args]
+
     def render(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
-        """`turboctl render` from the client namespace, through the veth and the shaped device."""
-        return self.sandbox.run(
-            self.sandbox.client,
-            str(ROOT / ".venv/bin/turboctl"),
-            "render",
-            "a lighthouse",
-            "--url",
-            self.url,
-            "--json",
-            *args,
-            timeout=timeout,
-            check=False,
-        )
+        """An image from the client namespace, through the veth and the shaped device."""
+        return self.sandbox.run(self.sandbox.client, *self._render_argv(*args), timeout=timeout, check=False)
 
     def render_popen(self, *args: str) -> subprocess.Popen:
         return self.sandbox.popen(
-            self.sandbox.client,
-            str(ROOT / ".venv/bin/turboctl"),
-            "render",
-            "a lighthouse",
-            "--url",
-            self.url,
-            "--json",
-            *args,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
+            self.sandbox.client, *self._render_argv(*args), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )
 
     def datapath(self) -> dict:
