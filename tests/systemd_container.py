@@ -1,8 +1,9 @@
 """A real systemd, booted in a container, for tests/test_systemd_units.py.
 
 The container (systemd-nspawn, see tests/systemd_container.sh) has a throwaway overlay of this
-machine's root as its root, this checkout at /opt/turbonode, a private bpffs, and runs in a
-network namespace the test created (never the host's), in a cgroup of its own. Commands run
+machine's root as its root, this checkout at /opt/turbonode, no bpffs and no tracefs (what it
+mounts is its own), and runs in a network namespace the test created (never the host's), in a
+cgroup of its own. Commands run
 inside it through nsenter. close() powers it off and removes what boot() made, also after a
 failed boot; the private mount namespace takes every mount with it.
 """
@@ -72,7 +73,7 @@ def skip_reason() -> str | None:
     filesystems = Path("/proc/filesystems").read_text().split()
     for fs in ("overlay", "bpf", "tmpfs"):
         if fs not in filesystems:
-            return f"the kernel has no {fs} filesystem (needed for the container's root and pins)"
+            return f"the kernel has no {fs} filesystem (needed for the container's root and the agent's pins)"
     if not cgroup_parents():
         return "neither a cgroup2 nor a name=systemd cgroup hierarchy is mounted: systemd cannot run"
     if not (ROOT / ".venv/bin/turboctl").exists():

@@ -4,6 +4,8 @@
 #   unshare --mount --propagation private -- bash systemd_container.sh CHECKOUT NETNS MACHINE SCRATCH CGROUP...
 # so every mount below lives in a private mount namespace and vanishes with it: nothing the
 # container writes reaches the host. The script ends by exec'ing systemd-nspawn (same pid).
+# The container gets no bpffs or tracefs: turbonode-mounts.service mounts them inside it (a
+# bpffs mounted there is an instance of its own, so the pins never reach the host's).
 #   CHECKOUT  this repository; it appears at /opt/turbonode with its .venv relocated there
 #   NETNS     network namespace file (/run/netns/NAME) the container runs in; never the host's
 #   MACHINE   unique container name (hostname; nspawn's lock and state names)
@@ -16,7 +18,7 @@ shift 4
 for cg in "$@"; do echo $$ > "$cg/cgroup.procs"; done
 
 mount -t tmpfs -o mode=0755 turbonode-test "$scratch"
-mkdir "$scratch"/{lower,upper,work,root,bpf,opt,opt-upper,opt-work}
+mkdir "$scratch"/{lower,upper,work,root,opt,opt-upper,opt-work}
 touch "$scratch/netns"
 # nspawn refuses --directory=/: overlay a tmpfs on a (non-recursive) bind of /.
 mount --bind / "$scratch/lower"
@@ -29,8 +31,6 @@ mount -t overlay overlay -o "lowerdir=$checkout,upperdir=$scratch/opt-upper,work
 find "$scratch/opt/.venv/bin" "$scratch/opt/.venv/lib/"python3*/site-packages -maxdepth 1 -type f \
     \( -path '*/bin/*' -o -name '__editable__*' -o -name '*.pth' \) -print0 \
     | { xargs -0 grep -lIZF -- "$checkout" || true; } | xargs -0 -r sed -i "s|$checkout|/opt/turbonode|g"
-# A private bpffs (nspawn gives the container none); pins made inside die with the container.
-mount -t bpf bpf "$scratch/bpf"
 # The network namespace, bound before /run is covered below.
 mount --bind "$netns" "$scratch/netns"
 # nspawn keeps locks and state under /run/systemd/nspawn: a tmpfs here keeps them off the host.
@@ -41,5 +41,5 @@ exec systemd-nspawn --quiet --directory="$scratch/root" --machine="$machine" --b
     --network-namespace-path="$scratch/netns" \
     --capability=CAP_BPF,CAP_PERFMON,CAP_NET_ADMIN,CAP_SYS_RESOURCE \
     --system-call-filter='bpf perf_event_open' \
-    --bind="$scratch/opt:/opt/turbonode" --bind="$scratch/bpf:/sys/fs/bpf" \
+    --bind="$scratch/opt:/opt/turbonode" \
     -- --unit=basic.target

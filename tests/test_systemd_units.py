@@ -153,6 +153,9 @@ def node(tmp_path_factory):
 
 def test_units_reach_active_and_say_what_they_do(node):
     box = node.box
+    # systemd mounts neither in a container: what the agent gets comes from turbonode-mounts.service
+    assert box.run("findmnt", "/sys/fs/bpf", check=False).returncode != 0
+    assert box.run("findmnt", "/sys/kernel/tracing", check=False).returncode != 0
     start = time.monotonic()
     box.sh("cd /opt/turbonode && " + " && ".join(INSTALL))
     # docs: "then set qos.dev, qos.rate"; the device is the container's end of the veth pair
@@ -174,6 +177,8 @@ def test_units_reach_active_and_say_what_they_do(node):
     assert enable.returncode == 0, out
     node.timings["install+start"] = time.monotonic() - start
     assert box.run("systemctl", "is-active", MOUNTS, AGENT, WORKER).stdout.split() == ["active"] * 3
+    for where, fstype in (("/sys/fs/bpf", "bpf"), ("/sys/kernel/tracing", "tracefs")):
+        assert box.run("findmnt", "-n", "-o", "FSTYPE", where).stdout.strip() == fstype
     for unit, says in ((AGENT, rf"shaping {node.sandbox.dev}"), (WORKER, r"serving http://")):
         status = box.run("systemctl", "status", "--no-pager", unit).stdout
         assert re.search(rf'Status: ".*{says}', status), status
