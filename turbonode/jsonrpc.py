@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -26,6 +27,9 @@ class LineReader(Protocol):
 
 MAX_REQUEST_BYTES = 64 * 1024
 DEFAULT_SOCKET = "/run/turbonode/worker.sock"
+# A full listen backlog makes connect() on an AF_UNIX socket fail at once with EAGAIN (there is
+# no SYN retry as with TCP): the client retries with this backoff within its timeout.
+CONNECT_RETRY_S = (0.005, 0.1)  # first wait, longest wait
 
 PARSE_ERROR = -32700
 INVALID_REQUEST = -32600
@@ -71,6 +75,8 @@ def parse_request(line: bytes) -> Request | JsonObject:
         obj = json.loads(line)
     except (ValueError, UnicodeDecodeError) as exc:
         return error_response(None, PARSE_ERROR, f"parse error: {exc}")
+    except RecursionError:  # the decoder recurses per nesting level; a deep request must not escape
+        return error_response(None, PARSE_ERROR, "parse error: nested too deeply")
     if not isinstance(obj, dict):
         return error_response(None, INVALID_REQUEST, "invalid request: expected a JSON object")
     req_id = obj.get("id")
@@ -142,7 +148,7 @@ class ControlClient:
         try:
             with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
                 sock.settimeout(self.timeout)
-                sock.connect(self.path)
+                self._connect(sock)
                 sock.sendall(encode(req))
                 with sock.makefile("rb") as f:
                     line = f.readline(16 * MAX_REQUEST_BYTES)
@@ -152,6 +158,10 @@ class ControlClient:
             ) from None
         except PermissionError:
             raise ControlError(f"no permission to connect to {self.path} (need the turbonode group or root)") from None
+        except BlockingIOError:
+            raise ControlError(
+                f"{self.peer} control socket {self.path} is busy: its listen backlog stayed full for {self.timeout:g} s"
+            ) from None
         except ConnectionRefusedError:
             raise ControlError(
                 f"{self.peer} control socket {self.path} refused the connection ({self.peer} not running?)"
@@ -168,3 +178,17 @@ class ControlClient:
             err = resp["error"]
             raise ControlError(f"{method}: {err.get('message')}", err.get("code"), err.get("data"))
         return resp.get("result")
+
+    def _connect(self, sock: socket.socket) -> None:
+        """connect(), retried while the server's listen backlog is full (EAGAIN), up to the timeout."""
+        deadline = time.monotonic() + self.timeout
+        wait, longest = CONNECT_RETRY_S
+        while True:
+            try:
+                sock.connect(self.path)
+                return
+            except BlockingIOError:
+                if time.monotonic() + wait > deadline:
+                    raise
+            time.sleep(wait)
+            wait = min(2 * wait, longest)
