@@ -188,9 +188,15 @@ class Engine:
     def _encode(self, jobs: list[Job]) -> None:
         try:
             self.encoder.encode_jobs(jobs)
-        except Exception as exc:  # noqa: BLE001 - fail these jobs, keep serving
-            log.exception("text encoding failed")
-            self.jobs.fail(jobs, f"text encoding failed: {type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001 - fail the job that caused it, keep serving
+            why = f"{type(exc).__name__}: {exc}"
+            if len(jobs) > 1:  # one job's prompt fails the whole call: find it, job by job
+                log.warning("text encoding of %d jobs failed (%s); encoding them one by one", len(jobs), why)
+                for job in jobs:
+                    self._encode([job])
+                return
+            log.exception("text encoding of job %s failed", jobs[0].id)
+            self.jobs.fail(jobs, f"text encoding failed: {why}")
 
     def _step(self, samples: list[Sample]) -> None:
         t0 = self.clock()

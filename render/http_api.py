@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import codecs
 import io
+import json
 import logging
 import math
+import reprlib
 import secrets
 import socket
 from collections.abc import Callable
@@ -24,6 +27,7 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from turbonode.config import MAX_GUIDANCE, MAX_PIXELS, MAX_STEPS, MIN_PIXELS, parse_decimal
 from turbonode.tiers import DEFAULT_TIER, TIER_NAMES, tos_byte
 
 from .jobs import JobCancelled, JobFailed, JobRequest, Rejected
@@ -33,9 +37,6 @@ log = logging.getLogger(__name__)
 TIER_HEADER = "X-Turbonode-Tier"
 MAX_PROMPT_CHARS = 4000
 MAX_IMAGES = 10
-MAX_STEPS = 200
-MIN_PIXELS = 64
-MAX_PIXELS = 2048
 # OpenAI request fields that do not change what this worker renders; accepted and ignored.
 IGNORED_OPENAI_FIELDS = {
     "model",
@@ -62,6 +63,16 @@ TURBONODE_FIELDS = {
 }
 
 
+# Bad values are quoted in error messages, never echoed whole (a body may hold 1 MiB of them).
+_quote = reprlib.Repr()
+_quote.maxstring = _quote.maxother = 60
+_quote.maxlevel = 2
+
+
+def show(value) -> str:
+    return _quote.repr(value)
+
+
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
@@ -82,7 +93,7 @@ def _int(body: dict, key: str, default, lo: int, hi: int) -> int:
     if value is None:
         value = default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"'{key}' must be an integer, got {value!r}", key)
+        raise BadRequest(f"'{key}' must be an integer, got {show(value)}", key)
     if not lo <= value <= hi:
         raise BadRequest(f"'{key}' must be between {lo} and {hi}, got {value}", key)
     return value
@@ -93,23 +104,51 @@ def _size(value, defaults: RequestDefaults) -> tuple[int, int]:
         return defaults.size, defaults.size
     if not isinstance(value, str) or "x" not in value:
         raise BadRequest(
-            f"'size' must be 'WIDTHxHEIGHT' (e.g. '{defaults.size}x{defaults.size}'), got {value!r}", "size"
+            f"'size' must be 'WIDTHxHEIGHT' (e.g. '{defaults.size}x{defaults.size}'), got {show(value)}", "size"
         )
     w, _, h = value.partition("x")
-    if not (w.isdigit() and h.isdigit()):
-        raise BadRequest(f"'size' must be 'WIDTHxHEIGHT' with integer pixels, got {value!r}", "size")
-    width, height = int(w), int(h)
+    width, height = parse_decimal(w), parse_decimal(h)
+    if width is None or height is None:
+        raise BadRequest(f"'size' must be 'WIDTHxHEIGHT' with integer pixels, got {show(value)}", "size")
     m = defaults.size_multiple
+    lo = max(m, MIN_PIXELS)
     for side in (width, height):
-        if not max(m, MIN_PIXELS) <= side <= MAX_PIXELS or side % m:
+        if not lo <= side <= MAX_PIXELS or side % m:
             raise BadRequest(
-                f"'size' sides must be multiples of {m} between {max(m, MIN_PIXELS)} and {MAX_PIXELS}, got {value!r}",
-                "size",
+                f"'size' sides must be multiples of {m} between {lo} and {MAX_PIXELS}, got {show(value)}", "size"
             )
     reason = defaults.size_check(height, width) if defaults.size_check else None
     if reason:
         raise BadRequest(f"'size' {reason}", "size")
     return width, height
+
+
+def _text(key: str, value: str) -> None:
+    """Refuse what JSON can spell but no text encoder can take: lone surrogates (e.g. "\\ud800")."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise BadRequest(
+            f"'{key}' is not valid Unicode text: lone surrogate {show(exc.object[exc.start : exc.end])} "
+            f"at character {exc.start}",
+            key,
+        ) from None
+
+
+def parse_json_body(raw: bytes, charset: str | None):
+    """The request body as JSON; BadRequest for an unknown charset, undecodable bytes, bad or
+    too deeply nested JSON (the decoder recurses per level: a deep body must not be a 500)."""
+    charset = charset or "utf-8"
+    try:
+        codecs.lookup(charset)
+    except LookupError:
+        raise BadRequest(f"unsupported charset {show(charset)} in Content-Type (send UTF-8 JSON)") from None
+    try:
+        return json.loads(raw.decode(charset))
+    except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise BadRequest(f"body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise BadRequest("body is not valid JSON: nested too deeply") from None
 
 
 def parse_generation(body, header_tier: str | None, defaults: RequestDefaults) -> tuple[JobRequest, bool]:
@@ -129,23 +168,25 @@ def parse_generation(body, header_tier: str | None, defaults: RequestDefaults) -
         raise BadRequest(
             f"'negative_prompt' must be a string of at most {MAX_PROMPT_CHARS} characters", "negative_prompt"
         )
+    _text("prompt", prompt)
+    _text("negative_prompt", negative)
     fmt = body.get("response_format") or "b64_json"
     if fmt != "b64_json":
         raise BadRequest(
-            f"'response_format' {fmt!r} is not supported; this worker answers b64_json only", "response_format"
+            f"'response_format' {show(fmt)} is not supported; this worker answers b64_json only", "response_format"
         )
     if body.get("stream"):
         raise BadRequest("'stream' is not supported", "stream")
     tier = body.get("tier") or header_tier or DEFAULT_TIER
     if tier not in TIER_NAMES:
         source = "'tier'" if body.get("tier") else f"header {TIER_HEADER}"
-        raise BadRequest(f"{source}: unknown tier {tier!r} (expected one of {', '.join(TIER_NAMES)})", "tier")
+        raise BadRequest(f"{source}: unknown tier {show(tier)} (expected one of {', '.join(TIER_NAMES)})", "tier")
     width, height = _size(body.get("size"), defaults)
     guidance = body.get("guidance", defaults.guidance[tier])
     if guidance is None:
         guidance = defaults.guidance[tier]
-    if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not 0 <= guidance <= 50:
-        raise BadRequest(f"'guidance' must be a number between 0 and 50, got {guidance!r}", "guidance")
+    if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not 0 <= guidance <= MAX_GUIDANCE:
+        raise BadRequest(f"'guidance' must be a number between 0 and {MAX_GUIDANCE}, got {show(guidance)}", "guidance")
     run_async = body.get("async", False)
     if not isinstance(run_async, bool):
         raise BadRequest("'async' must be true or false", "async")
@@ -247,10 +288,7 @@ class Api:
     async def generate(self, request: web.Request) -> web.Response:
         header_tier = request.headers.get(TIER_HEADER)
         try:
-            body = await request.json()
-        except ValueError as exc:
-            return web.json_response(error_body(f"body is not valid JSON: {exc}", "invalid_request_error"), status=400)
-        try:
+            body = parse_json_body(await request.read(), request.charset)
             job_request, run_async = parse_generation(body, header_tier, self.defaults)
         except BadRequest as exc:
             return web.json_response(error_body(exc.message, "invalid_request_error", exc.param), status=exc.status)

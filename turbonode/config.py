@@ -30,6 +30,19 @@ BACKEND_NAMES = ("auto", "torch", "tensorrt")
 ENV_PREFIX = "TURBONODE_"
 T = TypeVar("T")
 
+# What a job may ask of the worker: the HTTP API refuses more, so the per-tier defaults here
+# (worker.steps, worker.guidance, worker.size) stay within the same bounds.
+MAX_STEPS = 200
+MAX_GUIDANCE = 50
+MIN_PIXELS = 64
+MAX_PIXELS = 2048
+
+
+def parse_decimal(text: str) -> int | None:
+    """The integer `text` spells in ASCII digits, else None. (str.isdigit() also accepts '²' and
+    other digits int() refuses, and int() refuses more than 4300 digits.)"""
+    return int(text) if 0 < len(text) <= 18 and text.isascii() and text.isdigit() else None
+
 
 # ---- checks (raise ValueError with a message; the loader names the key) -------------
 
@@ -47,8 +60,8 @@ def fraction(v: Any) -> None:
 
 
 def guidance_scale(v: Any) -> None:
-    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= 50:
-        raise ValueError(f"must be a number between 0 and 50, got {v!r}")
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= MAX_GUIDANCE:
+        raise ValueError(f"must be a number between 0 and {MAX_GUIDANCE}, got {v!r}")
 
 
 def rate(v: Any) -> None:
