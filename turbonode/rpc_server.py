@@ -39,12 +39,21 @@ class SocketInUse(TurbonodeError):
 
 
 def prepare_socket_path(path: str, owner: str = "server") -> None:
-    """Create the directory; remove a stale socket a dead `owner` left, but never a live one."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    """Create the directory; remove a stale socket a dead `owner` left, but never a live one.
+    Raises TurbonodeError naming the path that failed and why."""
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as exc:
+        raise TurbonodeError(
+            f"cannot create {exc.filename or directory} for the {owner} socket {path}: {exc.strerror or exc}"
+        ) from None
     try:
         st = os.lstat(path)
     except FileNotFoundError:
         return
+    except OSError as exc:
+        raise TurbonodeError(f"cannot use {path} for the {owner} socket: {exc.strerror or exc}") from None
     if not stat.S_ISSOCK(st.st_mode):
         raise SocketInUse(f"{path} exists and is not a socket; refusing to replace it")
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
@@ -52,7 +61,10 @@ def prepare_socket_path(path: str, owner: str = "server") -> None:
         try:
             probe.connect(path)
         except OSError:
-            os.unlink(path)  # nobody listens: a stale socket from a process that died
+            try:
+                os.unlink(path)  # nobody listens: a stale socket from a process that died
+            except OSError as exc:
+                raise TurbonodeError(f"cannot remove the stale {owner} socket {path}: {exc.strerror or exc}") from None
             return
     raise SocketInUse(f"another {owner} is already serving {path}")
 
