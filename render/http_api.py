@@ -18,7 +18,6 @@ import io
 import json
 import logging
 import math
-import reprlib
 import secrets
 import socket
 from collections.abc import Callable
@@ -27,7 +26,9 @@ from dataclasses import dataclass
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from turbonode.config import MAX_GUIDANCE, MAX_PIXELS, MAX_STEPS, MIN_PIXELS, parse_decimal
+from turbonode.config import MAX_GUIDANCE, MAX_PIXELS, MAX_STEPS, MIN_PIXELS
+from turbonode.errors import ConfigError
+from turbonode.text import parse_decimal, quote
 from turbonode.tiers import DEFAULT_TIER, TIER_NAMES, tos_byte
 
 from .jobs import JobCancelled, JobFailed, JobRequest, Rejected
@@ -63,16 +64,6 @@ TURBONODE_FIELDS = {
 }
 
 
-# Bad values are quoted in error messages, never echoed whole (a body may hold 1 MiB of them).
-_quote = reprlib.Repr()
-_quote.maxstring = _quote.maxother = 60
-_quote.maxlevel = 2
-
-
-def show(value) -> str:
-    return _quote.repr(value)
-
-
 class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
@@ -87,13 +78,24 @@ class RequestDefaults:
     guidance: dict
     size_check: Callable[[int, int], str | None] | None = None  # Backend.unsupported_size(height, width)
 
+    def __post_init__(self) -> None:
+        # worker.size is every request's default: one the model cannot render stops the worker at
+        # start, instead of every request without a size being refused (or silently resized)
+        if self.size % self.size_multiple:
+            raise ConfigError(
+                "worker.size", f"{self.size} is not a multiple of {self.size_multiple}, the model's size step"
+            )
+        reason = self.size_check(self.size, self.size) if self.size_check else None
+        if reason:
+            raise ConfigError("worker.size", f"{self.size}: {reason}")
+
 
 def _int(body: dict, key: str, default, lo: int, hi: int) -> int:
     value = body.get(key, default)
     if value is None:
         value = default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise BadRequest(f"'{key}' must be an integer, got {show(value)}", key)
+        raise BadRequest(f"'{key}' must be an integer, got {quote(value)}", key)
     if not lo <= value <= hi:
         raise BadRequest(f"'{key}' must be between {lo} and {hi}, got {value}", key)
     return value
@@ -104,18 +106,18 @@ def _size(value, defaults: RequestDefaults) -> tuple[int, int]:
         return defaults.size, defaults.size
     if not isinstance(value, str) or "x" not in value:
         raise BadRequest(
-            f"'size' must be 'WIDTHxHEIGHT' (e.g. '{defaults.size}x{defaults.size}'), got {show(value)}", "size"
+            f"'size' must be 'WIDTHxHEIGHT' (e.g. '{defaults.size}x{defaults.size}'), got {quote(value)}", "size"
         )
     w, _, h = value.partition("x")
     width, height = parse_decimal(w), parse_decimal(h)
     if width is None or height is None:
-        raise BadRequest(f"'size' must be 'WIDTHxHEIGHT' with integer pixels, got {show(value)}", "size")
+        raise BadRequest(f"'size' must be 'WIDTHxHEIGHT' with integer pixels, got {quote(value)}", "size")
     m = defaults.size_multiple
     lo = max(m, MIN_PIXELS)
     for side in (width, height):
         if not lo <= side <= MAX_PIXELS or side % m:
             raise BadRequest(
-                f"'size' sides must be multiples of {m} between {lo} and {MAX_PIXELS}, got {show(value)}", "size"
+                f"'size' sides must be multiples of {m} between {lo} and {MAX_PIXELS}, got {quote(value)}", "size"
             )
     reason = defaults.size_check(height, width) if defaults.size_check else None
     if reason:
@@ -129,7 +131,7 @@ def _text(key: str, value: str) -> None:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
         raise BadRequest(
-            f"'{key}' is not valid Unicode text: lone surrogate {show(exc.object[exc.start : exc.end])} "
+            f"'{key}' is not valid Unicode text: lone surrogate {quote(exc.object[exc.start : exc.end])} "
             f"at character {exc.start}",
             key,
         ) from None
@@ -142,7 +144,7 @@ def parse_json_body(raw: bytes, charset: str | None):
     try:
         codecs.lookup(charset)
     except LookupError:
-        raise BadRequest(f"unsupported charset {show(charset)} in Content-Type (send UTF-8 JSON)") from None
+        raise BadRequest(f"unsupported charset {quote(charset)} in Content-Type (send UTF-8 JSON)") from None
     try:
         return json.loads(raw.decode(charset))
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
@@ -173,20 +175,20 @@ def parse_generation(body, header_tier: str | None, defaults: RequestDefaults) -
     fmt = body.get("response_format") or "b64_json"
     if fmt != "b64_json":
         raise BadRequest(
-            f"'response_format' {show(fmt)} is not supported; this worker answers b64_json only", "response_format"
+            f"'response_format' {quote(fmt)} is not supported; this worker answers b64_json only", "response_format"
         )
     if body.get("stream"):
         raise BadRequest("'stream' is not supported", "stream")
     tier = body.get("tier") or header_tier or DEFAULT_TIER
     if tier not in TIER_NAMES:
         source = "'tier'" if body.get("tier") else f"header {TIER_HEADER}"
-        raise BadRequest(f"{source}: unknown tier {show(tier)} (expected one of {', '.join(TIER_NAMES)})", "tier")
+        raise BadRequest(f"{source}: unknown tier {quote(tier)} (expected one of {', '.join(TIER_NAMES)})", "tier")
     width, height = _size(body.get("size"), defaults)
     guidance = body.get("guidance", defaults.guidance[tier])
     if guidance is None:
         guidance = defaults.guidance[tier]
     if isinstance(guidance, bool) or not isinstance(guidance, (int, float)) or not 0 <= guidance <= MAX_GUIDANCE:
-        raise BadRequest(f"'guidance' must be a number between 0 and {MAX_GUIDANCE}, got {show(guidance)}", "guidance")
+        raise BadRequest(f"'guidance' must be a number between 0 and {MAX_GUIDANCE}, got {quote(guidance)}", "guidance")
     run_async = body.get("async", False)
     if not isinstance(run_async, bool):
         raise BadRequest("'async' must be true or false", "async")

@@ -17,11 +17,10 @@ import threading
 import time
 from dataclasses import dataclass
 
-from turbonode.throttle_params import THROTTLE_KEYS, ThrottleLimits, check_throttle
+from turbonode.throttle_params import MAX_THROTTLE_TTL_S, THROTTLE_KEYS, ThrottleLimits, check_throttle, check_ttl
 
 log = logging.getLogger(__name__)
 
-MAX_TTL_S = 3600.0
 MAX_HOLD_TTL_S = 86400.0  # an operator's hold may last a working day; it still expires
 
 
@@ -77,16 +76,17 @@ def make_throttle(
         raise ValueError("reason must be a non-empty string (it is logged and shown in status)")
     if not isinstance(hold, bool):
         raise ValueError(f"hold must be true or false, got {hold!r}")
-    limit = MAX_HOLD_TTL_S if hold else MAX_TTL_S
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= limit:
-        raise ValueError(f"ttl_s must be a number of seconds in (0, {limit:g}], got {ttl_s!r}")
+    try:
+        ttl_s = check_ttl(ttl_s, MAX_HOLD_TTL_S if hold else MAX_THROTTLE_TTL_S)
+    except ValueError as exc:
+        raise ValueError(f"ttl_s {exc}") from None
     return Throttle(
         limits.max_batch,
         limits.paused_tiers,
         limits.step_caps,
         limits.shed_tiers,
         reason.strip(),
-        float(ttl_s),
+        ttl_s,
         now,
         now_wall,
         hold,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from turbonode.qos_params import check_leaf_limit, check_link_rate, check_rate, check_shares
 from turbonode.rates import format_rate
 from turbonode.tiers import BY_NAME, DEFAULT_TIER, TIERS, full_dscp_map
 
@@ -123,29 +124,18 @@ def build_tree(
     dscp: dict[int, str] | None = None,
 ) -> Tree:
     """The desired tree for a link of `rate_bps`, tier shares from the tier table with
-    per-tier percent overrides. Raises ValueError naming the bad value."""
-    if rate_bps <= 0:
-        raise ValueError(f"link rate must be positive, got {rate_bps}")
-    if leaf_limit <= 0:
-        raise ValueError(f"leaf_limit must be positive, got {leaf_limit}")
-    rate_pct = {t.name: t.rate_pct for t in TIERS} | (rate_pct or {})
-    ceil_pct = {t.name: t.ceil_pct for t in TIERS} | (ceil_pct or {})
-    for name in (*rate_pct, *ceil_pct):
-        if name not in BY_NAME:
-            raise ValueError(f"unknown tier {name!r}")
-    total = sum(rate_pct.values())
-    if total > 100:
-        raise ValueError(f"guaranteed rates add up to {total}% of the link (at most 100%)")
+    per-tier percent overrides. Raises ValueError naming the bad value (turbonode.qos_params:
+    the checks `config check` runs)."""
+    check_link_rate(rate_bps)
+    try:
+        check_leaf_limit(leaf_limit)
+    except ValueError as exc:
+        raise ValueError(f"leaf_limit {exc}") from None
+    rate_pct, ceil_pct = check_shares(rate_pct, ceil_pct)
     classes = [htb_class(None, 1, ROOT_HANDLE, rate_bps, rate_bps, 0)]
     for t in TIERS:
-        if not rate_pct[t.name] > 0:
-            raise ValueError(f"rate_pct.{t.name}: must be positive")
-        if ceil_pct[t.name] < rate_pct[t.name]:
-            raise ValueError(f"ceil_pct.{t.name} ({ceil_pct[t.name]}%) is below its rate_pct ({rate_pct[t.name]}%)")
-        if ceil_pct[t.name] > 100:
-            raise ValueError(f"ceil_pct.{t.name} ({ceil_pct[t.name]}%) exceeds the link")
-        rate = max(rate_bps * rate_pct[t.name] // 100, 8)  # HTB needs a non-zero rate
-        ceil = max(rate_bps * ceil_pct[t.name] // 100, rate)
+        rate = rate_bps * rate_pct[t.name] // 100
+        ceil = rate_bps * ceil_pct[t.name] // 100
         classes.append(htb_class(t.name, t.class_minor, ROOT_CLASS, rate, ceil, t.prio))
     return Tree(
         rate_bps=rate_bps,
@@ -161,8 +151,7 @@ def with_rate(old: HtbClass, link_bps: int, rate_bps: int, ceil_bps: int | None 
     """Tier class `old` with a new rate/ceil (ceil defaults to the current one, at least rate)
     on a link of `link_bps`."""
     ceil = max(ceil_bps if ceil_bps is not None else old.ceil_bps, rate_bps)
-    if rate_bps <= 0:
-        raise ValueError("rate must be positive")
+    check_rate(rate_bps)
     if ceil > link_bps:
         raise ValueError(f"ceil {format_rate(ceil)} exceeds the link rate {format_rate(link_bps)}")
     if ceil_bps is not None and ceil_bps < rate_bps:

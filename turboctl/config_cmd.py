@@ -6,7 +6,8 @@ import json
 
 import click
 
-from turbonode.config import DEFAULT_PATH, as_dict, load_config
+from turbonode import config
+from turbonode.config import as_dict, load_config
 from turbonode.config_example import render_example
 from turbonode.errors import ConfigError
 
@@ -20,15 +21,19 @@ def command():
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="print the effective configuration as JSON")
 def check(file, as_json):
-    """Validate FILE (default /etc/turbonode/turbonode.toml); exit 1 naming the bad key."""
+    """Validate FILE (default /etc/turbonode/turbonode.toml) and the TURBONODE_* environment;
+    exit 1 naming the bad key."""
+    source = config.config_path(file)
     try:
-        cfg = load_config(file)
+        cfg = load_config(source)
     except ConfigError as exc:
         raise click.ClickException(f"invalid configuration: {exc}") from None
     if as_json:
         click.echo(json.dumps(as_dict(cfg), indent=2))
+    elif source is None:
+        click.echo(f"{config.DEFAULT_PATH} does not exist: the daemons run on the defaults (and the environment)")
     else:
-        click.echo(f"{file or DEFAULT_PATH}: OK")
+        click.echo(f"{source}: OK")
 
 
 @command.command("example")

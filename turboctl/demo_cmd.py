@@ -16,7 +16,7 @@ import click
 from turbonode.errors import TurbonodeError
 from turbonode.rates import format_rate, parse_rate
 
-from .params import RATE
+from .params import LINK_RATE
 from .qos_cmd import format_table
 
 
@@ -26,7 +26,9 @@ from .qos_cmd import format_table
     is_flag=True,
     help="the datapath alone: each tier's share of mixed iperf3 flows and an EF ping (no worker, no agent)",
 )
-@click.option("--rate", type=RATE, help="link rate of the sandbox node  [default: 20mbit; 100mbit with --qos-only]")
+@click.option(
+    "--rate", type=LINK_RATE, help="link rate of the sandbox node  [default: 20mbit; 100mbit with --qos-only]"
+)
 @click.option(
     "--seconds",
     type=click.IntRange(4, 60),

@@ -10,9 +10,10 @@ import click
 from turbonode.config import load_config
 from turbonode.errors import ConfigError, TurbonodeError
 from turbonode.rates import format_rate
+from turbonode.text import parse_decimal
 from turbonode.tiers import TIER_NAMES
 
-from .params import RATE, TIER
+from .params import LINK_RATE, RATE, TIER
 
 
 class DscpAssignment(click.ParamType):
@@ -23,12 +24,13 @@ class DscpAssignment(click.ParamType):
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
             return value
-        dscp, sep, tier = str(value).partition("=")
-        if not sep or not dscp.strip().isdigit() or not 0 <= int(dscp) < 64:
+        text, sep, tier = str(value).partition("=")
+        dscp = parse_decimal(text.strip())
+        if not sep or dscp is None or not 0 <= dscp < 64:
             self.fail(f"{value!r}: expected DSCP=TIER with DSCP 0..63, e.g. 46=turbo", param, ctx)
         if tier not in TIER_NAMES:
             self.fail(f"{value!r}: unknown tier {tier!r} (expected one of {', '.join(TIER_NAMES)})", param, ctx)
-        return int(dscp), tier
+        return dscp, tier
 
 
 def _target(func):
@@ -68,7 +70,7 @@ def command():
 
 @command.command("apply")
 @_target
-@click.option("--rate", type=RATE, help="link rate the root shapes to, e.g. 100mbit (default: qos.rate)")
+@click.option("--rate", type=LINK_RATE, help="link rate the root shapes to, e.g. 100mbit (default: qos.rate)")
 def apply_cmd(qos, dp, rate):
     """Install or update the tree and classifier (idempotent)."""
     result = dp.apply(qos, rate_bps=rate)

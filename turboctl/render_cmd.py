@@ -10,7 +10,7 @@ import urllib.request
 
 import click
 
-from turbonode.config import WorkerConfig, split_host_port
+from turbonode.config import CLI_ENV_WORKER_URL, WorkerConfig, split_host_port
 
 from .params import TIER, json_option
 
@@ -27,7 +27,7 @@ DEFAULT_URL = f"http://127.0.0.1:{split_host_port(WorkerConfig().listen)[1]}"
     show_default=True,
     help="PNG to write (with -n > 1: name-1.png, name-2.png ...)",
 )
-@click.option("--url", default=DEFAULT_URL, show_default=True, envvar="TURBONODE_WORKER_URL", help="worker API")
+@click.option("--url", default=DEFAULT_URL, show_default=True, envvar=CLI_ENV_WORKER_URL, help="worker API")
 @click.option("--size", help="WIDTHxHEIGHT")
 @click.option("--steps", type=click.IntRange(min=1))
 @click.option("--seed", type=click.IntRange(min=0))

@@ -13,7 +13,7 @@ import sys
 import click
 
 from turbonode import logs
-from turbonode.config import BACKEND_NAMES, load_config
+from turbonode.config import BACKEND_NAMES, CLI_ENV_WORKER_SOCKET, load_config
 from turbonode.errors import ConfigError, ControlError, TurbonodeError
 from turbonode.jsonrpc import DEFAULT_SOCKET, ControlClient
 
@@ -35,7 +35,7 @@ def control_socket_option(f):
         "socket_path",
         callback=_set_client,
         expose_value=False,
-        envvar="TURBONODE_WORKER_SOCKET",
+        envvar=CLI_ENV_WORKER_SOCKET,
         metavar="PATH",
         help=f"worker control socket (default {DEFAULT_SOCKET})",
     )(f)

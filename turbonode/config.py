@@ -9,17 +9,21 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
+import stat
 import tomllib
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .errors import ConfigError, RateError
+from .errors import ConfigError
 from .levels import ACTION_LEVELS
+from .qos_params import ShareError, check_leaf_limit, check_link_rate, check_percent, check_shares
 from .rates import parse_rate
-from .throttle_params import THROTTLE_KEYS, check_throttle
+from .text import parse_decimal, quote
+from .throttle_params import THROTTLE_KEYS, check_throttle, check_ttl
 from .tiers import TIER_NAMES
 
 DEFAULT_PATH = "/etc/turbonode/turbonode.toml"
@@ -28,6 +32,12 @@ SAMPLER_NAMES = ("euler_a", "euler", "dpmpp_2m", "ddim", "lcm")
 # UNet/VAE backends (render/backends/select.py builds them; `auto` picks one).
 BACKEND_NAMES = ("auto", "torch", "tensorrt")
 ENV_PREFIX = "TURBONODE_"
+# turboctl's own options read these (`render --url`, `--socket` of the worker commands): they
+# share the prefix but are no configuration keys.
+CLI_ENV_WORKER_URL = "TURBONODE_WORKER_URL"
+CLI_ENV_WORKER_SOCKET = "TURBONODE_WORKER_SOCKET"
+CLI_ENV_VARS = (CLI_ENV_WORKER_URL, CLI_ENV_WORKER_SOCKET)
+MAX_FILE_BYTES = 1 << 20  # a configuration file is a few KiB; refuse reading a runaway one whole
 T = TypeVar("T")
 
 # What a job may ask of the worker: the HTTP API refuses more, so the per-tier defaults here
@@ -36,22 +46,58 @@ MAX_STEPS = 200
 MAX_GUIDANCE = 50
 MIN_PIXELS = 64
 MAX_PIXELS = 2048
-
-
-def parse_decimal(text: str) -> int | None:
-    """The integer `text` spells in ASCII digits, else None. (str.isdigit() also accepts '²' and
-    other digits int() refuses, and int() refuses more than 4300 digits.)"""
-    return int(text) if 0 < len(text) <= 18 and text.isascii() and text.isdigit() else None
+PIXEL_STEP = 8  # SD-family VAEs downsample by 8; a model may need more (the worker checks at start)
+MAX_DRAIN_TIMEOUT_S = 3600.0
+# The agent's sampling period: below 50 ms the sampler costs more CPU than it saves; above a
+# minute it reacts to nothing (and time arithmetic overflows long before 1e300).
+SAMPLE_PERIOD_RANGE_S = (0.05, 60.0)
+MAX_MIN_CHANGE_INTERVAL_S = 3600.0  # policy.min_change_interval: beyond an hour the policy is frozen
+PSI_WINDOW_US = 1_000_000  # the PSI trigger window (agent/watchers/psi.py): a threshold fits in it
 
 
 # ---- checks (raise ValueError with a message; the loader names the key) -------------
 
-Check = Callable[[Any], None]
+Check = Callable[[Any], object]  # raises ValueError; what it returns is ignored
 
 
 def positive(v: Any) -> None:
     if v <= 0:
         raise ValueError(f"must be positive, got {v}")
+
+
+def in_range(lo: float, hi: float, unit: str = "", lo_open: bool = False) -> Check:
+    """lo <= v <= hi (lo < v with lo_open); the message shows the range."""
+
+    def check(v: Any) -> None:
+        if not (lo < v if lo_open else lo <= v) or not v <= hi:
+            span = f"more than {_num(lo)} and at most {_num(hi)}" if lo_open else f"between {_num(lo)} and {_num(hi)}"
+            raise ValueError(f"must be {span}{unit}, got {_num(v)}")
+
+    return check
+
+
+def _num(x: float) -> str:
+    return f"{x:g}" if isinstance(x, float) and not x.is_integer() or abs(x) >= 1e16 else str(int(x))
+
+
+def all_of(*checks: Check) -> Check:
+    def check(v: Any) -> None:
+        for c in checks:
+            c(v)
+
+    return check
+
+
+def multiple_of(step: int) -> Check:
+    def check(v: Any) -> None:
+        if v % step:
+            raise ValueError(f"must be a multiple of {step}, got {v}")
+
+    return check
+
+
+def link_rate(v: Any) -> None:
+    check_link_rate(parse_rate(v))  # RateError is a ValueError
 
 
 def fraction(v: Any) -> None:
@@ -64,13 +110,6 @@ def guidance_scale(v: Any) -> None:
         raise ValueError(f"must be a number between 0 and {MAX_GUIDANCE}, got {v!r}")
 
 
-def rate(v: Any) -> None:
-    try:
-        parse_rate(v)
-    except RateError as exc:
-        raise ValueError(str(exc)) from None
-
-
 def one_of(*choices: object) -> Check:
     def check(v: Any) -> None:
         if v not in choices:
@@ -81,8 +120,9 @@ def one_of(*choices: object) -> Check:
 
 def host_port(v: Any) -> None:
     host, sep, port = v.rpartition(":")
-    if not sep or not port.isdigit() or not 0 <= int(port) < 65536:
-        raise ValueError(f"expected HOST:PORT, got {v!r}")
+    number = parse_decimal(port)
+    if not sep or number is None or not 0 <= number < 65536:
+        raise ValueError(f"expected HOST:PORT, got {quote(v)}")
 
 
 def split_host_port(address: str) -> tuple[str, int]:
@@ -109,10 +149,11 @@ def per_tier(inner: Check | None = None) -> Check:
 
 def dscp_table(v: Any) -> None:
     for k, name in v.items():
-        if not str(k).isdigit() or not 0 <= int(k) < 64:
-            raise ValueError(f"DSCP key {k!r} must be an integer 0..63")
+        dscp = parse_decimal(k)
+        if dscp is None or not 0 <= dscp < 64:
+            raise ValueError(f"DSCP key {quote(k)} must be an integer 0..63")
         if name not in TIER_NAMES:
-            raise ValueError(f"DSCP {k} maps to unknown tier {name!r}")
+            raise ValueError(f"DSCP {k} maps to unknown tier {quote(name)}")
 
 
 def opt(default: Any, check: Check | None = None, help: str = "", table_help: Mapping[str, str] | None = None) -> Any:
@@ -132,11 +173,11 @@ def opt(default: Any, check: Check | None = None, help: str = "", table_help: Ma
 class QosConfig:
     dev: str = opt("", help="egress interface to shape")
     netns: str = opt("", help="named network namespace of dev ('' = the agent's own)")
-    rate: str = opt("1gbit", rate, "link rate the HTB root shapes to")
-    leaf_limit: int = opt(1000, positive, "packets each leaf queue holds")
+    rate: str = opt("1gbit", link_rate, "link rate the HTB root shapes to")
+    leaf_limit: int = opt(1000, check_leaf_limit, "packets each leaf queue holds")
     dscp: dict[str, str] = opt({}, dscp_table, "DSCP -> tier overrides on top of the default table")
-    rate_pct: dict[str, int] = opt({}, per_tier(positive), "guaranteed share per tier, percent of rate")
-    ceil_pct: dict[str, int] = opt({}, per_tier(positive), "ceiling per tier, percent of rate")
+    rate_pct: dict[str, int] = opt({}, per_tier(check_percent), "guaranteed share per tier, percent of rate")
+    ceil_pct: dict[str, int] = opt({}, per_tier(check_percent), "ceiling per tier, percent of rate")
     keep_on_stop: bool = opt(True, help="leave the datapath in place when the agent stops (fail-static)")
 
 
@@ -149,9 +190,13 @@ class WorkerConfig:
     backend: str = opt("auto", one_of(*BACKEND_NAMES), "UNet backend")
     device: str = opt("auto", help="torch device: auto, cpu, cuda, cuda:N")
     max_batch: int = opt(4, positive, "largest UNet batch")
-    size: int = opt(256, positive, "default image size in pixels")
+    size: int = opt(
+        256, all_of(in_range(MIN_PIXELS, MAX_PIXELS, " px"), multiple_of(PIXEL_STEP)), "default image size in pixels"
+    )
     steps: dict[str, int] = opt(
-        {"turbo": 4, "fast": 12, "other": 20, "relax": 25}, per_tier(positive), "default denoising steps per tier"
+        {"turbo": 4, "fast": 12, "other": 20, "relax": 25},
+        per_tier(in_range(1, MAX_STEPS)),
+        "default denoising steps per tier",
     )
     queue_limit: dict[str, int] = opt(
         {"turbo": 32, "fast": 64, "other": 64, "relax": 256}, per_tier(positive), "queued jobs per tier before 429"
@@ -169,7 +214,11 @@ class WorkerConfig:
         per_tier(guidance_scale),
         "default classifier-free guidance per tier (<= 1 disables it)",
     )
-    drain_timeout: float = opt(30.0, positive, "seconds SIGTERM waits for in-flight jobs before failing them")
+    drain_timeout: float = opt(
+        30.0,
+        in_range(0, MAX_DRAIN_TIMEOUT_S, " s", lo_open=True),
+        "seconds SIGTERM waits for in-flight jobs before failing them",
+    )
 
 
 @dataclass
@@ -177,8 +226,8 @@ class AgentConfig:
     worker_socket: str = opt("/run/turbonode/worker.sock", help="worker control socket to throttle")
     socket: str = opt("/run/turbonode/agent.sock", help="the agent's own status socket")
     metrics: str = opt("0.0.0.0:9465", host_port, "Prometheus metrics address")
-    sample_period: float = opt(0.25, positive, "seconds between samples")
-    throttle_ttl: float = opt(3.0, positive, "seconds a throttle lasts unless renewed")
+    sample_period: float = opt(0.25, in_range(*SAMPLE_PERIOD_RANGE_S, " s"), "seconds between samples")
+    throttle_ttl: float = opt(3.0, check_ttl, "seconds a throttle lasts unless renewed (at least 2 samples)")
     procfs: str = opt("/proc", help="procfs root (host /proc in a container)")
     sysfs: str = opt("/sys", help="sysfs root")
     dry_run: bool = opt(False, help="log what the policy would do; change nothing")
@@ -261,8 +310,11 @@ def level_actions(v: Any) -> None:
             if k not in ACTION_KEYS:
                 raise ValueError(f"{level}.{k}: unknown action (known: {', '.join(ACTION_KEYS)})")
         ceil = acts.get("relax_ceil_pct")
-        if ceil is not None and not (isinstance(ceil, int) and 0 < ceil <= 100):
-            raise ValueError(f"{level}.relax_ceil_pct: must be an integer percent 1..100, got {ceil!r}")
+        if ceil is not None:
+            try:
+                check_percent(ceil)
+            except ValueError as exc:
+                raise ValueError(f"{level}.relax_ceil_pct: {exc}") from None
         try:
             check_throttle(**{k: x for k, x in acts.items() if k in THROTTLE_KEYS})
         except ValueError as exc:
@@ -273,9 +325,15 @@ def level_actions(v: Any) -> None:
 class PolicyConfig:
     enter_samples: int = opt(3, positive, "samples above a rule's enter threshold before escalating (rules' default)")
     exit_samples: int = opt(12, positive, "samples below a rule's exit threshold before it is healthy (rules' default)")
-    min_change_interval: float = opt(1.0, positive, "seconds between two level changes")
+    min_change_interval: float = opt(
+        1.0, in_range(0, MAX_MIN_CHANGE_INTERVAL_S, " s", lo_open=True), "seconds between two level changes"
+    )
     disabled: list[str] = opt([], policy_signals, "signals the policy ignores (still watched and shown)")
-    psi_trigger_us: int = opt(100000, positive, "PSI trigger: stall microseconds per 1 s window that wakes the sampler")
+    psi_trigger_us: int = opt(
+        100000,
+        in_range(1, PSI_WINDOW_US, " us"),
+        "PSI trigger: stall microseconds per 1 s window that wakes the sampler",
+    )
     rules: dict[str, dict[str, Any]] = opt(
         merged_rules({}),
         policy_rules,
@@ -315,17 +373,37 @@ class Config:
 _TYPE_NAMES = {bool: "boolean", int: "integer", float: "number", str: "string", dict: "table", list: "array"}
 
 
-def _coerce(key: str, typ: type, value: Any) -> Any:
-    if typ is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if typ is int and isinstance(value, bool) or not isinstance(value, typ):
-        raise ConfigError(key, f"expected {_TYPE_NAMES.get(typ, typ.__name__)}, got {value!r}")
+def _typed(key: str, hint: Any, value: Any, where: str = "") -> Any:
+    """`value` checked against the field's type hint, element by element inside tables and arrays
+    (`where` is the path inside the field); an integer widens to a float."""
+    origin = typing.get_origin(hint) or hint
+    if origin is float and isinstance(value, int) and not isinstance(value, bool):
+        value = float(value)
+    if origin is not Any and (origin is int and isinstance(value, bool) or not isinstance(value, origin)):
+        at = f"{where}: " if where else ""
+        raise ConfigError(key, f"{at}expected {_TYPE_NAMES.get(origin, origin.__name__)}, got {quote(value)}")
+    args = typing.get_args(hint) or (Any,)
+    if isinstance(value, dict):
+        return {k: _typed(key, args[-1], v, f"{where}.{k}" if where else k) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_typed(key, args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
     return value
+
+
+def _finite(key: str, value: Any, where: str = "") -> None:
+    """No float anywhere may be nan or infinite: TOML spells both, and no setting means either.
+    (Runs after the field's own check, whose message names the range where it has one.)"""
+    if isinstance(value, float) and not math.isfinite(value):
+        at = f"{where}: " if where else ""
+        raise ConfigError(key, f"{at}must be a finite number, got {value}")
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for k, v in items:
+        _finite(key, v, f"{where}[{k}]" if isinstance(k, int) else f"{where}.{k}" if where else k)
 
 
 def _build(cls: type[T], data: Mapping[str, Any], prefix: str) -> T:
     if not isinstance(data, Mapping):
-        raise ConfigError(prefix.rstrip("."), f"expected a table, got {data!r}")
+        raise ConfigError(prefix.rstrip("."), f"expected a table, got {quote(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls)}  # type: ignore[arg-type]  # a config dataclass
     kwargs: dict[str, Any] = {}
@@ -337,15 +415,30 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str) -> T:
         if isinstance(typ, type) and dataclasses.is_dataclass(typ):
             kwargs[name] = _build(typ, value, key + ".")
             continue
-        value = _coerce(key, typing.get_origin(typ) or typ, value)
+        value = _typed(key, typ, value)
         check = fields[name].metadata.get("check")
         if check:
             try:
                 check(value)
             except ValueError as exc:
                 raise ConfigError(key, str(exc)) from None
+        _finite(key, value)
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def _check_across(cfg: Config) -> None:
+    """What no single key can check: values that must fit together."""
+    try:
+        check_shares(cfg.qos.rate_pct, cfg.qos.ceil_pct)
+    except ShareError as exc:
+        raise ConfigError(f"qos.{exc.field}", exc.message) from None
+    a = cfg.agent
+    if a.throttle_ttl < 2 * a.sample_period:  # renewed at a sample: one late sample must not let it lapse
+        raise ConfigError(
+            "agent.throttle_ttl",
+            f"must be at least twice agent.sample_period ({a.sample_period:g} s), got {a.throttle_ttl:g}",
+        )
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -362,41 +455,81 @@ def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
-    sections = {f.name for f in dataclasses.fields(Config)}
+    sections = typing.get_type_hints(Config)
     out: dict[str, Any] = {}
     for name, raw in env.items():
-        if not name.startswith(ENV_PREFIX):
+        if not name.startswith(ENV_PREFIX) or name in CLI_ENV_VARS:
             continue
         section, _, key = name[len(ENV_PREFIX) :].lower().partition("_")
         if section not in sections or not key:
             continue
+        known = [f.name for f in dataclasses.fields(sections[section])]
+        if key not in known:
+            raise ConfigError(name, f"names no configuration key: {section}.{key} (known: {', '.join(known)})")
         try:  # a TOML literal when it parses as one (numbers, booleans, tables), else a string
             value = tomllib.loads(f"v = {raw}")["v"]
         except tomllib.TOMLDecodeError:
             value = raw
+        except RecursionError:
+            raise ConfigError(name, "nested too deeply") from None
         out[f"{section}.{key}"] = value
     return out
+
+
+def config_path(path: str | None) -> str | None:
+    """The file load_config reads: `path`, else DEFAULT_PATH if it exists, else None (defaults)."""
+    if path is not None:
+        return path
+    return DEFAULT_PATH if os.path.lexists(DEFAULT_PATH) else None
+
+
+def _read_toml(path: str) -> dict[str, Any]:
+    """The file's TOML; one ConfigError naming the file for anything that is not a small UTF-8
+    TOML file. O_NONBLOCK: opening a FIFO must not wait for a writer that never comes."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise ConfigError(path, "file not found") from None
+    except OSError as exc:
+        raise ConfigError(path, exc.strerror or str(exc)) from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
+            raise ConfigError(path, f"not a regular file ({kind})")
+        raw = os.read(fd, MAX_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ConfigError(path, exc.strerror or str(exc)) from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_FILE_BYTES:
+        raise ConfigError(path, f"larger than {MAX_FILE_BYTES // 1024} KiB: not a configuration file")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ConfigError(path, f"not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(path, f"not valid TOML: {exc}") from None
+    except RecursionError:
+        raise ConfigError(path, "not valid TOML here: nested too deeply") from None
 
 
 def load_config(
     path: str | None = None, env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
 ) -> Config:
     """Load and validate. `path=None` reads DEFAULT_PATH if it exists; an explicit path must exist."""
-    data: dict[str, Any] = {}
-    source = path or DEFAULT_PATH
-    try:
-        with open(source, "rb") as f:
-            data = tomllib.load(f)
-    except FileNotFoundError:
-        if path is not None:
-            raise ConfigError(source, "file not found") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(source, f"not valid TOML: {exc}") from None
-    except OSError as exc:
-        raise ConfigError(source, exc.strerror or str(exc)) from None
+    source = config_path(path)
+    data = _read_toml(source) if source is not None else {}
     data = _merge(data, _env_overrides(os.environ if env is None else env))
     data = _merge(data, {k: v for k, v in (overrides or {}).items() if v is not None})
-    return _build(Config, data, "")
+    try:
+        cfg = _build(Config, data, "")
+    except RecursionError:  # a value nested deep enough to pass tomllib but not the checks
+        raise ConfigError(source or "environment", "a value is nested too deeply") from None
+    _check_across(cfg)
+    return cfg
 
 
 def as_dict(cfg: Any) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 
 from .errors import RateError
+from .text import quote
 
 _UNITS = {
     "bit": 1,
@@ -18,7 +19,8 @@ _UNITS = {
     "gbps": 8 * 10**9,
     "tbps": 8 * 10**12,
 }
-_RATE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-z]*)\s*$")
+# At most 20 digits either side of the point: no rate needs more, and float() of more is inexact or inf.
+_RATE = re.compile(r"^\s*([0-9]{1,20}(?:\.[0-9]{1,20})?)\s*([a-z]*)\s*$")
 
 
 def parse_rate(text: str | int) -> int:
@@ -28,18 +30,18 @@ def parse_rate(text: str | int) -> int:
     else:
         m = _RATE.match(str(text).lower())
         if not m:
-            raise RateError(f"bad rate {text!r}: expected a number and a unit such as 100mbit or 1gbit")
+            raise RateError(f"bad rate {quote(text)}: expected a number and a unit such as 100mbit or 1gbit")
         value, unit = float(m.group(1)), m.group(2) or "bit"
     if unit not in _UNITS:
-        raise RateError(f"bad rate {text!r}: unknown unit {unit!r} (use bit, kbit, mbit, gbit, bps, kbps, mbps)")
+        raise RateError(f"bad rate {quote(text)}: unknown unit {unit!r} (use bit, kbit, mbit, gbit, bps, kbps, mbps)")
     bits = int(value * _UNITS[unit])
     if bits <= 0:
-        raise RateError(f"bad rate {text!r}: must be positive")
+        raise RateError(f"bad rate {quote(text)}: must be positive")
     return bits
 
 
 def format_rate(bits_per_s: int) -> str:
-    for unit, scale in (("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+    for unit, scale in (("tbit", 10**12), ("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
         if bits_per_s >= scale and bits_per_s % scale == 0:
             return f"{bits_per_s // scale}{unit}"
     return f"{bits_per_s}bit"

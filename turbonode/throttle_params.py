@@ -17,6 +17,8 @@ THROTTLE_KEYS: tuple[str, ...] = ("max_batch", "paused_tiers", "step_caps", "she
 # JSON-RPC error code (implementation-defined server error range) of a `throttle` or `release`
 # refused because an operator hold is in force; the error's data carries {"hold": the throttle}.
 THROTTLE_HELD = -32001
+# The longest lease the worker grants (render/throttle.py); agent.throttle_ttl may not exceed it.
+MAX_THROTTLE_TTL_S = 3600.0
 
 
 @dataclass(frozen=True)
@@ -40,6 +42,13 @@ def _tiers(name: str, value: Any) -> frozenset[str]:
     if PROTECTED_TIER in value:
         raise ValueError(f"{name}: the {PROTECTED_TIER} tier cannot be throttled")
     return frozenset(value)
+
+
+def check_ttl(ttl_s: Any, limit: float = MAX_THROTTLE_TTL_S) -> float:
+    """A throttle's lease in seconds, in (0, limit]; ValueError names the range."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= limit:
+        raise ValueError(f"must be a number of seconds in (0, {limit:g}], got {ttl_s!r}")
+    return float(ttl_s)
 
 
 def check_throttle(

@@ -13,6 +13,7 @@ import logging
 import os
 import select
 
+from turbonode.config import PSI_WINDOW_US
 from turbonode.errors import TurbonodeError
 
 from .base import Rate, Watcher
@@ -66,7 +67,7 @@ class PsiTriggers:
     when stall time within a window exceeds a threshold, so the sampler runs at once instead
     of at its next tick. Unavailable triggers (old kernel, no permission) are reported."""
 
-    WINDOW_US = 1_000_000
+    WINDOW_US = PSI_WINDOW_US
 
     def __init__(self, procfs: str = "/proc", stall_us: int = 100_000, resources=RESOURCES):
         self.fds: dict[int, str] = {}
