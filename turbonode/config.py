@@ -227,7 +227,7 @@ class AgentConfig:
     socket: str = opt("/run/turbonode/agent.sock", help="the agent's own status socket")
     metrics: str = opt("0.0.0.0:9465", host_port, "Prometheus metrics address")
     sample_period: float = opt(0.25, in_range(*SAMPLE_PERIOD_RANGE_S, " s"), "seconds between samples")
-    throttle_ttl: float = opt(3.0, check_ttl, "seconds a throttle lasts unless renewed (at least 2 samples)")
+    throttle_ttl: float = opt(3.0, check_ttl, "seconds a throttle lasts unless renewed")
     procfs: str = opt("/proc", help="procfs root (host /proc in a container)")
     sysfs: str = opt("/sys", help="sysfs root")
     dry_run: bool = opt(False, help="log what the policy would do; change nothing")
