@@ -84,12 +84,15 @@ def claim_root(link: Link, tree: Tree) -> int:
 def _same_class(have: ClassState, want: HtbClass) -> bool:
     # The kernel reports a class attached directly to the qdisc with parent TC_H_ROOT.
     parent = ROOT_HANDLE if have.parent == TC_H_ROOT else have.parent
+    # HTB sets a class's quantum only while it is a leaf (htb_change_class: `if (!cl->level)`):
+    # the root class 1:1 keeps the one it was created with, whatever link rate a later apply sets.
+    inner = want.tier is None
     return (
         parent == want.parent
         and have.rate_bps == want.rate_bps // 8 * 8
         and have.ceil_bps == want.ceil_bps // 8 * 8
         and have.prio == want.prio
-        and have.quantum == want.quantum
+        and (inner or have.quantum == want.quantum)
     )
 
 

@@ -125,18 +125,18 @@ def test_limits_are_the_ones_the_daemons_enforce(tmp_path):
 
 @needs_bcc
 def test_the_edges_config_check_accepts_are_applied_by_the_kernel(sandbox, tmp_path):
-    """The smallest and largest link, the smallest shares and the longest leaf queues: they run."""
+    """The smallest and largest link, the smallest shares and the longest leaf queues: they run,
+    and so does changing the link rate of an applied tree (an operator editing qos.rate)."""
     target = ["--dev", sandbox.dev, "--netns", sandbox.server]
     cfg = tmp_path / "edges.toml"
     try:
-        for rate in (MIN_LINK_RATE_BPS, MAX_LINK_RATE_BPS):
+        for rate in (MIN_LINK_RATE_BPS, MAX_LINK_RATE_BPS, 100 * 10**6):
             cfg.write_text(
                 f'[qos]\nrate = "{format_rate(rate)}"\nleaf_limit = {MAX_LEAF_LIMIT}\n'
                 "rate_pct = { turbo = 97, fast = 1, other = 1, relax = 1 }\n"
                 "ceil_pct = { fast = 1, other = 1, relax = 1 }\n"
             )
             load_config(str(cfg), env={})
-            CliRunner().invoke(main, ["qos", "remove", *target])  # a fresh tree at each rate
             res = CliRunner().invoke(main, ["qos", "apply", *target, "--config", str(cfg)])
             assert res.exit_code == 0, res.output
         res = CliRunner().invoke(main, ["qos", "set-rate", *target, "relax", format_rate(MIN_CLASS_RATE_BPS)])
