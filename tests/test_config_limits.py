@@ -161,6 +161,8 @@ def test_a_fifo_as_the_config_path_is_refused_without_hanging(tmp_path):
     (tmp_path / "dir.toml").mkdir()  # a directory too
     with pytest.raises(ConfigError, match="not a regular file"):
         load_config(str(tmp_path / "dir.toml"), env={})
+    (tmp_path / "null.toml").symlink_to(os.devnull)  # but /dev/null is "no file", as usual
+    assert load_config(str(tmp_path / "null.toml"), env={}) == load_config(os.devnull, env={})
 
 
 def test_config_check_without_a_file_says_it_does_not_exist(tmp_path, monkeypatch):

@@ -483,6 +483,11 @@ def config_path(path: str | None) -> str | None:
     return DEFAULT_PATH if os.path.lexists(DEFAULT_PATH) else None
 
 
+def _is_devnull(st: os.stat_result) -> bool:
+    null = os.stat(os.devnull)
+    return stat.S_ISCHR(st.st_mode) and st.st_rdev == null.st_rdev
+
+
 def _read_toml(path: str) -> dict[str, Any]:
     """The file's TOML; one ConfigError naming the file for anything that is not a small UTF-8
     TOML file. O_NONBLOCK: opening a FIFO must not wait for a writer that never comes."""
@@ -493,8 +498,9 @@ def _read_toml(path: str) -> dict[str, Any]:
     except OSError as exc:
         raise ConfigError(path, exc.strerror or str(exc)) from None
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
+        st = os.fstat(fd)
+        if not (stat.S_ISREG(st.st_mode) or _is_devnull(st)):  # /dev/null: "no file", as usual
+            mode = st.st_mode
             kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
             raise ConfigError(path, f"not a regular file ({kind})")
         raw = os.read(fd, MAX_FILE_BYTES + 1)
