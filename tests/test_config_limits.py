@@ -92,8 +92,9 @@ def test_values_the_daemons_cannot_run_are_refused_naming_key_and_range(tmp_path
         ("[agent]\nprocfs = '/pr\u00f6c'\n".encode("latin-1"), "not UTF-8 text"),
         (("a = " + "[" * 5000 + "]" * 5000 + "\n").encode(), "nested too deeply"),
         (("a = " + "{b = " * 3000 + "1" + "}" * 3000 + "\n").encode(), "nested too deeply"),
+        (b"# " + b"x" * (2 << 20) + b"\n", "larger than 1 MiB"),
     ],
-    ids=["binary", "latin-1", "arrays-5000", "tables-3000"],
+    ids=["binary", "latin-1", "arrays-5000", "tables-3000", "2-MiB"],
 )
 def test_unreadable_files_are_one_line_naming_the_file(tmp_path, content, says):
     err = refused(tmp_path, content)

@@ -503,13 +503,15 @@ def _read_toml(path: str) -> dict[str, Any]:
             mode = st.st_mode
             kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
             raise ConfigError(path, f"not a regular file ({kind})")
-        raw = os.read(fd, MAX_FILE_BYTES + 1)
+        raw = b""
+        while len(raw) <= MAX_FILE_BYTES and (chunk := os.read(fd, MAX_FILE_BYTES + 1 - len(raw))):
+            raw += chunk
     except OSError as exc:
         raise ConfigError(path, exc.strerror or str(exc)) from None
     finally:
         os.close(fd)
     if len(raw) > MAX_FILE_BYTES:
-        raise ConfigError(path, f"larger than {MAX_FILE_BYTES // 1024} KiB: not a configuration file")
+        raise ConfigError(path, f"larger than {MAX_FILE_BYTES >> 20} MiB: not a configuration file")
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as exc:
