@@ -210,3 +210,48 @@ def test_a_burst_of_concurrent_callers_is_served(tmp_path, server_kind):
     finally:
         server.close()
     assert errors == [], f"{len(errors)} of 320 calls failed: {errors[:3]}"
+
+
+def test_the_client_waits_out_a_full_listen_backlog(tmp_path):
+    """AF_UNIX fails connect() at once with EAGAIN while the backlog is full: ControlClient retries
+    within its timeout instead of failing the call."""
+    path = str(tmp_path / "slow.sock")
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(path)
+    listener.listen(0)
+    fillers = []
+    for _ in range(8):  # fill the backlog: connects now fail with EAGAIN
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.setblocking(False)
+        try:
+            s.connect(path)
+        except BlockingIOError:
+            s.close()
+            break
+        fillers.append(s)
+    else:
+        pytest.fail("the backlog never filled")
+
+    def serve_late() -> None:
+        time.sleep(0.5)  # the accept loop catches up after the client has found the backlog full
+        listener.settimeout(5)
+        for _ in range(len(fillers) + 1):
+            try:
+                conn, _ = listener.accept()
+            except OSError:
+                return
+            line = conn.makefile("rb").readline()
+            if line:
+                req = json.loads(line)
+                conn.sendall(jsonrpc.encode(jsonrpc.result_response(req["id"], "pong")))
+            conn.close()
+
+    thread = threading.Thread(target=serve_late, daemon=True)
+    thread.start()
+    try:
+        for s in fillers:
+            s.close()  # closed, but still queued for accept
+        assert ControlClient(path, timeout=5).call("ping") == "pong"
+    finally:
+        thread.join(10)
+        listener.close()
