@@ -1,0 +1,113 @@
+"""Loading a model: an embedded tiny variant, or a local diffusers directory. Never the network.
+
+A directory is dispatched on its model_index.json: the pipeline class picks the family
+(SD 1.x/2.x, SDXL, SD3, Flux); any other class is refused by name before anything loads.
+Each component the family needs is loaded with the class model_index.json names, from its
+subfolder, with local files only; a missing, partial or corrupt component is a ModelError
+that names it. Optional components the family can do without (SD3's T5) may be null.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from pathlib import Path
+from typing import Any
+
+from render.model import ModelError, _dir_fingerprint, _read_json
+
+from . import FAMILIES, Family, ModelParts, family_for, tiny
+
+log = logging.getLogger(__name__)
+
+# Components the worker never runs (safety checker, IP-Adapter image encoder): not loaded.
+UNUSED_COMPONENTS = frozenset({"safety_checker", "feature_extractor", "image_encoder"})
+LIBRARIES = ("diffusers", "transformers")
+
+
+def tiny_names() -> tuple[str, ...]:
+    return tuple(tiny.BUILDERS)
+
+
+def _component_class(root: Path, index: dict, name: str) -> type | None:
+    """The class model_index.json names for a component; None where it is null (absent)."""
+    entry = index.get(name)
+    if entry is None or not isinstance(entry, list) or len(entry) != 2:
+        raise ModelError(f"{root}/model_index.json: component {name!r} is missing or malformed ({entry!r})")
+    library, class_name = entry
+    if library is None and class_name is None:
+        return None
+    if library not in LIBRARIES:
+        raise ModelError(
+            f"{root}: component {name!r} comes from {library!r}; only {', '.join(LIBRARIES)} "
+            "classes are loaded (no remote code)"
+        )
+    cls = getattr(importlib.import_module(library), str(class_name), None)
+    if cls is None:
+        raise ModelError(f"{root}: component {name!r} names {library}.{class_name}, which this {library} does not have")
+    return cls
+
+
+def _load_component(root: Path, name: str, cls: type) -> Any:
+    if not (root / name).is_dir():
+        raise ModelError(f"{root}: the {name}/ folder is missing (a partial download?)")
+    try:
+        module = cls.from_pretrained(root, subfolder=name, local_files_only=True)  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001 - any failure here means unusable files; say which
+        raise ModelError(
+            f"{root}: cannot load {name} ({cls.__name__}): {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
+    if hasattr(module, "eval"):
+        module.eval().requires_grad_(False)
+    return module
+
+
+def load_directory(root: Path) -> Family:
+    index = _read_json(root / "model_index.json")
+    pipeline_class = index.get("_class_name")
+    if pipeline_class not in FAMILIES:
+        raise ModelError(
+            f"{root}: {pipeline_class!r} pipelines are not served by this worker (it serves {', '.join(FAMILIES)})"
+        )
+    family = FAMILIES[pipeline_class]
+    classes: dict[str, type | None] = {}
+    for name in family.components:
+        cls = _component_class(root, index, name)
+        if cls is None:
+            raise ModelError(f"{root}: {pipeline_class} needs a {name}, and model_index.json has none")
+        classes[name] = cls
+    for name in family.optional_components - UNUSED_COMPONENTS:
+        if name in index:
+            classes[name] = _component_class(root, index, name)
+    denoiser = classes[family.denoiser_name].__name__  # type: ignore[union-attr]
+    if denoiser != family.denoiser_class:
+        raise ModelError(
+            f"{root}: {pipeline_class} with a {denoiser} {family.denoiser_name} is not supported "
+            f"(expected {family.denoiser_class})"
+        )
+    scheduler_config = _read_json(root / "scheduler" / "scheduler_config.json")
+    modules = {name: None if cls is None else _load_component(root, name, cls) for name, cls in classes.items()}
+    pipeline_config = {k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)}
+    parts = ModelParts(
+        pipeline_class=pipeline_class,
+        modules=modules,
+        scheduler_config=scheduler_config,
+        pipeline_config=pipeline_config,
+        model_id=str(root),
+        fingerprint=_dir_fingerprint(root),
+    )
+    loaded = family(parts)
+    log.info("loaded %s (%s family) from %s", pipeline_class, loaded.name, root)
+    return loaded
+
+
+def load_model(model: str) -> Family:
+    """A tiny name (`tiny`, `tiny-sdxl`, `tiny-sd3`, `tiny-flux`) or a local diffusers directory."""
+    if model in tiny.BUILDERS:
+        parts = tiny.BUILDERS[model]()
+        return family_for(parts.pipeline_class)(parts)
+    root = Path(model).expanduser()
+    if not root.is_dir():
+        raise ModelError(f"model {model!r} is neither one of {', '.join(tiny_names())} nor a directory")
+    return load_directory(root.resolve())
