@@ -66,7 +66,7 @@ def predictor(fam: Family):
 
     @torch.inference_mode()
     def predict(inputs):
-        return module(**inputs)
+        return module.call(inputs)
 
     return predict
 

@@ -59,7 +59,7 @@ def test_denoiser_matches_torch_on_real_mixed_batches(exported, name, height, wi
     inputs = fam.denoiser_inputs(_mixed_batch(fam, height, width))
     assert [i.name for i in session.get_inputs()] == list(fam.input_names) == list(inputs)
     with torch.inference_mode():
-        want = fam.denoiser_module()(**inputs)
+        want = fam.denoiser_module().call(inputs)
     got = session.run(None, {k: v.numpy() for k, v in inputs.items()})[0]
     assert got.shape == tuple(want.shape) == tuple(inputs["sample"].shape)
     np.testing.assert_allclose(got, want.numpy(), atol=ATOL, rtol=0)
@@ -133,7 +133,7 @@ def test_large_graphs_keep_their_weights_in_one_external_file(tmp_path):
     session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     inputs = fam.denoiser_inputs(_mixed_batch(fam, SIZE, SIZE))
     with torch.inference_mode():
-        want = fam.denoiser_module()(**inputs)
+        want = fam.denoiser_module().call(inputs)
     np.testing.assert_allclose(
         session.run(None, {k: v.numpy() for k, v in inputs.items()})[0], want.numpy(), atol=ATOL, rtol=0
     )

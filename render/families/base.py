@@ -28,12 +28,14 @@ from typing import Any, ClassVar
 
 import torch
 
-from render.backends.onnx_export import UNET_INPUTS
+from render.backends.onnx_export import UNET_INPUTS, UNET_OUTPUT
+from turbonode.tiers import PRIORITY_ORDER
 
 Conditioning = dict[str, torch.Tensor]  # input name -> one prompt's tensor (no batch dimension)
 Predict = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
-LATENT_INPUT, TIMESTEP_INPUT = UNET_INPUTS[0], UNET_INPUTS[1]
+LATENT_INPUT, TIMESTEP_INPUT, EHS = UNET_INPUTS
+POOLED = "pooled_projections"  # SD3/Flux; SDXL calls its pooled embedding text_embeds
 # Inputs kept in float32 in every precision: diffusers builds sinusoidal/rotary embeddings
 # from them in float32 and casts the result to the model's dtype itself.
 FLOAT32_INPUTS = frozenset({TIMESTEP_INPUT, "guidance", "time_ids", "img_ids", "txt_ids"})
@@ -62,6 +64,15 @@ class TierDefaults:
     steps: Mapping[str, int]
     guidance: Mapping[str, float]
     sampler: Mapping[str, str]
+
+    @classmethod
+    def table(cls, steps: tuple[int, ...], guidance: tuple[float, ...], sampler: tuple[str, ...]) -> TierDefaults:
+        """From values in tier priority order (turbo, fast, other, relax)."""
+        return cls(
+            dict(zip(PRIORITY_ORDER, steps, strict=True)),
+            dict(zip(PRIORITY_ORDER, guidance, strict=True)),
+            dict(zip(PRIORITY_ORDER, sampler, strict=True)),
+        )
 
 
 @dataclass(eq=False)
@@ -126,6 +137,38 @@ class LatentDecoder(torch.nn.Module):
         else:
             latents = latents / self.scale + self.shift
         return self.vae.decode(latents, return_dict=False)[0]
+
+
+class Denoiser(torch.nn.Module):
+    """A diffusers UNet or transformer as a function of the family's inputs, positional in `input_names` order.
+
+    That flat signature is what the torch backend calls, what the ONNX graph is traced from and
+    what a TensorRT engine built from it takes. `rename` maps an input to the model's keyword
+    (the latents are `sample` here and `hidden_states` to the transformers); inputs in `added`
+    go to the UNet's added_cond_kwargs (SDXL's text_embeds and time_ids).
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        input_names: tuple[str, ...],
+        rename: Mapping[str, str] | None = None,
+        added: tuple[str, ...] = (),
+    ):
+        super().__init__()
+        self.model: Any = model
+        self.input_names, self.rename, self.added = input_names, dict(rename or {}), added
+
+    def forward(self, *args: torch.Tensor) -> torch.Tensor:
+        named = dict(zip(self.input_names, args, strict=True))
+        kwargs: dict[str, Any] = {self.rename.get(k, k): v for k, v in named.items() if k not in self.added}
+        if self.added:
+            kwargs["added_cond_kwargs"] = {k: named[k] for k in self.added}
+        return self.model(**kwargs, return_dict=False)[0]
+
+    def call(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """Run on `denoiser_inputs`' dict."""
+        return self(*(inputs[name] for name in self.input_names))
 
 
 def tokens(tokenizer: Any, prompts: list[str], length: int) -> torch.Tensor:
@@ -333,17 +376,37 @@ class Family(ABC):
         """One denoising step for every image in `batch`: ONE denoiser call."""
         self.finish_step(batch, predict(self.denoiser_inputs(batch)))
 
-    @abstractmethod
-    def denoiser_module(self) -> torch.nn.Module:
-        """The denoiser as a plain function of `input_names` (positional) -> prediction like the latents."""
+    denoiser_rename: ClassVar[Mapping[str, str]] = {}
+    denoiser_added: ClassVar[tuple[str, ...]] = ()
+
+    def denoiser_module(self) -> Denoiser:
+        """The denoiser as a plain function of `input_names` (positional) -> a prediction shaped like the latents."""
+        return Denoiser(self.denoiser, self.input_names, self.denoiser_rename, self.denoiser_added)
 
     @abstractmethod
+    def row_shapes(self, height: int, width: int) -> dict[str, tuple[int, ...]]:
+        """Shape of each per-row input for height x width images, without the batch axis."""
+
+    def shared_shapes(self, height: int, width: int) -> dict[str, tuple[int, ...]]:
+        """Inputs shared by every row of a batch (Flux's position ids)."""
+        return {}
+
     def input_shapes(self, rows: int, height: int, width: int) -> dict[str, tuple[int, ...]]:
         """Shape of every denoiser input for `rows` rows of height x width images (export, engine profiles)."""
+        shapes = {name: (rows, *shape) for name, shape in self.row_shapes(height, width).items()}
+        return {name: {**shapes, **self.shared_shapes(height, width)}[name] for name in self.input_names}
 
-    @abstractmethod
+    latent_axes: ClassVar[Mapping[int, str]] = {2: "height", 3: "width"}
+    shared_axes: ClassVar[Mapping[str, Mapping[int, str]]] = {}
+
     def dynamic_axes(self) -> dict[str, dict[int, str]]:
         """Which axes of each input (and of the output) vary: batch, latent size, text length."""
+        axes: dict[str, dict[int, str]] = {name: {0: "batch"} for name in self.input_names}
+        axes[LATENT_INPUT].update(self.latent_axes)
+        axes[EHS].update({1: "text_len"})
+        axes.update({name: dict(a) for name, a in self.shared_axes.items()})
+        axes[UNET_OUTPUT] = dict(axes[LATENT_INPUT])
+        return axes
 
     # ---- decode -----------------------------------------------------------------------
 

@@ -4,22 +4,23 @@ As FluxPipeline: the latents [C, h, w] are packed into a sequence of (h/2)(w/2) 
 4C channels, with image position ids (0, row, col) per token and zero ids per text token;
 the transformer takes the timestep divided by 1000. Schnell (the turbo model: 1-4 steps) has
 no guidance input and a fixed shift; dev is guidance-distilled: the guidance scale goes in as
-an embedding per sample (no unconditional row, ever) and the schedule shifts with the
-image's token count. Decoding unpacks, then un-scales and un-shifts the latents.
+an embedding per image (no unconditional row, ever) and the schedule shifts with the image's
+token count. Decoding unpacks, then un-scales and un-shifts the latents.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import numpy as np
 import torch
 
-from render.backends.onnx_export import UNET_OUTPUT
-
 from .base import (
+    EHS,
     FLOW_SAMPLERS,
     LATENT_INPUT,
+    POOLED,
     TIMESTEP_INPUT,
     Conditioning,
     Denoising,
@@ -30,44 +31,8 @@ from .base import (
     tokens,
 )
 
-EHS, POOLED, GUIDANCE, IMG_IDS, TXT_IDS = (
-    "encoder_hidden_states",
-    "pooled_projections",
-    "guidance",
-    "img_ids",
-    "txt_ids",
-)
+GUIDANCE, IMG_IDS, TXT_IDS = "guidance", "img_ids", "txt_ids"
 T5_LENGTH = {False: 256, True: 512}  # FluxPipeline's max_sequence_length: schnell allows 256, dev 512
-TIERS = ("turbo", "fast", "other", "relax")
-
-
-class FluxTransformer(torch.nn.Module):
-    """The Flux transformer as a function of plain tensors; `guidance` only for guidance-distilled models."""
-
-    def __init__(self, transformer: torch.nn.Module):
-        super().__init__()
-        self.transformer = transformer
-
-    def forward(
-        self,
-        sample: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        pooled_projections: torch.Tensor,
-        img_ids: torch.Tensor,
-        txt_ids: torch.Tensor,
-        guidance: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        return self.transformer(
-            hidden_states=sample,
-            timestep=timestep,
-            guidance=guidance,
-            pooled_projections=pooled_projections,
-            encoder_hidden_states=encoder_hidden_states,
-            txt_ids=txt_ids,
-            img_ids=img_ids,
-            return_dict=False,
-        )[0]
 
 
 def pack(latents: torch.Tensor) -> torch.Tensor:
@@ -100,6 +65,9 @@ class Flux(Family):
     components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     optional_components = frozenset({"image_encoder", "feature_extractor"})
     conditioning_inputs = (EHS, POOLED)
+    denoiser_rename: ClassVar[Mapping[str, str]] = {LATENT_INPUT: "hidden_states"}
+    latent_axes: ClassVar[Mapping[int, str]] = {1: "image_len"}
+    shared_axes: ClassVar[Mapping[str, Mapping[int, str]]] = {IMG_IDS: {0: "image_len"}, TXT_IDS: {0: "text_len"}}
     samplers = FLOW_SAMPLERS
     uses_cfg = False
     timestep_divisor = 1000.0
@@ -111,17 +79,9 @@ class Flux(Family):
     @property
     def defaults(self) -> TierDefaults:
         if self.guidance_distilled:  # dev: ~28 steps at an embedded guidance of 3.5
-            return TierDefaults(
-                steps={"turbo": 8, "fast": 20, "other": 28, "relax": 28},
-                guidance=dict.fromkeys(TIERS, 3.5),
-                sampler=dict.fromkeys(TIERS, "euler"),
-            )
+            return TierDefaults.table(steps=(8, 20, 28, 28), guidance=(3.5,) * 4, sampler=("euler",) * 4)
         # schnell: distilled to 1-4 steps; guidance has no input to go to
-        return TierDefaults(
-            steps={"turbo": 2, "fast": 4, "other": 4, "relax": 4},
-            guidance=dict.fromkeys(TIERS, 0.0),
-            sampler=dict.fromkeys(TIERS, "euler"),
-        )
+        return TierDefaults.table(steps=(2, 4, 4, 4), guidance=(0.0,) * 4, sampler=("euler",) * 4)
 
     @property
     def size_multiple(self) -> int:
@@ -143,7 +103,7 @@ class Flux(Family):
         pooled = clip(clip_ids.to(module_device(clip)), output_hidden_states=False).pooler_output
         t5_ids = tokens(self.module("tokenizer_2"), prompts, self.text_length)
         states = t5(t5_ids.to(module_device(t5)), output_hidden_states=False)[0]
-        return [{EHS: h, POOLED: p.to(h.device)} for h, p in zip(states, pooled)]
+        return [{EHS: h, POOLED: p.to(h.device)} for h, p in zip(states, pooled, strict=True)]
 
     def pack(self, latents: torch.Tensor, height: int, width: int) -> torch.Tensor:
         return pack(latents)
@@ -174,37 +134,18 @@ class Flux(Family):
             out[GUIDANCE] = torch.tensor([o.guidance for o in owners], dtype=torch.float32)
         return out
 
-    def denoiser_module(self) -> torch.nn.Module:
-        return FluxTransformer(self.denoiser)
-
-    def input_shapes(self, rows: int, height: int, width: int) -> dict[str, tuple[int, ...]]:
+    def row_shapes(self, height: int, width: int) -> dict[str, tuple[int, ...]]:
         cfg = self.denoiser.config
-        seq = self.image_seq_len(height, width)
         shapes = {
-            LATENT_INPUT: (rows, seq, cfg.in_channels),
-            TIMESTEP_INPUT: (rows,),
-            EHS: (rows, self.text_length, cfg.joint_attention_dim),
-            POOLED: (rows, cfg.pooled_projection_dim),
-            IMG_IDS: (seq, 3),
-            TXT_IDS: (self.text_length, 3),
+            LATENT_INPUT: (self.image_seq_len(height, width), cfg.in_channels),
+            TIMESTEP_INPUT: (),
+            EHS: (self.text_length, cfg.joint_attention_dim),
+            POOLED: (cfg.pooled_projection_dim,),
         }
-        if self.guidance_distilled:
-            shapes[GUIDANCE] = (rows,)
-        return shapes
+        return {**shapes, GUIDANCE: ()} if self.guidance_distilled else shapes
 
-    def dynamic_axes(self) -> dict[str, dict[int, str]]:
-        axes = {
-            LATENT_INPUT: {0: "batch", 1: "image_len"},
-            TIMESTEP_INPUT: {0: "batch"},
-            EHS: {0: "batch", 1: "text_len"},
-            POOLED: {0: "batch"},
-            IMG_IDS: {0: "image_len"},
-            TXT_IDS: {0: "text_len"},
-            UNET_OUTPUT: {0: "batch", 1: "image_len"},
-        }
-        if self.guidance_distilled:
-            axes[GUIDANCE] = {0: "batch"}
-        return axes
+    def shared_shapes(self, height: int, width: int) -> dict[str, tuple[int, ...]]:
+        return {IMG_IDS: (self.image_seq_len(height, width), 3), TXT_IDS: (self.text_length, 3)}
 
     def pipeline_kwargs(self) -> dict:
         return {"image_encoder": None, "feature_extractor": None}

@@ -6,12 +6,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from render.backends.onnx_export import UNET_OUTPUT, UNetForExport
 from render.samplers import SAMPLERS, make_scheduler
 
-from .base import LATENT_INPUT, TIMESTEP_INPUT, Conditioning, Family, TierDefaults, module_device, tokens
-
-EHS = "encoder_hidden_states"
+from .base import EHS, LATENT_INPUT, TIMESTEP_INPUT, Conditioning, Family, TierDefaults, module_device, tokens
 
 
 class StableDiffusion(Family):
@@ -27,10 +24,10 @@ class StableDiffusion(Family):
     @property
     def defaults(self) -> TierDefaults:
         # SD-Turbo-style few steps without guidance for turbo; full CFG sampling for the rest.
-        return TierDefaults(
-            steps={"turbo": 4, "fast": 12, "other": 20, "relax": 25},
-            guidance={"turbo": 0.0, "fast": 7.5, "other": 7.5, "relax": 7.5},
-            sampler={"turbo": "euler_a", "fast": "dpmpp_2m", "other": "dpmpp_2m", "relax": "dpmpp_2m"},
+        return TierDefaults.table(
+            steps=(4, 12, 20, 25),
+            guidance=(0.0, 7.5, 7.5, 7.5),
+            sampler=("euler_a", "dpmpp_2m", "dpmpp_2m", "dpmpp_2m"),
         )
 
     @property
@@ -57,20 +54,13 @@ class StableDiffusion(Family):
         self.check_sampler(sampler)
         return make_scheduler(sampler, self.scheduler_config, steps)
 
-    def denoiser_module(self) -> torch.nn.Module:
-        return UNetForExport(self.denoiser)
-
-    def input_shapes(self, rows: int, height: int, width: int) -> dict[str, tuple[int, ...]]:
+    def row_shapes(self, height: int, width: int) -> dict[str, tuple[int, ...]]:
         cfg = self.denoiser.config
         return {
-            LATENT_INPUT: (rows, cfg.in_channels, *self.latent_size(height, width)),
-            TIMESTEP_INPUT: (rows,),
-            EHS: (rows, self.text_length, cfg.cross_attention_dim),
+            LATENT_INPUT: (cfg.in_channels, *self.latent_size(height, width)),
+            TIMESTEP_INPUT: (),
+            EHS: (self.text_length, cfg.cross_attention_dim),
         }
-
-    def dynamic_axes(self) -> dict[str, dict[int, str]]:
-        image = {0: "batch", 2: "height", 3: "width"}
-        return {LATENT_INPUT: image, TIMESTEP_INPUT: {0: "batch"}, EHS: {0: "batch", 1: "text_len"}, UNET_OUTPUT: image}
 
     def pipeline_kwargs(self) -> dict:
         return {"safety_checker": None, "feature_extractor": None, "requires_safety_checker": False}

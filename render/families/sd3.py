@@ -9,15 +9,16 @@ side. Flow matching: FlowMatchEulerDiscreteScheduler from the model's config, it
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, ClassVar
 
 import torch
 
-from render.backends.onnx_export import UNET_OUTPUT
-
 from .base import (
+    EHS,
     FLOW_SAMPLERS,
     LATENT_INPUT,
+    POOLED,
     TIMESTEP_INPUT,
     Conditioning,
     Family,
@@ -27,31 +28,7 @@ from .base import (
     tokens,
 )
 
-EHS, POOLED = "encoder_hidden_states", "pooled_projections"
 T5_LENGTH = 256  # StableDiffusion3Pipeline's max_sequence_length
-
-
-class SD3Transformer(torch.nn.Module):
-    """The SD3 transformer as a function of plain tensors (latents in, like-shaped velocity out)."""
-
-    def __init__(self, transformer: torch.nn.Module):
-        super().__init__()
-        self.transformer = transformer
-
-    def forward(
-        self,
-        sample: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        pooled_projections: torch.Tensor,
-    ) -> torch.Tensor:
-        return self.transformer(
-            hidden_states=sample,
-            timestep=timestep,
-            encoder_hidden_states=encoder_hidden_states,
-            pooled_projections=pooled_projections,
-            return_dict=False,
-        )[0]
 
 
 class StableDiffusion3(Family):
@@ -62,16 +39,13 @@ class StableDiffusion3(Family):
     components = ("transformer", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     optional_components = frozenset({"text_encoder_3", "tokenizer_3", "image_encoder", "feature_extractor"})
     conditioning_inputs = (EHS, POOLED)
+    denoiser_rename: ClassVar[Mapping[str, str]] = {LATENT_INPUT: "hidden_states"}
     samplers = FLOW_SAMPLERS
 
     @property
     def defaults(self) -> TierDefaults:
         # turbo as SD3.5-Large-Turbo is sampled (4 steps, no guidance); SD3 medium: 28 steps at 7.
-        return TierDefaults(
-            steps={"turbo": 4, "fast": 16, "other": 28, "relax": 28},
-            guidance={"turbo": 0.0, "fast": 5.0, "other": 7.0, "relax": 7.0},
-            sampler=dict.fromkeys(("turbo", "fast", "other", "relax"), "euler"),
-        )
+        return TierDefaults.table(steps=(4, 16, 28, 28), guidance=(0.0, 5.0, 7.0, 7.0), sampler=("euler",) * 4)
 
     @property
     def patch_size(self) -> int:
@@ -129,26 +103,13 @@ class StableDiffusion3(Family):
             self.scheduler_config, steps, image_seq_len=self.image_seq_len(height, width), max_shift=1.16
         )
 
-    def denoiser_module(self) -> torch.nn.Module:
-        return SD3Transformer(self.denoiser)
-
-    def input_shapes(self, rows: int, height: int, width: int) -> dict[str, tuple[int, ...]]:
+    def row_shapes(self, height: int, width: int) -> dict[str, tuple[int, ...]]:
         cfg = self.denoiser.config
         return {
-            LATENT_INPUT: (rows, cfg.in_channels, *self.latent_size(height, width)),
-            TIMESTEP_INPUT: (rows,),
-            EHS: (rows, self.text_length, cfg.joint_attention_dim),
-            POOLED: (rows, cfg.pooled_projection_dim),
-        }
-
-    def dynamic_axes(self) -> dict[str, dict[int, str]]:
-        image = {0: "batch", 2: "height", 3: "width"}
-        return {
-            LATENT_INPUT: image,
-            TIMESTEP_INPUT: {0: "batch"},
-            EHS: {0: "batch", 1: "text_len"},
-            POOLED: {0: "batch"},
-            UNET_OUTPUT: image,
+            LATENT_INPUT: (cfg.in_channels, *self.latent_size(height, width)),
+            TIMESTEP_INPUT: (),
+            EHS: (self.text_length, cfg.joint_attention_dim),
+            POOLED: (cfg.pooled_projection_dim,),
         }
 
     def pipeline_kwargs(self) -> dict:

@@ -11,34 +11,10 @@ from __future__ import annotations
 
 import torch
 
-from .base import Conditioning, Denoising, TierDefaults, module_device, tokens
-from .sd import EHS, StableDiffusion
+from .base import EHS, Conditioning, Denoising, TierDefaults, module_device, tokens
+from .sd import StableDiffusion
 
 TEXT_EMBEDS, TIME_IDS = "text_embeds", "time_ids"
-
-
-class SDXLUNet(torch.nn.Module):
-    """The SDXL UNet as a function of plain tensors (what the ONNX graph and a TensorRT engine take)."""
-
-    def __init__(self, unet: torch.nn.Module):
-        super().__init__()
-        self.unet = unet
-
-    def forward(
-        self,
-        sample: torch.Tensor,
-        timestep: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        text_embeds: torch.Tensor,
-        time_ids: torch.Tensor,
-    ) -> torch.Tensor:
-        return self.unet(
-            sample,
-            timestep,
-            encoder_hidden_states=encoder_hidden_states,
-            added_cond_kwargs={"text_embeds": text_embeds, "time_ids": time_ids},
-            return_dict=False,
-        )[0]
 
 
 class StableDiffusionXL(StableDiffusion):
@@ -46,14 +22,15 @@ class StableDiffusionXL(StableDiffusion):
     pipeline_class = "StableDiffusionXLPipeline"
     components = ("unet", "vae", "text_encoder", "tokenizer", "text_encoder_2", "tokenizer_2")
     conditioning_inputs = (EHS, TEXT_EMBEDS)
+    denoiser_added = (TEXT_EMBEDS, TIME_IDS)
 
     @property
     def defaults(self) -> TierDefaults:
         # turbo as SDXL-Turbo is sampled (1-4 steps, no guidance); SDXL base wants ~25-30 at 5-7.
-        return TierDefaults(
-            steps={"turbo": 4, "fast": 20, "other": 25, "relax": 30},
-            guidance={"turbo": 0.0, "fast": 6.0, "other": 6.0, "relax": 6.0},
-            sampler={"turbo": "euler_a", "fast": "dpmpp_2m", "other": "dpmpp_2m", "relax": "dpmpp_2m"},
+        return TierDefaults.table(
+            steps=(4, 20, 25, 30),
+            guidance=(0.0, 6.0, 6.0, 6.0),
+            sampler=("euler_a", "dpmpp_2m", "dpmpp_2m", "dpmpp_2m"),
         )
 
     @property
@@ -71,13 +48,12 @@ class StableDiffusionXL(StableDiffusion):
                 pooled = out[0]
             hidden.append(out.hidden_states[-2])
         assert pooled is not None, "text_encoder_2 must be a CLIPTextModelWithProjection"
-        states = torch.cat(hidden, dim=-1)
-        out_list: list[Conditioning] = []
-        for prompt, h, p in zip(prompts, states, pooled):
+        conds: list[Conditioning] = []
+        for prompt, h, p in zip(prompts, torch.cat(hidden, dim=-1), pooled, strict=True):
             if prompt == "" and self.force_zeros_for_empty_prompt:
                 h, p = torch.zeros_like(h), torch.zeros_like(p)
-            out_list.append({EHS: h, TEXT_EMBEDS: p})
-        return out_list
+            conds.append({EHS: h, TEXT_EMBEDS: p})
+        return conds
 
     @property
     def extra_input_names(self) -> tuple[str, ...]:
@@ -89,15 +65,9 @@ class StableDiffusionXL(StableDiffusion):
             TIME_IDS: torch.tensor([[d.height, d.width, 0, 0, d.height, d.width] for d in owners], dtype=torch.float32)
         }
 
-    def denoiser_module(self) -> torch.nn.Module:
-        return SDXLUNet(self.denoiser)
-
-    def input_shapes(self, rows: int, height: int, width: int) -> dict[str, tuple[int, ...]]:
-        pooled = self.module("text_encoder_2").config.projection_dim
-        return {**super().input_shapes(rows, height, width), TEXT_EMBEDS: (rows, pooled), TIME_IDS: (rows, 6)}
-
-    def dynamic_axes(self) -> dict[str, dict[int, str]]:
-        return {**super().dynamic_axes(), TEXT_EMBEDS: {0: "batch"}, TIME_IDS: {0: "batch"}}
+    def row_shapes(self, height: int, width: int) -> dict[str, tuple[int, ...]]:
+        pooled = int(self.module("text_encoder_2").config.projection_dim)
+        return {**super().row_shapes(height, width), TEXT_EMBEDS: (pooled,), TIME_IDS: (6,)}
 
     def pipeline_kwargs(self) -> dict:
         return {
