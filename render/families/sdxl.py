@@ -66,7 +66,8 @@ class StableDiffusionXL(StableDiffusion):
         }
 
     def row_shapes(self, height: int, width: int) -> dict[str, tuple[int, ...]]:
-        pooled = int(self.module("text_encoder_2").config.projection_dim)
+        cfg = self.denoiser.config  # the UNet's added embedding takes the pooled vector and six time ids
+        pooled = int(cfg.projection_class_embeddings_input_dim) - 6 * int(cfg.addition_time_embed_dim)
         return {**super().row_shapes(height, width), TEXT_EMBEDS: (pooled,), TIME_IDS: (6,)}
 
     def pipeline_kwargs(self) -> dict:
