@@ -109,7 +109,7 @@ def timer(device):
 def run(args) -> dict:
     import torch
 
-    from render.backends.denoiser_export import example_inputs
+    from render.backends.onnx_export import example_inputs
     from turbonode.stats import percentile
 
     device = torch.device("cpu" if args.dry_run else "cuda")

@@ -8,7 +8,7 @@ import torch
 
 from render.families import tiny
 from render.families.base import Denoising, Family
-from render.families.loading import load_model
+from render.model import load_model
 
 SIZE = 64  # pixels: a 8x8 latent keeps each denoiser call a few ms on CPU
 # what each family's tests render: the SD 1.x tiny, the three new tiny variants, and the

@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 import torch
-from family_support import SIZE, family, start
 
 from render.families import family_for
 from render.families.base import FamilyError
 from render.families.flux import image_ids, pack, unpack
+from tests.family_support import SIZE, family, start
 
 
 def test_sdxl_pools_the_second_encoder_and_zeroes_the_empty_prompt():

@@ -12,10 +12,9 @@ import shutil
 
 import pytest
 import torch
-from family_support import family
 
-from render.families.loading import load_model
-from render.model import ModelError
+from render.model import ModelError, load_model
+from tests.family_support import family
 
 SAVED = ("tiny", "tiny-sdxl", "tiny-sd3", "tiny-sd3-no-t5", "tiny-flux", "tiny-flux-dev")
 
@@ -55,11 +54,13 @@ def test_a_saved_directory_loads_back_as_the_same_family(saved, name):
         assert loaded.module("text_encoder_3") is None
 
 
-def test_tiny_names_and_unknown_models():
+def test_tiny_names_and_unknown_models(tmp_path):
     for name in ("tiny", "tiny-sdxl", "tiny-sd3", "tiny-flux"):
         assert load_model(name).model_id == name
     with pytest.raises(ModelError, match="neither one of tiny, tiny-sdxl, tiny-sd3, tiny-flux nor a directory"):
         load_model("stabilityai/sdxl-turbo")  # a hub id is never fetched
+    with pytest.raises(ModelError, match="model_index.json is missing: not a diffusers model directory"):
+        load_model(str(tmp_path))
 
 
 def test_unsupported_pipelines_are_refused_by_name(saved, tmp_path):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from family_support import NAMES, SIZE, family, guidance_for, image, predictor, run, start
+
+from tests.family_support import NAMES, SIZE, family, guidance_for, image, predictor, run, start
 
 ALL = (*NAMES, "tiny-sd3-no-t5", "tiny-flux-dev")
 BATCH_ATOL = 1e-4  # batched vs alone: same arithmetic, different GEMM blocking

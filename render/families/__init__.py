@@ -6,7 +6,7 @@ serves it; `TINY` names the embedded tiny variants built from configs.
 
 from __future__ import annotations
 
-from .base import Family, FamilyError, ModelParts
+from .base import PREDICTION, Family, FamilyError, ModelParts
 from .flux import Flux
 from .sd import StableDiffusion
 from .sd3 import StableDiffusion3
@@ -26,4 +26,15 @@ def family_for(pipeline_class: str) -> type[Family]:
         ) from None
 
 
-__all__ = ["FAMILIES", "Family", "FamilyError", "ModelParts", "family_for"]
+__all__ = [
+    "FAMILIES",
+    "PREDICTION",
+    "Family",
+    "FamilyError",
+    "Flux",
+    "ModelParts",
+    "StableDiffusion",
+    "StableDiffusion3",
+    "StableDiffusionXL",
+    "family_for",
+]

@@ -28,20 +28,23 @@ from typing import Any, ClassVar
 
 import torch
 
-from render.backends.onnx_export import UNET_INPUTS, UNET_OUTPUT
+from turbonode.errors import TurbonodeError
 from turbonode.tiers import PRIORITY_ORDER
 
 Conditioning = dict[str, torch.Tensor]  # input name -> one prompt's tensor (no batch dimension)
 Predict = Callable[[dict[str, torch.Tensor]], torch.Tensor]
 
-LATENT_INPUT, TIMESTEP_INPUT, EHS = UNET_INPUTS
+# The denoiser's and the decoder's tensor names (the torch modules' arguments, the ONNX graphs' inputs).
+LATENT_INPUT, TIMESTEP_INPUT, EHS = "sample", "timestep", "encoder_hidden_states"
 POOLED = "pooled_projections"  # SD3/Flux; SDXL calls its pooled embedding text_embeds
+PREDICTION = "prediction"  # what the denoiser outputs: noise (SD, SDXL) or flow velocity (SD3, Flux)
+VAE_INPUT, VAE_OUTPUT = "latents", "images"
 # Inputs kept in float32 in every precision: diffusers builds sinusoidal/rotary embeddings
 # from them in float32 and casts the result to the model's dtype itself.
 FLOAT32_INPUTS = frozenset({TIMESTEP_INPUT, "guidance", "time_ids", "img_ids", "txt_ids"})
 
 
-class FamilyError(ValueError):
+class FamilyError(TurbonodeError, ValueError):
     """A request the family cannot serve (a sampler it has no use for, a size it cannot render)."""
 
 
@@ -106,6 +109,10 @@ class Denoising:
     @property
     def timestep(self) -> torch.Tensor:
         return self.scheduler.timesteps[self.step]
+
+    def release(self) -> None:
+        """Drop the tensors once the image is decoded; the step counts stay for the job's record."""
+        self.latents, self.cond, self.uncond = torch.empty(0), {}, None
 
 
 class LatentDecoder(torch.nn.Module):
@@ -191,6 +198,7 @@ class Family(ABC):
     optional_components: ClassVar[frozenset[str]] = frozenset()
     conditioning_inputs: ClassVar[tuple[str, ...]]  # per-prompt denoiser inputs `encode_prompts` returns
     samplers: ClassVar[tuple[str, ...]]
+    cuda_dtype: ClassVar[torch.dtype] = torch.float16  # half precision on a GPU (bf16 where fp16 overflows)
     uses_cfg: ClassVar[bool] = True  # guidance > 1 adds an unconditional row (not for guidance-distilled Flux)
     timestep_divisor: ClassVar[float] = 1.0  # the pipeline hands the denoiser the scheduler's timestep / this
 
@@ -209,6 +217,11 @@ class Family(ABC):
     @property
     def vae(self) -> Any:
         return self.parts.modules["vae"]
+
+    @property
+    def text_encoders(self) -> list[Any]:
+        """The text encoder modules this model has (SD3 may lack its T5)."""
+        return [m for k, m in self.parts.modules.items() if k.startswith("text_encoder") and m is not None]
 
     @property
     def model_id(self) -> str:
@@ -405,13 +418,17 @@ class Family(ABC):
         axes[LATENT_INPUT].update(self.latent_axes)
         axes[EHS].update({1: "text_len"})
         axes.update({name: dict(a) for name, a in self.shared_axes.items()})
-        axes[UNET_OUTPUT] = dict(axes[LATENT_INPUT])
+        axes[PREDICTION] = dict(axes[LATENT_INPUT])
         return axes
 
     # ---- decode -----------------------------------------------------------------------
 
     def decoder_module(self) -> torch.nn.Module:
         return LatentDecoder(self.vae)
+
+    def vae_needs_fp32(self, dtype: torch.dtype) -> bool:
+        """Must the VAE decode in fp32 when the model runs in `dtype`? (SDXL's VAE overflows in fp16.)"""
+        return False
 
     # ---- diffusers' own pipeline, on the same modules ----------------------------------
 

@@ -69,6 +69,7 @@ class Flux(Family):
     latent_axes: ClassVar[Mapping[int, str]] = {1: "image_len"}
     shared_axes: ClassVar[Mapping[str, Mapping[int, str]]] = {IMG_IDS: {0: "image_len"}, TXT_IDS: {0: "text_len"}}
     samplers = FLOW_SAMPLERS
+    cuda_dtype = torch.bfloat16  # T5 and the MMDiT's activations overflow fp16
     uses_cfg = False
     timestep_divisor = 1000.0
 

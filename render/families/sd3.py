@@ -41,6 +41,7 @@ class StableDiffusion3(Family):
     conditioning_inputs = (EHS, POOLED)
     denoiser_rename: ClassVar[Mapping[str, str]] = {LATENT_INPUT: "hidden_states"}
     samplers = FLOW_SAMPLERS
+    cuda_dtype = torch.bfloat16  # T5 and the MMDiT's activations overflow fp16
 
     @property
     def defaults(self) -> TierDefaults:

@@ -33,6 +33,10 @@ class StableDiffusionXL(StableDiffusion):
             sampler=("euler_a", "dpmpp_2m", "dpmpp_2m", "dpmpp_2m"),
         )
 
+    def vae_needs_fp32(self, dtype: torch.dtype) -> bool:
+        # StableDiffusionXLPipeline upcasts an fp16 VAE whose config says force_upcast (the original SDXL VAE)
+        return dtype == torch.float16 and bool(self.vae.config.force_upcast)
+
     @property
     def force_zeros_for_empty_prompt(self) -> bool:
         return bool(self.parts.pipeline_config.get("force_zeros_for_empty_prompt", True))

@@ -1,30 +1,30 @@
-"""Embedded tiny variants of SDXL, SD3 and Flux: real diffusers/transformers modules from configs.
+"""Embedded tiny variants of SD 1.x, SDXL, SD3 and Flux: real diffusers/transformers modules from configs.
 
-Like render/tiny.py for SD 1.x: nothing is downloaded, every weight is seeded (the same on
-every machine), the tokenizers are built locally (CLIP's byte-level BPE from render/tiny.py,
-T5's Unigram from a small piece list), and the shapes follow the real models' structure at a
-fraction of their width: SDXL's two CLIP encoders (the second with a projection for the
-pooled embedding) and a "text_time" UNet; SD3's three encoders, 16-channel VAE with a shift
-and a patch-2 MMDiT; Flux's CLIP + T5, 16-channel VAE and a transformer fed 2x2-packed
-latents. Images are noise-like; every code path is the one a real checkpoint takes.
+Like render/tiny.py (whose builders they share): nothing is downloaded, every weight is
+seeded (the same on every machine), the tokenizers are built locally (CLIP's byte-level BPE
+from render/tiny.py, T5's Unigram from a small piece list), and the shapes follow the real
+models' structure at a fraction of their width: SDXL's two CLIP encoders (the second with a
+projection for the pooled embedding) and a "text_time" UNet; SD3's three encoders, 16-channel
+VAE with a shift and a patch-2 MMDiT; Flux's CLIP + T5, 16-channel VAE and a transformer fed
+2x2-packed latents. Images are noise-like; every code path is the one a real checkpoint takes.
 """
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from render import tiny as sd_tiny
+from render.model import weights_fingerprint
+from turbonode.config import TINY_MODELS
 
 from .base import ModelParts
 
-IMAGE_SIZE = sd_tiny.IMAGE_SIZE
-T5_MAX_LENGTH = 32  # tokens; the real models take 256-512, which only costs time here
-CLIP_DIM = 32
+CLIP_DIM = sd_tiny.EMBED_DIM
 T5_DIM = 32
+T5_MAX_LENGTH = 32  # tokens; the real models take 256-512, which only costs time here
 
 
 def t5_tokenizer() -> Any:
@@ -34,27 +34,6 @@ def t5_tokenizer() -> Any:
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("\u2581", -2.0)]
     pieces += [(chr(c), -3.0) for c in range(ord("!"), ord("~") + 1)]
     return T5Tokenizer(vocab=pieces, extra_ids=0, model_max_length=T5_MAX_LENGTH)
-
-
-def clip_encoder(vocab_size: int, offset: int, *, projection: bool, hidden: int = CLIP_DIM) -> Any:
-    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
-
-    config = CLIPTextConfig(
-        vocab_size=vocab_size,
-        hidden_size=hidden,
-        intermediate_size=37,
-        num_attention_heads=4,
-        num_hidden_layers=5,
-        max_position_embeddings=sd_tiny.MAX_LENGTH,
-        layer_norm_eps=1e-5,
-        projection_dim=hidden,
-        hidden_act="gelu",
-        bos_token_id=vocab_size - 2,
-        eos_token_id=vocab_size - 1,
-        pad_token_id=vocab_size - 1,
-    )
-    cls = CLIPTextModelWithProjection if projection else CLIPTextModel
-    return sd_tiny._seeded(lambda: cls(config), offset)
 
 
 def t5_encoder(vocab_size: int, offset: int, d_model: int = T5_DIM) -> Any:
@@ -74,48 +53,19 @@ def t5_encoder(vocab_size: int, offset: int, d_model: int = T5_DIM) -> Any:
         pad_token_id=0,
         eos_token_id=1,
     )
-    return sd_tiny._seeded(lambda: T5EncoderModel(config), offset)
+    return sd_tiny.seeded(lambda: T5EncoderModel(config), offset)
 
 
-def vae(
-    offset: int,
-    *,
-    latent_channels: int,
-    scaling_factor: float,
-    shift_factor: float | None = None,
-    quant_conv: bool = True,
-) -> Any:
-    """Four blocks give the real 8x latent scale; narrow channels keep a 256 px decode fast on CPU."""
-    from diffusers import AutoencoderKL
-
-    return sd_tiny._seeded(
-        lambda: AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            block_out_channels=(16, 16, 32, 32),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            latent_channels=latent_channels,
-            layers_per_block=1,
-            norm_num_groups=16,
-            sample_size=IMAGE_SIZE,
-            scaling_factor=scaling_factor,
-            shift_factor=shift_factor,
-            use_quant_conv=quant_conv,
-            use_post_quant_conv=quant_conv,
-        ),
+def flow_vae(offset: int, *, scaling_factor: float, shift_factor: float) -> Any:
+    """SD3/Flux's VAE layout: 16 latent channels, a shift, no quant convs."""
+    return sd_tiny.build_vae(
         offset,
+        latent_channels=16,
+        scaling_factor=scaling_factor,
+        shift_factor=shift_factor,
+        use_quant_conv=False,
+        use_post_quant_conv=False,
     )
-
-
-def weights_digest(modules: list[Any]) -> str:
-    """Content hash of the modules' weights: what keys the embedding cache and the engine cache."""
-    digest = hashlib.sha256()
-    for module in modules:
-        for name, tensor in module.state_dict().items():
-            digest.update(name.encode())
-            digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
-    return digest.hexdigest()[:16]
 
 
 def _parts(
@@ -128,62 +78,56 @@ def _parts(
         scheduler_config=scheduler_config,
         pipeline_config=pipeline_config,
         model_id=name,
-        fingerprint=f"{name}-{weights_digest(weights)}",
+        fingerprint=f"{name}-{weights_fingerprint(weights)}",
     )
+
+
+def sd() -> ModelParts:
+    """The SD 1.x `tiny` of render/tiny.py."""
+    tokenizer = sd_tiny.build_tokenizer()
+    modules = {
+        "unet": sd_tiny.build_unet(),
+        "vae": sd_tiny.build_vae(),
+        "text_encoder": sd_tiny.build_text_encoder(len(tokenizer)),
+        "tokenizer": tokenizer,
+    }
+    return _parts("tiny", "StableDiffusionPipeline", modules, dict(sd_tiny.SCHEDULER_CONFIG))
 
 
 # SDXL's own scheduler config (EulerDiscreteScheduler, SD's noise schedule, "leading" spacing).
 SDXL_SCHEDULER = {
-    **sd_tiny.SCHEDULER_CONFIG,
+    **{k: v for k, v in sd_tiny.SCHEDULER_CONFIG.items() if k not in ("clip_sample", "set_alpha_to_one")},
     "_class_name": "EulerDiscreteScheduler",
     "timestep_spacing": "leading",
     "interpolation_type": "linear",
     "use_karras_sigmas": False,
 }
-SDXL_SCHEDULER.pop("clip_sample")
-SDXL_SCHEDULER.pop("set_alpha_to_one")
 
 
 def sdxl() -> ModelParts:
-    from diffusers import UNet2DConditionModel
-
     tokenizer, tokenizer_2 = sd_tiny.build_tokenizer(), sd_tiny.build_tokenizer()
-    text_encoder = clip_encoder(len(tokenizer), 11, projection=False)
-    text_encoder_2 = clip_encoder(len(tokenizer_2), 12, projection=True)
     time_dim = 8
-    unet = sd_tiny._seeded(
-        lambda: UNet2DConditionModel(
-            sample_size=IMAGE_SIZE // 8,
-            in_channels=4,
-            out_channels=4,
-            block_out_channels=(32, 64),
-            layers_per_block=2,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-            attention_head_dim=(2, 4),
-            use_linear_projection=True,
-            transformer_layers_per_block=(1, 2),
-            # both encoders' hidden states side by side; the pooled embedding and six size numbers added to time
-            cross_attention_dim=2 * CLIP_DIM,
-            addition_embed_type="text_time",
-            addition_time_embed_dim=time_dim,
-            projection_class_embeddings_input_dim=6 * time_dim + CLIP_DIM,
-        ),
+    unet = sd_tiny.build_unet(
         13,
+        attention_head_dim=(2, 4),
+        use_linear_projection=True,
+        transformer_layers_per_block=(1, 2),
+        # both encoders' hidden states side by side; the pooled embedding and six size numbers added to time
+        cross_attention_dim=2 * CLIP_DIM,
+        addition_embed_type="text_time",
+        addition_time_embed_dim=time_dim,
+        projection_class_embeddings_input_dim=6 * time_dim + CLIP_DIM,
     )
+    modules = {
+        "unet": unet,
+        "vae": sd_tiny.build_vae(14, scaling_factor=0.13025),
+        "text_encoder": sd_tiny.build_text_encoder(len(tokenizer), 11),
+        "tokenizer": tokenizer,
+        "text_encoder_2": sd_tiny.build_text_encoder(len(tokenizer_2), 12, projection=True),
+        "tokenizer_2": tokenizer_2,
+    }
     return _parts(
-        "tiny-sdxl",
-        "StableDiffusionXLPipeline",
-        {
-            "unet": unet,
-            "vae": vae(14, latent_channels=4, scaling_factor=0.13025),
-            "text_encoder": text_encoder,
-            "tokenizer": tokenizer,
-            "text_encoder_2": text_encoder_2,
-            "tokenizer_2": tokenizer_2,
-        },
-        dict(SDXL_SCHEDULER),
-        force_zeros_for_empty_prompt=True,
+        "tiny-sdxl", "StableDiffusionXLPipeline", modules, dict(SDXL_SCHEDULER), force_zeros_for_empty_prompt=True
     )
 
 
@@ -196,9 +140,9 @@ def sd3(*, t5: bool = True) -> ModelParts:
     tokenizer, tokenizer_2 = sd_tiny.build_tokenizer(), sd_tiny.build_tokenizer()
     # The joint width is T5's; the two CLIP encoders' hidden states (2 x 32) are zero-padded up to it.
     joint = 48
-    transformer = sd_tiny._seeded(
+    transformer = sd_tiny.seeded(
         lambda: SD3Transformer2DModel(
-            sample_size=IMAGE_SIZE // 8,
+            sample_size=sd_tiny.IMAGE_SIZE // 8,
             patch_size=2,
             in_channels=16,
             out_channels=16,
@@ -214,10 +158,10 @@ def sd3(*, t5: bool = True) -> ModelParts:
     )
     modules: dict[str, Any] = {
         "transformer": transformer,
-        "vae": vae(22, latent_channels=16, scaling_factor=1.5305, shift_factor=0.0609, quant_conv=False),
-        "text_encoder": clip_encoder(len(tokenizer), 23, projection=True),
+        "vae": flow_vae(22, scaling_factor=1.5305, shift_factor=0.0609),
+        "text_encoder": sd_tiny.build_text_encoder(len(tokenizer), 23, projection=True),
         "tokenizer": tokenizer,
-        "text_encoder_2": clip_encoder(len(tokenizer_2), 24, projection=True),
+        "text_encoder_2": sd_tiny.build_text_encoder(len(tokenizer_2), 24, projection=True),
         "tokenizer_2": tokenizer_2,
         "text_encoder_3": None,
         "tokenizer_3": None,
@@ -247,7 +191,7 @@ def flux(*, guidance_embeds: bool = False) -> ModelParts:
     from diffusers import FluxTransformer2DModel
 
     tokenizer, tokenizer_2 = sd_tiny.build_tokenizer(), t5_tokenizer()
-    transformer = sd_tiny._seeded(
+    transformer = sd_tiny.seeded(
         lambda: FluxTransformer2DModel(
             patch_size=1,
             in_channels=64,
@@ -262,40 +206,19 @@ def flux(*, guidance_embeds: bool = False) -> ModelParts:
         ),
         31 + guidance_embeds,
     )
+    modules = {
+        "transformer": transformer,
+        "vae": flow_vae(33, scaling_factor=0.3611, shift_factor=0.1159),
+        "text_encoder": sd_tiny.build_text_encoder(len(tokenizer), 34),
+        "tokenizer": tokenizer,
+        "text_encoder_2": t5_encoder(len(tokenizer_2), 35),
+        "tokenizer_2": tokenizer_2,
+    }
+    name = "tiny-flux-dev" if guidance_embeds else "tiny-flux"
     return _parts(
-        "tiny-flux-dev" if guidance_embeds else "tiny-flux",
-        "FluxPipeline",
-        {
-            "transformer": transformer,
-            "vae": vae(33, latent_channels=16, scaling_factor=0.3611, shift_factor=0.1159, quant_conv=False),
-            "text_encoder": clip_encoder(len(tokenizer), 34, projection=False),
-            "tokenizer": tokenizer,
-            "text_encoder_2": t5_encoder(len(tokenizer_2), 35),
-            "tokenizer_2": tokenizer_2,
-        },
-        dict(FLUX_DEV_SCHEDULER if guidance_embeds else FLUX_SCHNELL_SCHEDULER),
+        name, "FluxPipeline", modules, dict(FLUX_DEV_SCHEDULER if guidance_embeds else FLUX_SCHNELL_SCHEDULER)
     )
 
 
-def sd() -> ModelParts:
-    """The SD 1.x `tiny` of render/tiny.py, as parts."""
-    tokenizer = sd_tiny.build_tokenizer()
-    return _parts(
-        "tiny",
-        "StableDiffusionPipeline",
-        {
-            "unet": sd_tiny.build_unet(),
-            "vae": sd_tiny.build_vae(),
-            "text_encoder": sd_tiny.build_text_encoder(len(tokenizer)),
-            "tokenizer": tokenizer,
-        },
-        dict(sd_tiny.SCHEDULER_CONFIG),
-    )
-
-
-BUILDERS: dict[str, Callable[[], ModelParts]] = {
-    "tiny": sd,
-    "tiny-sdxl": sdxl,
-    "tiny-sd3": sd3,
-    "tiny-flux": flux,
-}
+# the names `--model` takes (turbonode.config.TINY_MODELS) -> their builders
+BUILDERS: dict[str, Callable[[], ModelParts]] = dict(zip(TINY_MODELS, (sd, sdxl, sd3, flux), strict=True))
