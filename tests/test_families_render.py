@@ -55,15 +55,6 @@ def test_an_image_is_the_same_alone_or_batched_with_others(name):
     torch.testing.assert_close(image(fam, mine), image(fam, alone), atol=BATCH_ATOL, rtol=0)
 
 
-def _pipeline_kwargs(fam, guidance):
-    kwargs = {}
-    if fam.name == "sdxl":
-        kwargs["negative_prompt"] = None  # the pipeline's zeros for an empty negative, as the family's ""
-    if fam.name in ("sd3", "flux"):
-        kwargs["max_sequence_length"] = fam.t5_length if fam.name == "sd3" else fam.text_length
-    return kwargs
-
-
 @pytest.mark.parametrize(
     "name,sampler",
     [
@@ -93,7 +84,7 @@ def test_the_step_loop_reproduces_the_diffusers_pipeline(name, sampler):
         width=SIZE,
         generator=torch.Generator().manual_seed(seed),
         output_type="pt",
-        **_pipeline_kwargs(fam, guidance),
+        **fam.pipeline_call_kwargs(),
     ).images[0]
     got = image(fam, mine)
     assert got.shape == want.shape == (3, SIZE * 2, SIZE)

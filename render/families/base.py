@@ -445,6 +445,10 @@ class Family(ABC):
     def pipeline_kwargs(self) -> dict:
         return {}
 
+    def pipeline_call_kwargs(self) -> dict:
+        """What a call of `pipeline(...)` needs to do what this family's step loop does (text lengths, negatives)."""
+        return {}
+
 
 FLOW_SAMPLERS = ("euler",)  # flow-matching models (SD3, Flux): the Euler ODE step their schedulers define
 

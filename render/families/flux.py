@@ -10,6 +10,7 @@ token count. Decoding unpacks, then un-scales and un-shifts the latents.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
@@ -49,8 +50,9 @@ def unpack(latents: torch.Tensor, h: int, w: int) -> torch.Tensor:
     return x.reshape(b, c4 // 4, h, w)
 
 
+@functools.lru_cache(maxsize=16)
 def image_ids(h: int, w: int) -> torch.Tensor:
-    """(0, row, col) for each packed token of an h x w latent."""
+    """(0, row, col) for each packed token of an h x w latent (cached: every step of a size needs the same)."""
     ids = torch.zeros(h // 2, w // 2, 3)
     ids[..., 1] = torch.arange(h // 2)[:, None]
     ids[..., 2] = torch.arange(w // 2)[None, :]
@@ -147,6 +149,9 @@ class Flux(Family):
 
     def shared_shapes(self, height: int, width: int) -> dict[str, tuple[int, ...]]:
         return {IMG_IDS: (self.image_seq_len(height, width), 3), TXT_IDS: (self.text_length, 3)}
+
+    def pipeline_call_kwargs(self) -> dict:
+        return {"max_sequence_length": self.text_length}
 
     def pipeline_kwargs(self) -> dict:
         return {"image_encoder": None, "feature_extractor": None}

@@ -113,5 +113,8 @@ class StableDiffusion3(Family):
             POOLED: (cfg.pooled_projection_dim,),
         }
 
+    def pipeline_call_kwargs(self) -> dict:
+        return {"max_sequence_length": self.t5_length}
+
     def pipeline_kwargs(self) -> dict:
         return {"image_encoder": None, "feature_extractor": None}

@@ -74,6 +74,9 @@ class StableDiffusionXL(StableDiffusion):
         pooled = int(cfg.projection_class_embeddings_input_dim) - 6 * int(cfg.addition_time_embed_dim)
         return {**super().row_shapes(height, width), TEXT_EMBEDS: (pooled,), TIME_IDS: (6,)}
 
+    def pipeline_call_kwargs(self) -> dict:
+        return {"negative_prompt": None}  # the pipeline's zeros for no negative prompt: the family's ""
+
     def pipeline_kwargs(self) -> dict:
         return {
             "image_encoder": None,
