@@ -75,32 +75,38 @@ def test_full_size_configs_fit_the_family_interface(name, params_b, shapes):
     assert tuple(out.shape) == shapes["sample"]
 
 
-def test_dry_run_and_report(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    files = []
+def test_gpu_check_dry_runs_the_family_rows_without_a_gpu(tmp_path):
+    """bench/gpu_check.sh's SDXL- and Flux-sized rows, dry-run on the CPU with the tiny variants."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OUT": str(tmp_path),
+        "GPU_CHECK_DRY_RUN": "1",
+        "PYTHON": sys.executable,
+    }
+    run = subprocess.run(
+        ["bash", str(ROOT / "bench" / "gpu_check.sh")],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    assert "sdxl: exit 0" in run.stdout and "flux: exit 0" in run.stdout
     for name in ("sdxl", "flux"):
-        out = tmp_path / f"{name}.json"
-        args = ["--family", name, "--dry-run", "--rows", "1,2", "--iters", "2", "--warmup", "0", "--json", str(out)]
-        run = subprocess.run(
-            [sys.executable, str(SCRIPT), *args],
-            check=False,
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=300,
-        )
-        assert run.returncode == 0, run.stderr[-2000:]
-        data = json.loads(out.read_text())
-        assert data["device"] == "cpu (dry run)" and [r["rows"] for r in data["results"]] == [1, 2]
-        files.append(str(out))
+        data = json.loads((tmp_path / f"family_{name}.json").read_text())
+        assert data["device"] == "cpu (dry run)" and [r["rows"] for r in data["results"]] == [1, 4]
+    rows = [
+        line for line in (tmp_path / "report.txt").read_text().splitlines() if line.strip().startswith(("sdxl", "flux"))
+    ]
+    assert len(rows) == 4
     report = subprocess.run(
-        [sys.executable, str(SCRIPT), "--report", *files, str(tmp_path / "missing.json")],
+        [sys.executable, str(SCRIPT), "--report", str(tmp_path / "missing.json")],
         check=False,
         capture_output=True,
         text=True,
         env=env,
         timeout=60,
     )
-    assert report.returncode == 0 and "missing.json" in report.stderr
-    rows = [line for line in report.stdout.splitlines() if line.strip().startswith(("sdxl", "flux"))]
-    assert len(rows) == 4
+    assert report.returncode == 0 and "missing.json" in report.stderr and "no family runs" in report.stdout
