@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .backends.base import DiffusionBackend
-from .families.base import LATENT_INPUT, Family
+from .families.base import Family
 from .jobs import Sample
 
 
@@ -26,6 +26,4 @@ def denoise_step(family: Family, backend: DiffusionBackend, samples: Sequence[Sa
     """Advance every (prepared) sample by one step; returns the denoiser rows evaluated."""
     states = [s.state for s in samples if s.state is not None]
     assert len(states) == len(samples), "samples are prepared before their first step"
-    inputs = family.denoiser_inputs(states)
-    family.finish_step(states, backend.predict(inputs))
-    return int(inputs[LATENT_INPUT].shape[0])
+    return family.step(states, backend.predict)

@@ -32,7 +32,7 @@ from turbonode.errors import TurbonodeError
 from turbonode.tiers import PRIORITY_ORDER
 
 Conditioning = dict[str, torch.Tensor]  # input name -> one prompt's tensor (no batch dimension)
-Predict = Callable[[dict[str, torch.Tensor]], torch.Tensor]
+Predict = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 
 # The denoiser's and the decoder's tensor names (the torch modules' arguments, the ONNX graphs' inputs).
 LATENT_INPUT, TIMESTEP_INPUT, EHS = "sample", "timestep", "encoder_hidden_states"
@@ -385,9 +385,11 @@ class Family(ABC):
             d.latents = d.scheduler.step(pred, d.timestep, d.latents, generator=d.generator, return_dict=False)[0]
             d.step += 1
 
-    def step(self, batch: list[Denoising], predict: Predict) -> None:
-        """One denoising step for every image in `batch`: ONE denoiser call."""
-        self.finish_step(batch, predict(self.denoiser_inputs(batch)))
+    def step(self, batch: list[Denoising], predict: Predict) -> int:
+        """One denoising step for every image in `batch`: ONE denoiser call; returns its rows."""
+        inputs = self.denoiser_inputs(batch)
+        self.finish_step(batch, predict(inputs))
+        return int(inputs[LATENT_INPUT].shape[0])
 
     denoiser_rename: ClassVar[Mapping[str, str]] = {}
     denoiser_added: ClassVar[tuple[str, ...]] = ()
