@@ -187,7 +187,11 @@ FLUX_DEV_SCHEDULER = {**FLUX_SCHNELL_SCHEDULER, "shift": 3.0, "use_dynamic_shift
 
 
 def flux(*, guidance_embeds: bool = False) -> ModelParts:
-    """Flux-schnell-like by default; guidance_embeds=True gives a guidance-distilled (dev-like) one."""
+    """Flux-schnell-like by default; guidance_embeds=True gives a guidance-distilled (dev-like) one.
+
+    The transformer is the widest tiny denoiser (8 heads, 2 + 4 blocks, ~2 M parameters) so that,
+    as in the real model, a step costs more than the VAE decode: a narrower one left the tiny
+    Flux VAE-bound, and a benchmark of the scheduler would have measured the VAE."""
     from diffusers import FluxTransformer2DModel
 
     tokenizer, tokenizer_2 = sd_tiny.build_tokenizer(), t5_tokenizer()
@@ -195,10 +199,10 @@ def flux(*, guidance_embeds: bool = False) -> ModelParts:
         lambda: FluxTransformer2DModel(
             patch_size=1,
             in_channels=64,
-            num_layers=1,
-            num_single_layers=2,
+            num_layers=2,
+            num_single_layers=4,
             attention_head_dim=16,
-            num_attention_heads=2,
+            num_attention_heads=8,
             joint_attention_dim=T5_DIM,
             pooled_projection_dim=CLIP_DIM,
             guidance_embeds=guidance_embeds,
