@@ -64,10 +64,10 @@ class Worker:
         torch_threads()
         family = load_model(cfg.model)
         log.info(
-            "model %s (%s family) loaded in %.1f s (%s)",
+            "model %s loaded in %.1f s (%s family, %s)",
             family.model_id,
-            family.name,
             time.monotonic() - started,
+            family.name,
             family.fingerprint,
         )
         settings = EngineSettings.from_config(cfg, **({"policy": policy} if policy is not None else {}))
