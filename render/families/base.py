@@ -37,11 +37,13 @@ Predict = Callable[[Mapping[str, torch.Tensor]], torch.Tensor]
 # The denoiser's and the decoder's tensor names (the torch modules' arguments, the ONNX graphs' inputs).
 LATENT_INPUT, TIMESTEP_INPUT, EHS = "sample", "timestep", "encoder_hidden_states"
 POOLED = "pooled_projections"  # SD3/Flux; SDXL calls its pooled embedding text_embeds
+TEXT_EMBEDS, TIME_IDS = "text_embeds", "time_ids"  # SDXL's added conditioning
+GUIDANCE, IMG_IDS, TXT_IDS = "guidance", "img_ids", "txt_ids"  # Flux's guidance embedding and position ids
 PREDICTION = "prediction"  # what the denoiser outputs: noise (SD, SDXL) or flow velocity (SD3, Flux)
 VAE_INPUT, VAE_OUTPUT = "latents", "images"
 # Inputs kept in float32 in every precision: diffusers builds sinusoidal/rotary embeddings
 # from them in float32 and casts the result to the model's dtype itself.
-FLOAT32_INPUTS = frozenset({TIMESTEP_INPUT, "guidance", "time_ids", "img_ids", "txt_ids"})
+FLOAT32_INPUTS = frozenset({TIMESTEP_INPUT, GUIDANCE, TIME_IDS, IMG_IDS, TXT_IDS})
 
 
 class FamilyError(TurbonodeError, ValueError):

@@ -20,9 +20,12 @@ import torch
 from .base import (
     EHS,
     FLOW_SAMPLERS,
+    GUIDANCE,
+    IMG_IDS,
     LATENT_INPUT,
     POOLED,
     TIMESTEP_INPUT,
+    TXT_IDS,
     Conditioning,
     Denoising,
     Family,
@@ -32,7 +35,6 @@ from .base import (
     tokens,
 )
 
-GUIDANCE, IMG_IDS, TXT_IDS = "guidance", "img_ids", "txt_ids"
 T5_LENGTH = {False: 256, True: 512}  # FluxPipeline's max_sequence_length: schnell allows 256, dev 512
 
 

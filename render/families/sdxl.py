@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import EHS, Conditioning, Denoising, TierDefaults, module_device, tokens
+from .base import EHS, TEXT_EMBEDS, TIME_IDS, Conditioning, Denoising, TierDefaults, module_device, tokens
 from .sd import StableDiffusion
-
-TEXT_EMBEDS, TIME_IDS = "text_embeds", "time_ids"
 
 
 class StableDiffusionXL(StableDiffusion):
