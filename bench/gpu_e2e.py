@@ -66,19 +66,19 @@ def run(args) -> dict:
     from turbonode.stats import percentile
 
     if args.model == "tiny":  # the embedded model: checks this script anywhere, CPU included
-        from render.model import load_components
+        from render.model import load_model
 
-        comps = load_components("tiny")
+        family = load_model("tiny")
     else:
-        comps = sd15.components(torch.device(args.device))
-    size = comps.native_size
+        family = sd15.model(torch.device(args.device))
+    size = family.native_size
     started = time.monotonic()
     options = TensorRTOptions(cache_dir=Path(args.cache_dir), max_batch=args.max_batch, sizes=((size, size),))
-    backend = make_backend(args.backend, comps, args.device, tensorrt_options=options)
+    backend = make_backend(args.backend, family, args.device, tensorrt_options=options)
     device = backend.device
     setup_s = time.monotonic() - started
     engine = Engine(
-        backend, PromptEncoder(comps, device, backend.dtype), comps, EngineSettings(max_batch=args.max_batch)
+        backend, PromptEncoder(family, device, backend.dtype), family, EngineSettings(max_batch=args.max_batch)
     ).start()
     try:
         latencies(engine, 2, 0, size)  # warm-up: cuDNN/cuBLAS plans, allocator, first scheduler

@@ -78,8 +78,10 @@ def make_step(mode: str, unet, args, device):
         return step, 0.0, {"compile_mode": args.compile_mode}  # compiling happens in each batch's first call
     if mode == "tensorrt":
         from render.backends.tensorrt import EngineFactory, TensorRTOptions
+        from render.families import PREDICTION, StableDiffusion, tiny
 
-        latent = args.size // 8
+        parts = tiny.sd()  # the tiny VAE and text encoder only size the inputs; the UNet is SD-1.5's
+        parts.modules["unet"], parts.fingerprint = unet, sd15.FINGERPRINT
         opts = TensorRTOptions(
             cache_dir=Path(args.cache_dir),
             max_batch=max(args.batches),
@@ -87,14 +89,14 @@ def make_step(mode: str, unet, args, device):
             optimization_level=args.trt_opt_level,
         )
         factory = EngineFactory(device, opts)
-        runner = factory.unet(unet, sd15.FINGERPRINT, text_len=TEXT_LEN, scale=args.size // latent)
+        runner = factory.denoiser(StableDiffusion(parts), "fp16")
 
         def step(sample, timestep, ehs):
-            return runner(sample=sample, timestep=timestep, encoder_hidden_states=ehs)["noise"]
+            return runner(sample=sample, timestep=timestep, encoder_hidden_states=ehs)[PREDICTION]
 
         setup_s = time.monotonic() - started
         # Same inputs through torch: the speed is only worth reporting if the engine is right.
-        check = inputs(min(4, opts.max_batch), latent, device)
+        check = inputs(min(4, opts.max_batch), args.size // 8, device)
         want = unet(*check[:2], encoder_hidden_states=check[2], return_dict=False)[0].float()
         err = (step(*check).float() - want).abs().max().item() / want.abs().max().item()
         print(f"tensorrt vs eager, batch {check[0].shape[0]}: max |diff| / max |eager| = {err:.2e}", flush=True)

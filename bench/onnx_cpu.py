@@ -42,11 +42,12 @@ def sd15_check() -> int:
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import sd15
 
-    unet = sd15.build_unet("cpu")
+    family = sd15.model("cpu")
+    unet = family.denoiser
     with tempfile.TemporaryDirectory(prefix="turbonode-onnx-") as tmp:
         path = Path(tmp) / "unet.onnx"
         t0 = time.perf_counter()
-        onnx_export.export_unet(unet, path, shape=onnx_export.ExportShape(batch=1, latent_height=16, latent_width=16))
+        onnx_export.export_denoiser(family, path, rows=1, height=128, width=128, dtype=torch.float16)
         export_s = time.perf_counter() - t0
         size_gib = sum(f.stat().st_size for f in Path(tmp).iterdir()) / 2**30
         session = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
@@ -81,17 +82,15 @@ def main(argv=None) -> int:
 
     from render.backends import onnx_export
     from render.backends.torch_backend import TorchBackend
-    from render.model import load_components
+    from render.model import load_model
     from turbonode.stats import percentile
 
-    comps = load_components("tiny")
-    backend = TorchBackend(comps, torch.device("cpu"))
+    family = load_model("tiny")
+    backend = TorchBackend(family, torch.device("cpu"))
     with tempfile.TemporaryDirectory(prefix="turbonode-onnx-") as tmp:
         path = Path(tmp) / "unet.onnx"
         t0 = time.perf_counter()
-        onnx_export.export_unet(
-            comps.unet, path, shape=onnx_export.ExportShape(latent_height=args.latent, latent_width=args.latent)
-        )
+        onnx_export.export_denoiser(family, path, height=args.latent * 8, width=args.latent * 8)
         export_s = time.perf_counter() - t0
         size_mib = path.stat().st_size / 2**20
         t0 = time.perf_counter()
@@ -111,12 +110,13 @@ def main(argv=None) -> int:
             gen = torch.Generator().manual_seed(batch)
             x = torch.randn(batch, 4, args.latent, args.latent, generator=gen)
             t = torch.linspace(999, 1, batch)
-            e = torch.randn(batch, 77, comps.unet.config.cross_attention_dim, generator=gen)
-            feeds = {"sample": x.numpy(), "timestep": t.numpy(), "encoder_hidden_states": e.numpy()}
+            e = torch.randn(batch, 77, family.denoiser.config.cross_attention_dim, generator=gen)
+            inputs = {"sample": x, "timestep": t, "encoder_hidden_states": e}
+            feeds = {k: v.numpy() for k, v in inputs.items()}
             # timed() calls the lambdas at once: they see this iteration's inputs
-            torch_ms = timed(lambda: backend.predict_noise(x, t, e), args.iters)  # noqa: B023
+            torch_ms = timed(lambda: backend.predict(inputs), args.iters)  # noqa: B023
             ort_ms = timed(lambda: session.run(None, feeds), args.iters)  # noqa: B023
-            diff = abs(session.run(None, feeds)[0] - backend.predict_noise(x, t, e).numpy()).max()
+            diff = abs(session.run(None, feeds)[0] - backend.predict(inputs).numpy()).max()
             ratio = statistics.median(torch_ms) / statistics.median(ort_ms)
             print(
                 f"{batch:>5} | {percentile(torch_ms, 50):>8.1f}/{percentile(torch_ms, 99):<8.1f} | "

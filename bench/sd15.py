@@ -57,24 +57,24 @@ def build_unet(device):
     return _on(device, lambda: UNet2DConditionModel(**UNET), 0)
 
 
-def components(device):
-    """A render.model.Components with SD-1.5-sized UNet, VAE and CLIP text encoder."""
+def model(device):
+    """The SD 1.x family (render/families/sd.py) with SD-1.5-sized UNet, VAE and CLIP text encoder."""
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel
 
     from render import tiny
-    from render.model import Components
+    from render.families import ModelParts, StableDiffusion
 
     tokenizer = tiny.build_tokenizer()
     n = len(tokenizer)
     text = CLIPTextConfig(vocab_size=n, bos_token_id=n - 2, eos_token_id=n - 1, pad_token_id=n - 1, **TEXT)
-    return Components(
-        unet=build_unet(device),
-        vae=_on(device, lambda: AutoencoderKL(**VAE), 1),
-        text_encoder=_on(device, lambda: CLIPTextModel(text), 2),
-        tokenizer=tokenizer,
-        scheduler_config=dict(tiny.SCHEDULER_CONFIG),
-        model_id="sd15-random",
-        fingerprint=FINGERPRINT,
-        native_size=IMAGE_SIZE,
-    )
+    modules = {
+        "unet": build_unet(device),
+        "vae": _on(device, lambda: AutoencoderKL(**VAE), 1),
+        "text_encoder": _on(device, lambda: CLIPTextModel(text), 2),
+        "tokenizer": tokenizer,
+    }
+    parts = ModelParts("StableDiffusionPipeline", modules, dict(tiny.SCHEDULER_CONFIG), {}, "sd15-random", FINGERPRINT)
+    family = StableDiffusion(parts)
+    assert family.native_size == IMAGE_SIZE
+    return family

@@ -71,6 +71,7 @@ class ControlHandlers:
                 "gc": self._gc(since_gc_seq),
                 "memory": {"rss_bytes": self._process.memory_info().rss, "gpu_allocated_bytes": gpu},
                 "throttle": throttle.describe(self.engine.throttle.now()) if throttle else None,
+                "model": self.engine.describe_model(),
                 "backend": self.backend_info,
                 "text_cache": {
                     "entries": len(self.engine.encoder),

@@ -56,45 +56,47 @@ class Worker:
         from .gc_telemetry import GcMonitor, freeze_after_load
         from .http_api import Api, RequestDefaults
         from .metrics import WorkerMetrics
-        from .model import load_components
+        from .model import load_model
 
         self.cfg = cfg
         started = time.monotonic()
         loading(f"loading model {cfg.model}")
         torch_threads()
-        components = load_components(cfg.model)
+        family = load_model(cfg.model)
         log.info(
-            "model %s loaded in %.1f s (%s)", components.model_id, time.monotonic() - started, components.fingerprint
+            "model %s loaded in %.1f s (%s family, %s)",
+            family.model_id,
+            time.monotonic() - started,
+            family.name,
+            family.fingerprint,
         )
+        settings = EngineSettings.from_config(cfg, **({"policy": policy} if policy is not None else {}))
+        settings.tier_defaults(family)  # a sampler the family cannot use fails here, before a backend is built
         started = time.monotonic()
         # tensorrt: a first start exports ONNX and builds engines (minutes; progress in the log)
-        loading(f"preparing backend {cfg.backend} (device {cfg.device}) for model {components.model_id}")
+        loading(f"preparing backend {cfg.backend} (device {cfg.device}) for model {family.model_id}")
         self.backend = make_backend(
-            cfg.backend, components, cfg.device, tensorrt_options=TensorRTOptions.from_config(cfg)
+            cfg.backend,
+            family,
+            cfg.device,
+            tensorrt_options=TensorRTOptions.from_config(cfg, family.native_size),
         )
         info = self.backend.describe()
         log.info("backend %s on %s ready in %.1f s", info["name"], info["device"], time.monotonic() - started)
-        encoder = PromptEncoder(components, self.backend.device, self.backend.dtype, cfg.text_cache_size)
+        encoder = PromptEncoder(family, self.backend.device, self.backend.dtype, cfg.text_cache_size)
         self.metrics = WorkerMetrics(CollectorRegistry())
-        overrides = {"policy": policy} if policy is not None else {}
-        self.engine = Engine(
-            self.backend, encoder, components, EngineSettings.from_config(cfg, **overrides), metrics=self.metrics
-        )
+        self.engine = Engine(self.backend, encoder, family, settings, metrics=self.metrics)
         self.metrics.watch(self.engine)
         defaults = RequestDefaults(
-            cfg.size,
+            cfg.size or family.native_size,
             self.engine.size_multiple,
-            self.engine.settings.steps,
-            self.engine.settings.guidance,
+            self.engine.defaults.steps,
+            self.engine.defaults.guidance,
             size_check=self.backend.unsupported_size,
         )
-        self.api = Api(self.engine, self.metrics.registry, defaults, components.model_id)
-        self.backend_info = {
-            **info,
-            "model": components.model_id,
-            "fingerprint": components.fingerprint,
-        }
-        del components
+        self.api = Api(self.engine, self.metrics.registry, defaults)
+        self.backend_info = info
+        del family
         freeze_after_load()
         self.gc = GcMonitor(observe=self.metrics.observe_gc)
         self.control = None

@@ -1,10 +1,12 @@
-"""Stage 1, encode prompt: each new job's text embeddings, through a bounded LRU cache keyed by
+"""Stage 1, encode prompt: each new job's conditioning, through a bounded LRU cache keyed by
 model and prompt (diffusers' `encode_prompt`).
 
-Image nodes see the same prompts again and again (retries, n>1, templated prompts); the
-CLIP encoder then runs once per distinct prompt. The key includes the model fingerprint so
-a model swap can never serve stale embeddings. With classifier-free guidance a job carries
-two rows, (negative prompt, prompt); without, one.
+Image nodes see the same prompts again and again (retries, n>1, templated prompts); the text
+encoders then run once per distinct prompt. What is cached is every encoder's output for the
+prompt, pooled ones too (render/families: a `Conditioning`), so an entry serves any family's
+denoiser whole. The key includes the model fingerprint so a model swap can never serve stale
+embeddings. With classifier-free guidance (where the family uses it) a job also carries its
+negative prompt's conditioning.
 """
 
 from __future__ import annotations
@@ -14,17 +16,19 @@ import threading
 
 import torch
 
+from .families.base import Conditioning, Family
 from .jobs import Job
 
 
 class PromptEncoder:
-    def __init__(self, components, device: torch.device, dtype: torch.dtype, capacity: int = 256):
-        self.tokenizer = components.tokenizer
-        self.text_encoder = components.text_encoder.to(device)
-        self.fingerprint = components.fingerprint
+    def __init__(self, family: Family, device: torch.device, dtype: torch.dtype, capacity: int = 256):
+        self.family = family
+        for encoder in family.text_encoders:
+            encoder.to(device)
+        self.fingerprint = family.fingerprint
         self.device, self.dtype = torch.device(device), dtype
         self.capacity = capacity
-        self._cache: collections.OrderedDict = collections.OrderedDict()
+        self._cache: collections.OrderedDict[tuple[str, str], Conditioning] = collections.OrderedDict()
         self._lock = threading.Lock()
         self.hits = 0
         self.misses = 0
@@ -37,60 +41,49 @@ class PromptEncoder:
     def __len__(self) -> int:
         return len(self._cache)
 
-    def _lookup(self, prompt: str):
+    def _lookup(self, prompt: str) -> Conditioning | None:
         key = (self.fingerprint, prompt)
         with self._lock:
-            emb = self._cache.get(key)
-            if emb is None:
+            cond = self._cache.get(key)
+            if cond is None:
                 self.misses += 1
             else:
                 self.hits += 1
                 self._cache.move_to_end(key)
-            return emb
+            return cond
 
-    def _store(self, prompt: str, emb: torch.Tensor) -> None:
+    def _store(self, prompt: str, cond: Conditioning) -> None:
         with self._lock:
-            self._cache[(self.fingerprint, prompt)] = emb
+            self._cache[(self.fingerprint, prompt)] = cond
             self._cache.move_to_end((self.fingerprint, prompt))
             while len(self._cache) > self.capacity:
                 self._cache.popitem(last=False)
 
-    @torch.inference_mode()
-    def _encode(self, prompts: list[str]) -> torch.Tensor:
-        ids = self.tokenizer(
-            prompts,
-            padding="max_length",
-            max_length=self.tokenizer.model_max_length,
-            truncation=True,
-            return_tensors="pt",
-        ).input_ids
-        out = self.text_encoder(ids.to(self.device), return_dict=False)[0]
-        return out.to(self.dtype)
-
-    def encode(self, prompts: list[str]) -> list[torch.Tensor]:
-        """One embedding [L, D] per prompt; misses are encoded together in one call."""
-        found: dict = {}
+    def encode(self, prompts: list[str]) -> list[Conditioning]:
+        """One Conditioning per prompt; misses are encoded together in one call per encoder."""
+        found: dict[str, Conditioning | None] = {}
         for p in prompts:
             if p in found:  # a repeat within this call is served by the same lookup or encode
                 with self._lock:
                     self.hits += 1
             else:
                 found[p] = self._lookup(p)
-        missing = [p for p, emb in found.items() if emb is None]
+        missing = [p for p, cond in found.items() if cond is None]
         if missing:
-            for p, emb in zip(missing, self._encode(missing)):
-                found[p] = emb
-                self._store(p, emb)
-        return [found[p] for p in prompts]
+            for p, cond in zip(missing, self.family.encode_prompts(missing), strict=True):
+                cond = {name: t.to(self.device, self.dtype) for name, t in cond.items()}
+                found[p] = cond
+                self._store(p, cond)
+        return [found[p] for p in prompts]  # type: ignore[misc]
 
     def encode_jobs(self, jobs: list[Job]) -> None:
-        """Set every job's `embeddings` [rows, L, D]: one encoder call for all prompts not cached.
+        """Set every job's `cond` (and `uncond` with CFG): one encoder call for all prompts not cached.
         Raises what the encoder raised; the caller fails these jobs."""
+        cfg = [self.family.cfg_for(job.request.guidance) for job in jobs]
         prompts = []
-        for job in jobs:
-            if job.request.cfg:
-                prompts.append(job.request.negative_prompt)
-            prompts.append(job.request.prompt)
-        embs = iter(self.encode(prompts))
-        for job in jobs:
-            job.embeddings = torch.stack([next(embs) for _ in range(2 if job.request.cfg else 1)])
+        for job, with_cfg in zip(jobs, cfg, strict=True):
+            prompts += [job.request.negative_prompt, job.request.prompt] if with_cfg else [job.request.prompt]
+        conds = iter(self.encode(prompts))
+        for job, with_cfg in zip(jobs, cfg, strict=True):
+            job.uncond = next(conds) if with_cfg else None
+            job.cond = next(conds)

@@ -3,10 +3,14 @@
 At every denoising-step boundary it asks the pure batching policy (render/batching.py) what
 to do next and runs one of diffusers' stages for a batch:
 
-  1. encode prompt   (render/encode_prompt.py)   new jobs' text embeddings, through the cache
+  1. encode prompt   (render/encode_prompt.py)   new jobs' conditioning (every encoder), through the cache
   2. prepare latents (render/prepare_latents.py) a sample's scheduler and noise, at its first step
-  3. denoise         (render/denoise.py)         one UNet call for the composed batch
+  3. denoise         (render/denoise.py)         one denoiser call for the composed batch
   4. decode          (render/decode.py)          one VAE call for finished latents
+
+The model family (render/families: SD 1.x/2.x, SDXL, SD3, Flux) says how each stage conditions
+and lays out its tensors, and supplies the per-tier steps, sampler and guidance the settings
+do not name.
 
 The job table (render/job_table.py) holds the jobs, admission and draining; other threads
 (HTTP, control socket) call submit/cancel/get through this facade. An exception in a batch
@@ -34,6 +38,7 @@ from .backends.base import DiffusionBackend
 from .decode import decode_images
 from .denoise import denoise_step, rows
 from .encode_prompt import PromptEncoder
+from .families.base import Family, FamilyError, TierDefaults
 from .job_table import RECENT, JobTable
 from .jobs import Job, JobRequest, JobState, Sample
 from .prepare_latents import LatentPreparer
@@ -47,6 +52,7 @@ _DEFAULTS = WorkerConfig()  # the worker's defaults are the config's: one defini
 @dataclass
 class EngineSettings:
     max_batch: int = _DEFAULTS.max_batch
+    # per-tier overrides; the tiers they do not name take the model family's defaults
     steps: dict = field(default_factory=lambda: dict(_DEFAULTS.steps))
     sampler: dict = field(default_factory=lambda: dict(_DEFAULTS.sampler))
     guidance: dict = field(default_factory=lambda: dict(_DEFAULTS.guidance))
@@ -69,13 +75,26 @@ class EngineSettings:
             **overrides,
         )
 
+    def tier_defaults(self, family: Family) -> TierDefaults:
+        """The family's per-tier steps, sampler and guidance, with these settings' overrides on top.
+
+        A sampler the family cannot use is refused here, naming the config key."""
+        d = family.defaults
+        merged = TierDefaults({**d.steps, **self.steps}, {**d.guidance, **self.guidance}, {**d.sampler, **self.sampler})
+        for tier, sampler in merged.sampler.items():
+            try:
+                family.check_sampler(sampler)
+            except FamilyError as exc:
+                raise FamilyError(f"worker.sampler.{tier}: {exc}") from None
+        return merged
+
 
 class Engine:
     def __init__(
         self,
         backend: DiffusionBackend,
         encoder: PromptEncoder,
-        components: Any,
+        family: Family,
         settings: EngineSettings | None = None,
         *,
         throttle: ThrottleState | None = None,
@@ -86,11 +105,12 @@ class Engine:
     ):
         self.backend = backend
         self.encoder = encoder
-        vae_scale_factor = components.vae_scale_factor
-        self.prepare = LatentPreparer(components.scheduler_config, vae_scale_factor, backend.device)
-        # sizes must survive the VAE's and the UNet's downsampling without remainders
-        self.size_multiple = vae_scale_factor * 2 ** (len(components.unet.config.block_out_channels) - 1)
+        self.family = family
+        self.prepare = LatentPreparer(family, backend.device)
+        # sizes must survive the VAE's and the denoiser's downsampling (or patching) without remainders
+        self.size_multiple = family.size_multiple
         self.settings = settings or EngineSettings()
+        self.defaults = self.settings.tier_defaults(family)  # per tier: steps, sampler, guidance
         self.throttle = throttle or ThrottleState(clock=clock, wall=wall)
         self.clock, self.wall = clock, wall
         self.on_event = on_event
@@ -103,7 +123,7 @@ class Engine:
         self._thread: threading.Thread | None = None
         self.step_times: collections.deque[float] = collections.deque(maxlen=RECENT)
         self.decode_s_per_image: float | None = None
-        self.step_cost: dict[tuple, float] = {}  # (shape, UNet rows) -> smoothed step seconds
+        self.step_cost: dict[tuple, float] = {}  # (shape, denoiser rows) -> smoothed step seconds
         self.steps_total = 0
         self.heartbeat = clock()
 
@@ -202,12 +222,12 @@ class Engine:
         t0 = self.clock()
         try:
             for s in samples:
-                if s.scheduler is None:
+                if s.state is None:
                     job = s.job
-                    self.prepare(s, self.settings.sampler[job.tier], self.steps_for(job.tier, job.request.steps))
-            n_rows = denoise_step(self.backend, samples)
+                    self.prepare(s, self.defaults.sampler[job.tier], self.steps_for(job.tier, job.request.steps))
+            n_rows = denoise_step(self.family, self.backend, samples)
         except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the worker
-            log.exception("UNet step failed")
+            log.exception("denoising step failed")
             self._after_oom()
             self.jobs.fail({s.job for s in samples}, self._describe_error("a denoising step", len(samples), exc))
             return
@@ -227,7 +247,7 @@ class Engine:
     def _decode(self, samples: list[Sample]) -> None:
         t0 = self.clock()
         try:
-            arrays = decode_images(self.backend, samples)
+            arrays = decode_images(self.family, self.backend, samples)
         except Exception as exc:  # noqa: BLE001
             log.exception("VAE decode failed")
             self._after_oom()
@@ -238,7 +258,8 @@ class Engine:
         with self.jobs.lock:
             for s, arr in zip(samples, arrays):
                 s.image = arr
-                s.latents = None
+                if s.state is not None:
+                    s.state.release()
             for job in dict.fromkeys(s.job for s in samples):  # in batch order: oldest first
                 if all(x.image is not None for x in job.samples):
                     self.jobs.finish(job, JobState.DONE)
@@ -252,10 +273,10 @@ class Engine:
         with self.jobs.lock:
             limits = self.limits()
             live = [j for j in self.jobs.live() if j.tier not in limits.paused]
-        to_encode = [j for j in live if j.embeddings is None]
+        to_encode = [j for j in live if j.cond is None]
         if to_encode:
             self._encode(to_encode)
-        live = [j for j in live if j.embeddings is not None and not j.state.terminal]
+        live = [j for j in live if j.cond is not None and not j.state.terminal]
         runnable, finished = [], []
         for job in live:
             for s in job.samples:
@@ -290,7 +311,7 @@ class Engine:
     def _run_step(self, runnable: list[Sample], limits: batching.Limits) -> bool:
         by_key: dict[Hashable, Sample] = {s.key: s for s in runnable}
         cands = [
-            batching.Candidate(s.key, s.job.tier, _shape(s), s.job.seq, s.scheduler is not None, rows(s))
+            batching.Candidate(s.key, s.job.tier, _shape(s), s.job.seq, s.started, rows(self.family, s))
             for s in runnable
         ]
         comp = batching.compose_batch(cands, limits, self._credits, self.settings.policy)
@@ -347,6 +368,15 @@ class Engine:
             self._thread.join(timeout)
 
     # ---- status -----------------------------------------------------------------------
+
+    def describe_model(self) -> dict:
+        """What the worker serves: the model, its family, and the per-tier defaults in force."""
+        d = self.defaults
+        return {
+            **self.family.describe(),
+            "size_multiple": self.size_multiple,
+            "defaults": {"steps": dict(d.steps), "guidance": dict(d.guidance), "sampler": dict(d.sampler)},
+        }
 
     def snapshot(self) -> dict:
         tiers = self.jobs.tiers(self.clock())

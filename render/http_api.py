@@ -7,6 +7,8 @@ a client that disconnects cancels its job. `"async": true` answers 202 with a jo
 poll at GET /v1/jobs/{id} and cancel with DELETE. Bad input answers 4xx with a message,
 full queues and shed tiers 429 with Retry-After. Every response of a job leaves on a
 socket marked with its tier's DSCP, so the node's QoS classifies the images end to end.
+GET /v1/models lists what the worker serves (OpenAI's list shape: one model, with its
+family and per-tier defaults under `turbonode`).
 """
 
 from __future__ import annotations
@@ -263,11 +265,12 @@ async def json_errors(request, handler):
 
 
 class Api:
-    def __init__(self, engine, registry, defaults: RequestDefaults, model_id: str):
+    def __init__(self, engine, registry, defaults: RequestDefaults):
         self.engine = engine
         self.registry = registry
         self.defaults = defaults
-        self.model_id = model_id
+        self.model = engine.describe_model()
+        self.created = int(engine.wall())  # when this worker loaded its model: the model object's `created`
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[json_errors])
@@ -276,6 +279,8 @@ class Api:
                 web.post("/v1/images/generations", self.generate),
                 web.get("/v1/jobs/{id}", self.get_job),
                 web.delete("/v1/jobs/{id}", self.delete_job),
+                web.get("/v1/models", self.list_models),
+                web.get("/v1/models/{id:.+}", self.get_model),  # a directory's id has slashes
                 web.get("/healthz", self.healthz),
                 web.get("/metrics", self.metrics),
             ]
@@ -354,10 +359,31 @@ class Api:
         ok = self.engine.alive and self.engine.accepting
         body = {
             "status": "ok" if ok else ("draining" if self.engine.alive else "engine stopped"),
-            "model": self.model_id,
+            "model": self.model["model"],
             "backend": self.engine.backend.describe(),
         }
         return web.json_response(body, status=200 if ok else 503)
+
+    def _model_object(self) -> dict:
+        """OpenAI's model object, with what turbonode adds (family, pipeline, sizes, per-tier defaults)."""
+        return {
+            "id": self.model["model"],
+            "object": "model",
+            "created": self.created,
+            "owned_by": "turbonode",
+            "turbonode": {**self.model, "backend": self.engine.backend.describe()},
+        }
+
+    async def list_models(self, request: web.Request) -> web.Response:
+        """GET /v1/models: what this worker serves, in OpenAI's list shape (one model per worker)."""
+        return web.json_response({"object": "list", "data": [self._model_object()]})
+
+    async def get_model(self, request: web.Request) -> web.Response:
+        if request.match_info["id"] != self.model["model"]:
+            raise web.HTTPNotFound(
+                reason=f"no model {request.match_info['id']!r}; this worker serves {self.model['model']!r}"
+            )
+        return web.json_response(self._model_object())
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})

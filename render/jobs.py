@@ -1,8 +1,10 @@
 """Jobs and their images ('samples'): the state the engine moves from queued to done.
 
-A job is one request (prompt, n images, tier, steps, seed, guidance). Each of its images
-is a sample with its own diffusers scheduler, latents and noise generator (seed + index),
-so samples batch with any other job's samples and the same seed gives the same image.
+A job is one request (prompt, n images, tier, steps, seed, guidance) and, once encoded, its
+conditioning (every text encoder's output). Each of its images is a sample whose denoising
+state (render/families/base.py `Denoising`: its own diffusers scheduler, latents and noise
+generator from seed + index) begins at its first step, so samples batch with any other
+job's samples and the same seed gives the same image.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ import concurrent.futures
 import enum
 import uuid
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from turbonode.errors import TurbonodeError
+
+if TYPE_CHECKING:
+    from .families.base import Conditioning, Denoising
 
 
 class JobState(str, enum.Enum):
@@ -71,22 +76,25 @@ class JobRequest:
     n: int = 1
     negative_prompt: str = ""
 
-    @property
-    def cfg(self) -> bool:
-        """Classifier-free guidance runs an unconditional row too; guidance <= 1 skips it."""
-        return self.guidance > 1.0
-
 
 @dataclass(eq=False)
 class Sample:
     job: Job
     index: int
-    scheduler: Any = None  # built at the sample's first step (step caps apply then)
-    latents: Any = None
-    generator: Any = None
-    step: int = 0
-    total_steps: int = 0
+    state: Denoising | None = None  # from the sample's first step on (step caps apply then)
     image: Any = None  # uint8 HxWx3 numpy array once decoded
+
+    @property
+    def started(self) -> bool:
+        return self.state is not None
+
+    @property
+    def step(self) -> int:
+        return self.state.step if self.state is not None else 0
+
+    @property
+    def total_steps(self) -> int:
+        return self.state.total_steps if self.state is not None else self.job.request.steps
 
     @property
     def key(self) -> tuple[str, int]:
@@ -98,7 +106,7 @@ class Sample:
 
     @property
     def denoised(self) -> bool:
-        return self.scheduler is not None and self.step >= self.total_steps
+        return self.state is not None and self.state.done
 
 
 @dataclass(eq=False)
@@ -112,14 +120,15 @@ class Job:
     error: str | None = None
     started: float | None = None
     finished: float | None = None
-    embeddings: Any = None  # [rows, L, D]: (uncond, cond) with CFG, else (cond,)
+    cond: Conditioning | None = None  # the prompt's encoding, once the job is admitted
+    uncond: Conditioning | None = None  # the negative prompt's, with classifier-free guidance
     cancel_requested: bool = False
     images_dropped: bool = False
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     samples: list[Sample] = field(default_factory=list)
 
-    def __post_init__(self):
-        self.samples = [Sample(self, i, total_steps=self.request.steps) for i in range(self.request.n)]
+    def __post_init__(self) -> None:
+        self.samples = [Sample(self, i) for i in range(self.request.n)]
 
     def drop_images(self) -> None:
         """Free the pixels once delivered (or too old to keep); the job's record stays."""

@@ -1,62 +1,49 @@
-"""Model loading: the embedded `tiny` set or a local diffusers directory, never the network.
+"""Model loading: an embedded tiny variant or a local diffusers directory, never the network.
 
-The scheduler is not part of the model here: only its config is loaded, and the engine
-builds one scheduler per job from it (`from_config`), so jobs never share sampler state.
+A directory is dispatched on its model_index.json: the pipeline class picks the model family
+(render/families: SD 1.x/2.x, SDXL, SD3, Flux); any other class is refused by name before
+anything loads. Each component the family needs is loaded with the class model_index.json
+names, from its subfolder, with local files only; a missing, partial or corrupt component is
+a ModelError that names it. Optional components the family can do without (SD3's T5) may be
+null. The scheduler is not part of the model: only its config is loaded, and each image gets
+its own scheduler from it (`from_config`), so jobs never share sampler state.
 """
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
-from dataclasses import dataclass, field
+import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from turbonode.config import TINY_MODELS
 from turbonode.errors import TurbonodeError
+
+if TYPE_CHECKING:
+    from .families import Family
+
+
+log = logging.getLogger(__name__)
+
+# Components the worker never runs (safety checker, IP-Adapter image encoder): not loaded.
+UNUSED_COMPONENTS = frozenset({"safety_checker", "feature_extractor", "image_encoder"})
+LIBRARIES = ("diffusers", "transformers")  # component classes come from these two, never remote code
 
 
 class ModelError(TurbonodeError):
     """The model could not be loaded (missing directory, unsupported pipeline, bad files)."""
 
 
-@dataclass
-class Components:
-    unet: Any
-    vae: Any
-    text_encoder: Any
-    tokenizer: Any
-    scheduler_config: dict
-    model_id: str  # what the user asked for: 'tiny' or the directory
-    fingerprint: str  # changes when the weights change; keys the text-embedding cache
-    native_size: int  # pixels the model was trained at
-    extra: dict = field(default_factory=dict)
-
-    @property
-    def vae_scale_factor(self) -> int:
-        return 2 ** (len(self.vae.config.block_out_channels) - 1)
-
-
-def _tiny() -> Components:
-    from . import tiny
-
-    tokenizer = tiny.build_tokenizer()
-    unet, vae = tiny.build_unet(), tiny.build_vae()
-    text_encoder = tiny.build_text_encoder(len(tokenizer))
+def weights_fingerprint(modules: list[Any]) -> str:
+    """Content hash of the modules' weights: keys the embedding cache (and names an embedded model's engines)."""
     digest = hashlib.sha256()
-    for module in (unet, vae, text_encoder):
+    for module in modules:
         for name, tensor in module.state_dict().items():
             digest.update(name.encode())
-            digest.update(tensor.detach().contiguous().numpy().tobytes())
-    return Components(
-        unet,
-        vae,
-        text_encoder,
-        tokenizer,
-        dict(tiny.SCHEDULER_CONFIG),
-        "tiny",
-        "tiny-" + digest.hexdigest()[:16],
-        tiny.IMAGE_SIZE,
-    )
+            digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
 
 
 def _read_json(path: Path) -> dict:
@@ -88,35 +75,89 @@ def _dir_fingerprint(root: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _directory(root: Path) -> Components:
-    from diffusers import AutoencoderKL, UNet2DConditionModel
-    from transformers import CLIPTextModel, CLIPTokenizer
+def _component_class(root: Path, index: dict, name: str) -> type | None:
+    """The class model_index.json names for a component; None where it is null (absent)."""
+    entry = index.get(name)
+    if entry is None or not isinstance(entry, list) or len(entry) != 2:
+        raise ModelError(f"{root}/model_index.json: component {name!r} is missing or malformed ({entry!r})")
+    library, class_name = entry
+    if library is None and class_name is None:
+        return None
+    if library not in LIBRARIES:
+        raise ModelError(
+            f"{root}: component {name!r} comes from {library!r}; only {', '.join(LIBRARIES)} "
+            "classes are loaded (no remote code)"
+        )
+    cls = getattr(importlib.import_module(library), str(class_name), None)
+    if cls is None:
+        raise ModelError(f"{root}: component {name!r} names {library}.{class_name}, which this {library} does not have")
+    return cls
+
+
+def _load_component(root: Path, name: str, cls: type) -> Any:
+    if not (root / name).is_dir():
+        raise ModelError(f"{root}: the {name}/ folder is missing (a partial download?)")
+    try:
+        module = cls.from_pretrained(root, subfolder=name, local_files_only=True)  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001 - any failure here means unusable files; say which
+        raise ModelError(
+            f"{root}: cannot load {name} ({cls.__name__}): {type(exc).__name__}: "
+            f"{str(exc).splitlines()[0] if str(exc) else ''}"
+        ) from None
+    if hasattr(module, "eval"):
+        module.eval().requires_grad_(False)
+    return module
+
+
+def _directory(root: Path) -> Family:
+    from .families import FAMILIES, ModelParts
 
     index = _read_json(root / "model_index.json")
-    if "text_encoder_2" in index:
+    pipeline_class = index.get("_class_name")
+    if pipeline_class not in FAMILIES:
         raise ModelError(
-            f"{root}: two-text-encoder pipelines ({index.get('_class_name')}, e.g. SDXL) "
-            "need pooled embeddings and time ids, which this worker does not support yet"
+            f"{root}: {pipeline_class!r} pipelines are not served by this worker (it serves {', '.join(FAMILIES)})"
+        )
+    family = FAMILIES[pipeline_class]
+    classes: dict[str, type | None] = {}
+    for name in family.components:
+        cls = _component_class(root, index, name)
+        if cls is None:
+            raise ModelError(f"{root}: {pipeline_class} needs a {name}, and model_index.json has none")
+        classes[name] = cls
+    for name in family.optional_components - UNUSED_COMPONENTS:
+        if name in index:
+            classes[name] = _component_class(root, index, name)
+    denoiser = classes[family.denoiser_name].__name__  # type: ignore[union-attr]
+    if denoiser != family.denoiser_class:
+        raise ModelError(
+            f"{root}: {pipeline_class} with a {denoiser} {family.denoiser_name} is not supported "
+            f"(expected {family.denoiser_class})"
         )
     scheduler_config = _read_json(root / "scheduler" / "scheduler_config.json")
-    try:
-        unet = UNet2DConditionModel.from_pretrained(root, subfolder="unet", local_files_only=True)
-        vae = AutoencoderKL.from_pretrained(root, subfolder="vae", local_files_only=True)
-        text_encoder = CLIPTextModel.from_pretrained(root, subfolder="text_encoder", local_files_only=True)
-        tokenizer = CLIPTokenizer.from_pretrained(root, subfolder="tokenizer", local_files_only=True)
-    except (OSError, ValueError) as exc:
-        raise ModelError(f"{root}: cannot load: {exc}") from None
-    for module in (unet, vae, text_encoder):
-        module.eval().requires_grad_(False)
-    native = unet.config.sample_size * 2 ** (len(vae.config.block_out_channels) - 1)
-    return Components(unet, vae, text_encoder, tokenizer, scheduler_config, str(root), _dir_fingerprint(root), native)
+    modules = {name: None if cls is None else _load_component(root, name, cls) for name, cls in classes.items()}
+    pipeline_config = {k: v for k, v in index.items() if not k.startswith("_") and not isinstance(v, list)}
+    parts = ModelParts(
+        pipeline_class=pipeline_class,
+        modules=modules,
+        scheduler_config=scheduler_config,
+        pipeline_config=pipeline_config,
+        model_id=str(root),
+        fingerprint=_dir_fingerprint(root),
+    )
+    loaded = family(parts)
+    log.info("loaded %s (%s family) from %s", pipeline_class, loaded.name, root)
+    return loaded
 
 
-def load_components(model: str) -> Components:
-    """'tiny' -> the embedded model; anything else is a local diffusers directory."""
-    if model == "tiny":
-        return _tiny()
+def load_model(model: str) -> Family:
+    """An embedded tiny variant (turbonode.config.TINY_MODELS) or a local diffusers directory."""
+    from .families import family_for, tiny
+
+    if model in TINY_MODELS:
+        parts = tiny.BUILDERS[model]()
+        return family_for(parts.pipeline_class)(parts)
     root = Path(model).expanduser()
     if not root.is_dir():
-        raise ModelError(f"model {model!r} is neither 'tiny' nor a directory")
+        raise ModelError(f"model {model!r} is neither one of {', '.join(TINY_MODELS)} nor a directory")
     return _directory(root.resolve())

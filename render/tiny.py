@@ -1,4 +1,5 @@
-"""The embedded `tiny` model: a real Stable Diffusion component set built from configs.
+"""The embedded `tiny` model: a real Stable Diffusion component set built from configs (and the
+builders the tiny SDXL, SD3 and Flux variants in render/families/tiny.py share).
 
 Nothing is downloaded: the UNet, VAE and CLIP text encoder are diffusers/transformers
 models with seeded random weights (the same on every machine and every run), and the CLIP
@@ -11,7 +12,9 @@ from __future__ import annotations
 
 import json
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -63,53 +66,53 @@ def build_tokenizer():
         return CLIPTokenizer.from_pretrained(tmp, model_max_length=MAX_LENGTH, local_files_only=True)
 
 
-def _seeded(build, offset: int):
+def seeded(build: Callable[[], Any], offset: int) -> Any:
     """Build one module under its own seed without disturbing the caller's RNG state."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(SEED + offset)
         return build().eval().requires_grad_(False)
 
 
-def build_unet():
+def build_unet(offset: int = 1, **overrides: Any) -> Any:
+    """SD's two-block UNet; `overrides` add what a family's UNet has on top (SDXL's added embeddings)."""
     from diffusers import UNet2DConditionModel
 
-    return _seeded(
-        lambda: UNet2DConditionModel(
-            sample_size=IMAGE_SIZE // 8,
-            in_channels=4,
-            out_channels=4,
-            block_out_channels=(32, 64),
-            layers_per_block=2,
-            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"),
-            up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
-            cross_attention_dim=EMBED_DIM,
-        ),
-        1,
-    )
+    config = {
+        "sample_size": IMAGE_SIZE // 8,
+        "in_channels": 4,
+        "out_channels": 4,
+        "block_out_channels": (32, 64),
+        "layers_per_block": 2,
+        "down_block_types": ("DownBlock2D", "CrossAttnDownBlock2D"),
+        "up_block_types": ("CrossAttnUpBlock2D", "UpBlock2D"),
+        "cross_attention_dim": EMBED_DIM,
+    }
+    return seeded(lambda: UNet2DConditionModel(**{**config, **overrides}), offset)
 
 
-def build_vae():
+def build_vae(offset: int = 2, **overrides: Any) -> Any:
+    """Four blocks give the real 8x latent scale; narrow channels keep a 256 px decode ~50 ms on CPU.
+
+    `overrides` give SD3/Flux their 16 latent channels, scaling and shift factors."""
     from diffusers import AutoencoderKL
 
-    # Four blocks give SD's 8x latent scale; narrow channels keep a 256 px decode ~50 ms on CPU.
-    return _seeded(
-        lambda: AutoencoderKL(
-            in_channels=3,
-            out_channels=3,
-            block_out_channels=(16, 16, 32, 32),
-            down_block_types=("DownEncoderBlock2D",) * 4,
-            up_block_types=("UpDecoderBlock2D",) * 4,
-            latent_channels=4,
-            layers_per_block=1,
-            norm_num_groups=16,
-            sample_size=IMAGE_SIZE,
-        ),
-        2,
-    )
+    config = {
+        "in_channels": 3,
+        "out_channels": 3,
+        "block_out_channels": (16, 16, 32, 32),
+        "down_block_types": ("DownEncoderBlock2D",) * 4,
+        "up_block_types": ("UpDecoderBlock2D",) * 4,
+        "latent_channels": 4,
+        "layers_per_block": 1,
+        "norm_num_groups": 16,
+        "sample_size": IMAGE_SIZE,
+    }
+    return seeded(lambda: AutoencoderKL(**{**config, **overrides}), offset)
 
 
-def build_text_encoder(vocab_size: int):
-    from transformers import CLIPTextConfig, CLIPTextModel
+def build_text_encoder(vocab_size: int, offset: int = 3, *, projection: bool = False) -> Any:
+    """A 5-layer CLIP text encoder; `projection` adds the text projection SDXL/SD3 pool with."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     config = CLIPTextConfig(
         vocab_size=vocab_size,
@@ -119,8 +122,10 @@ def build_text_encoder(vocab_size: int):
         num_hidden_layers=5,
         max_position_embeddings=MAX_LENGTH,
         layer_norm_eps=1e-5,
+        projection_dim=EMBED_DIM,
         bos_token_id=vocab_size - 2,
         eos_token_id=vocab_size - 1,
         pad_token_id=vocab_size - 1,
     )
-    return _seeded(lambda: CLIPTextModel(config), 3)
+    cls = CLIPTextModelWithProjection if projection else CLIPTextModel
+    return seeded(lambda: cls(config), offset)

@@ -60,7 +60,7 @@ def test_config_defaults_env_and_flags(tmp_path):
     assert cfg.agent.sample_period == 1.0 and isinstance(cfg.agent.sample_period, float)
     assert cfg.qos.rate == "200mbit"  # environment beats the file
     assert cfg.agent.dry_run is True  # flags beat everything
-    assert cfg.worker.steps["turbo"] == 4  # untouched default
+    assert cfg.worker.queue_limit["turbo"] == 32 and cfg.worker.steps == {}  # untouched defaults (steps: the family's)
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,8 @@
 """TensorRT backend: profile logic and backend selection everywhere; engines on a GPU only.
 
-The GPU tests build real engines from the tiny model and compare them with the torch
-backend; without an NVIDIA GPU and the tensorrt package they skip and say which is missing.
+The GPU tests build real engines from the tiny variant of every family and compare them with
+the torch backend; without an NVIDIA GPU and the tensorrt package they skip and say which is
+missing.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ import torch
 from render.backends.select import make_backend
 from render.backends.tensorrt import (
     TensorRTOptions,
-    latent_profile,
+    decoder_profile,
+    denoiser_profile,
+    size_profile,
     tensorrt_unavailable_reason,
-    unet_profile,
-    vae_profile,
 )
 from render.backends.torch_backend import TorchBackend
-from render.model import load_components
+from tests.family_support import family, guidance_for, start
 from turbonode.config import BACKEND_NAMES, WorkerConfig
 from turbonode.errors import BackendUnavailable, TurbonodeError
 
@@ -36,7 +37,7 @@ def needs_tensorrt(test):
 
 @pytest.fixture(scope="module")
 def components():
-    return load_components("tiny")
+    return family("tiny")
 
 
 # ---- profiles (pure) --------------------------------------------------------------------
@@ -44,17 +45,29 @@ def components():
 
 def test_profile_spans_all_configured_sizes_with_first_as_opt(tmp_path):
     opts = TensorRTOptions(cache_dir=tmp_path, max_batch=8, sizes=((512, 512), (768, 512), (512, 384)))
-    assert latent_profile(opts, 8) == ((64, 48), (64, 64), (96, 64))
-    prof = unet_profile(opts, in_channels=4, text_len=77, embed_dim=768, scale=8)
+    assert size_profile(opts, 16) == ((512, 384), (512, 512), (768, 512))
+    prof = denoiser_profile(opts, family("tiny"))
     assert prof["sample"] == ((1, 4, 64, 48), (8, 4, 64, 64), (8, 4, 96, 64))
     assert prof["timestep"] == ((1,), (8,), (8,))
-    assert prof["encoder_hidden_states"] == ((1, 77, 768), (8, 77, 768), (8, 77, 768))
-    assert vae_profile(opts, latent_channels=4, scale=8) == {"latents": prof["sample"]}
+    assert prof["encoder_hidden_states"] == ((1, 77, 32), (8, 77, 32), (8, 77, 32))
+    assert decoder_profile(opts, family("tiny")) == {"latents": prof["sample"]}
 
 
-def test_profile_rejects_sizes_the_vae_cannot_produce(tmp_path):
-    with pytest.raises(ValueError, match="multiple of the VAE scale 8"):
-        latent_profile(TensorRTOptions(cache_dir=tmp_path, sizes=((500, 512),)), 8)
+def test_profiles_carry_each_familys_inputs(tmp_path):
+    opts = TensorRTOptions(cache_dir=tmp_path, max_batch=4, sizes=((256, 256), (512, 256)))
+    sdxl = denoiser_profile(opts, family("tiny-sdxl"))
+    assert sdxl["text_embeds"] == ((1, 32), (4, 32), (4, 32)) and sdxl["time_ids"] == ((1, 6), (4, 6), (4, 6))
+    flux = denoiser_profile(opts, family("tiny-flux"))
+    # 2x2-packed tokens grow with the image; the ids have no batch axis
+    assert flux["sample"] == ((1, 256, 64), (4, 256, 64), (4, 512, 64))
+    assert flux["img_ids"] == ((256, 3), (256, 3), (512, 3)) and flux["txt_ids"] == ((32, 3),) * 3
+    assert decoder_profile(opts, family("tiny-flux"))["latents"] == ((1, 16, 32, 32), (4, 16, 32, 32), (4, 16, 64, 32))
+    assert set(denoiser_profile(opts, family("tiny-sd3"))) == set(family("tiny-sd3").input_names)
+
+
+def test_profile_rejects_sizes_the_model_cannot_render(tmp_path):
+    with pytest.raises(ValueError, match="not a multiple of 16"):
+        size_profile(TensorRTOptions(cache_dir=tmp_path, sizes=((504, 512),)), 16)
 
 
 @pytest.mark.parametrize("bad", [{"max_batch": 0}, {"sizes": ()}, {"precision": "int3"}])
@@ -65,13 +78,10 @@ def test_options_reject_bad_values(tmp_path, bad):
 
 def test_options_from_worker_config():
     cfg = WorkerConfig(max_batch=6, size=768, engine_cache_dir="/tmp/engines")
-    opts = TensorRTOptions.from_config(cfg)
-    assert (opts.max_batch, opts.sizes, str(opts.cache_dir), opts.precision) == (
-        6,
-        ((768, 768),),
-        "/tmp/engines",
-        "fp16",
-    )
+    opts = TensorRTOptions.from_config(cfg, native_size=1024)
+    # precision None: the family's half precision (fp16; bf16 for SD3 and Flux)
+    assert (opts.max_batch, opts.sizes, str(opts.cache_dir), opts.precision) == (6, ((768, 768),), "/tmp/engines", None)
+    assert TensorRTOptions.from_config(WorkerConfig(), native_size=1024).sizes == ((1024, 1024),)  # size 0: native
 
 
 # ---- availability and selection (this machine has no GPU; the GPU side is simulated) ------
@@ -148,39 +158,46 @@ def test_unknown_backend_is_named(components):
 # ---- real engines (GPU) ---------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
+GPU_SIZES = ((256, 256), (192, 320))
+
+
+@pytest.fixture(scope="module", params=["tiny", "tiny-sdxl", "tiny-sd3", "tiny-flux"])
+def engines(request, tmp_path_factory):
     from render.backends.tensorrt import TensorRTBackend
+    from render.model import load_model
 
-    comps = load_components("tiny")
-    opts = TensorRTOptions(cache_dir=tmp_path_factory.mktemp("engines"), max_batch=4, sizes=((256, 256), (192, 320)))
-    trt_backend = TensorRTBackend(comps, torch.device("cuda"), opts)
-    return comps, opts, trt_backend, TorchBackend(comps, torch.device("cuda"))
-
-
-def _inputs(batch, hw, embed_dim, seed=0):
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    latents = torch.randn(batch, 4, *hw, generator=gen, device="cuda", dtype=torch.float16)
-    timesteps = torch.tensor([999, 1, 500, 250, 750, 20][:batch], device="cuda")
-    ehs = torch.randn(batch, 77, embed_dim, generator=gen, device="cuda", dtype=torch.float16)
-    return latents, timesteps, ehs
+    fam = load_model(request.param)  # its own copy: the backends move modules to the GPU in place
+    opts = TensorRTOptions(cache_dir=tmp_path_factory.mktemp("engines"), max_batch=4, sizes=GPU_SIZES)
+    trt_backend = TensorRTBackend(fam, torch.device("cuda"), opts)
+    return fam, opts, trt_backend, TorchBackend(fam, torch.device("cuda"))
 
 
-@needs_tensorrt
-@pytest.mark.parametrize("batch,hw", [(1, (32, 32)), (4, (32, 32)), (3, (24, 40)), (6, (32, 32))])
-def test_gpu_unet_engine_matches_torch(engines, batch, hw):
-    comps, _, trt_backend, torch_backend = engines
-    latents, timesteps, ehs = _inputs(batch, hw, comps.unet.config.cross_attention_dim, seed=batch)
-    got = trt_backend.predict_noise(latents, timesteps, ehs)
-    want = torch_backend.predict_noise(latents, timesteps, ehs)
-    assert got.device.type == "cuda" and got.shape == want.shape
-    torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
+def _inputs(fam, images, height, width):
+    """The family's real batched inputs for `images` images at mixed steps, prompts and guidance."""
+    g = guidance_for(fam)
+    batch = [
+        start(fam, f"prompt {i}", seed=i, steps=4, guidance=g if i % 2 else 0.0, size=width, height=height)
+        for i in range(images)
+    ]
+    for i, d in enumerate(batch):
+        d.step = i % 4  # every image at its own timestep
+    return fam.denoiser_inputs(batch)
 
 
 @needs_tensorrt
-def test_gpu_vae_engine_matches_torch(engines):
-    _, _, trt_backend, torch_backend = engines
-    latents, _, _ = _inputs(2, (32, 32), 32, seed=9)
+@pytest.mark.parametrize("images,hw", [(1, (256, 256)), (3, (256, 256)), (2, (192, 320)), (5, (256, 256))])
+def test_gpu_denoiser_engine_matches_torch(engines, images, hw):
+    fam, _, trt_backend, torch_backend = engines
+    inputs = _inputs(fam, images, *hw)  # more rows than max_batch: the backend runs the engine in chunks
+    got, want = trt_backend.predict(inputs), torch_backend.predict(inputs)
+    assert got.device.type == "cuda" and got.shape == want.shape == inputs["sample"].shape
+    torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
+
+
+@needs_tensorrt
+def test_gpu_decoder_engine_matches_torch(engines):
+    fam, _, trt_backend, torch_backend = engines
+    latents = torch.randn(2, fam.latent_channels, 32, 32, generator=torch.Generator().manual_seed(9))
     got, want = trt_backend.decode(latents), torch_backend.decode(latents)
     assert got.shape == (2, 3, 256, 256)
     torch.testing.assert_close(got.float(), want.float(), atol=2e-2, rtol=2e-2)
@@ -188,27 +205,30 @@ def test_gpu_vae_engine_matches_torch(engines):
 
 @needs_tensorrt
 def test_gpu_size_outside_profile_is_a_clear_error(engines):
-    comps, _, trt_backend, _ = engines
-    latents, timesteps, ehs = _inputs(1, (64, 64), comps.unet.config.cross_attention_dim)
+    fam, _, trt_backend, _ = engines
     with pytest.raises(BackendUnavailable, match="outside what this node's TensorRT engines were built for"):
-        trt_backend.predict_noise(latents, timesteps, ehs)
+        trt_backend.decode(torch.zeros(1, fam.latent_channels, 64, 64))
+    with pytest.raises(BackendUnavailable, match="outside the engine's profile"):
+        trt_backend.predict(_inputs(fam, 1, 512, 512))
 
 
 @needs_tensorrt
 def test_gpu_second_start_loads_from_cache_and_corrupt_engine_is_rebuilt(engines, caplog):
     from render.backends.tensorrt import TensorRTBackend
 
-    comps, opts, first, _ = engines
+    fam, opts, first, _ = engines
     with caplog.at_level(logging.INFO, logger="render.backends.engine_cache"):
-        TensorRTBackend(comps, torch.device("cuda"), opts)
+        TensorRTBackend(fam, torch.device("cuda"), opts)
     assert sum("engine cache hit" in r.message for r in caplog.records) == 2
     caplog.clear()
-    unet_engine = opts.cache_dir / first.engines.key("unet", comps.fingerprint).filename()
-    unet_engine.write_bytes(b"\0" * 64)
+    precision = {torch.float16: "fp16", torch.bfloat16: "bf16"}[first.dtype]
+    denoiser_engine = opts.cache_dir / first.engines.key("denoiser", fam, precision).filename()
+    assert denoiser_engine.name.startswith(f"{fam.name}-denoiser-")  # the family is part of the key
+    denoiser_engine.write_bytes(b"\0" * 64)
     with caplog.at_level(logging.INFO, logger="render.backends.engine_cache"):
-        again = TensorRTBackend(comps, torch.device("cuda"), opts)
+        again = TensorRTBackend(fam, torch.device("cuda"), opts)
     assert any("rebuilding" in r.message for r in caplog.records)
-    assert unet_engine.stat().st_size > 64 and again.describe()["name"] == "tensorrt"
+    assert denoiser_engine.stat().st_size > 64 and again.describe()["name"] == "tensorrt"
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
@@ -301,7 +321,7 @@ def test_build_uses_a_strongly_typed_network_and_the_profile(tmp_path, caplog):
 
     fake = FakeTRT()
     opts = TensorRTOptions(cache_dir=tmp_path, max_batch=8, optimization_level=2)
-    profile = unet_profile(opts, in_channels=4, text_len=77, embed_dim=768, scale=8)
+    profile = denoiser_profile(opts, family("tiny-sdxl"))
     with caplog.at_level(logging.INFO, logger="render.backends.tensorrt"):
         assert build_serialized_engine(fake, tmp_path / "unet.onnx", profile, opts, None) == b"PLAN"
     assert fake.seen["flags"] == 1 << 5
@@ -329,7 +349,7 @@ def test_sizes_outside_the_engines_are_a_400_before_queueing(tmp_path):
     from render.http_api import BadRequest, RequestDefaults, parse_generation
 
     opts = TensorRTOptions(cache_dir=tmp_path, sizes=((512, 512), (512, 768)))  # (height, width)
-    backend = types.SimpleNamespace(options=opts, scale=8)  # what unsupported_size reads; no GPU needed
+    backend = types.SimpleNamespace(options=opts, family=family("tiny"))  # what unsupported_size reads; no GPU
     check = TensorRTBackend.unsupported_size.__get__(backend)
     assert check(512, 512) is None and check(512, 640) is None and check(512, 768) is None
     assert check(768, 512) == (

@@ -15,7 +15,8 @@ from render.backends.engine_cache import EngineCache, EngineKey
 from turbonode.errors import BackendUnavailable
 
 BASE = EngineKey(
-    component="unet",
+    component="denoiser",
+    family="sdxl",
     model_hash="tiny-0123456789abcdef",
     trt_version="11.4.0.106",
     gpu_name="NVIDIA H200",
@@ -27,7 +28,8 @@ BASE = EngineKey(
 )
 
 CHANGES = {
-    "component": "vae_decoder",
+    "component": "decoder",
+    "family": "flux",
     "model_hash": "tiny-fedcba9876543210",
     "trt_version": "10.13.3.9",
     "gpu_name": "NVIDIA A100-SXM4-80GB",
@@ -55,7 +57,7 @@ def test_key_is_stable_and_ignores_resolution_order_and_duplicates():
     b = dataclasses.replace(BASE, resolutions=[[512, 512], [768, 512]], compute_capability=[9, 0])
     assert a.digest() == b.digest()
     assert BASE.digest() == dataclasses.replace(BASE).digest()
-    assert BASE.filename().startswith("unet-fp16-") and BASE.filename().endswith(".engine")
+    assert BASE.filename().startswith("sdxl-denoiser-fp16-") and BASE.filename().endswith(".engine")
 
 
 @pytest.mark.parametrize("bad", [{"min_batch": 0}, {"min_batch": 5, "max_batch": 4}, {"resolutions": ()}])
@@ -91,7 +93,7 @@ def test_miss_builds_stores_and_then_hits(tmp_path, caplog):
     path = cache.path_for(BASE)
     assert path.read_bytes() == b"PLAN:unet"
     assert '"gpu_name":"NVIDIA H200"' in path.with_suffix(".json").read_text()
-    assert any("built the unet engine in" in r.message for r in caplog.records)
+    assert any("built the sdxl denoiser engine in" in r.message for r in caplog.records)
     assert not [p for p in path.parent.iterdir() if p.name.endswith(".tmp")]
 
     again = cache.load_or_build(BASE, build, deserialize)
@@ -135,7 +137,7 @@ def test_deserializer_that_raises_is_treated_as_corrupt(tmp_path):
 
 def test_failed_build_is_a_clear_error_and_leaves_nothing(tmp_path):
     cache = EngineCache(tmp_path)
-    with pytest.raises(BackendUnavailable, match="could not build the unet engine"):
+    with pytest.raises(BackendUnavailable, match="could not build the sdxl denoiser engine"):
         cache.load_or_build(BASE, Builder(b""), deserialize)
     with pytest.raises(BackendUnavailable, match="does not deserialize"):
         cache.load_or_build(BASE, Builder(b"not a plan"), deserialize)

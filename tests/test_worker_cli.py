@@ -167,7 +167,12 @@ def test_worker_run_reports_bad_config_and_bad_model(tmp_path):
             "127.0.0.1:0",
         ],
     )
-    assert r.exit_code == 1 and "neither 'tiny' nor a directory" in r.output
+    assert r.exit_code == 1 and "neither one of tiny, tiny-sdxl, tiny-sd3, tiny-flux nor a directory" in r.output
+    # a sampler the model's family cannot use: refused by its key before anything is served
+    flux = tmp_path / "flux.toml"
+    flux.write_text('[worker]\nmodel = "tiny-flux"\nsampler = { relax = "dpmpp_2m" }\n')
+    r = runner.invoke(main, ["worker", "run", "--config", str(flux), "--control", str(tmp_path / "f.sock")])
+    assert r.exit_code == 1 and "worker.sampler.relax: sampler 'dpmpp_2m' does not apply to flux models" in r.output
 
 
 def _post(url, body, results, key):

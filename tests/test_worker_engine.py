@@ -162,17 +162,17 @@ def test_cancel_a_running_job_frees_its_slot_at_the_next_boundary():
 
 
 class FlakyBackend:
-    """The real backend, except that chosen UNet calls raise (a GPU OOM cannot happen on CPU)."""
+    """The real backend, except that chosen denoiser calls raise (a GPU OOM cannot happen on CPU)."""
 
     def __init__(self, inner, fail_calls):
         self.inner, self.fail_calls, self.calls = inner, set(fail_calls), 0
         self.device, self.dtype = inner.device, inner.dtype
 
-    def predict_noise(self, *args):
+    def predict(self, inputs):
         self.calls += 1
         if self.calls in self.fail_calls:
             raise RuntimeError("CUDA out of memory. Tried to allocate 2.00 GiB")
-        return self.inner.predict_noise(*args)
+        return self.inner.predict(inputs)
 
     def decode(self, latents):
         return self.inner.decode(latents)

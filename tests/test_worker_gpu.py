@@ -18,13 +18,13 @@ def test_engine_on_cuda_fp16_renders_and_reports_gpu_memory():
     from render.encode_prompt import PromptEncoder
     from render.engine import Engine
     from render.gc_telemetry import GcMonitor
-    from render.model import load_components
+    from render.model import load_model
     from tests.worker_support import drain, req
 
-    comps = load_components("tiny")  # its own copy: the backend moves modules to the GPU in place
-    backend = make_backend("auto", comps, "auto")
+    family = load_model("tiny")  # its own copy: the backend moves modules to the GPU in place
+    backend = make_backend("auto", family, "auto")
     assert backend.device.type == "cuda" and backend.describe()["dtype"] == "float16"
-    engine = Engine(backend, PromptEncoder(comps, backend.device, backend.dtype), comps)
+    engine = Engine(backend, PromptEncoder(family, backend.device, backend.dtype), family)
     jobs = [
         engine.submit(req("relax", seed=3)),
         engine.submit(req("turbo", seed=3)),

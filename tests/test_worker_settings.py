@@ -2,16 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from render.engine import EngineSettings
+from render.families.base import FamilyError
+from render.families.tiny import BUILDERS
 from render.samplers import SAMPLERS, make_scheduler
 from render.tiny import SCHEDULER_CONFIG
-from turbonode.config import SAMPLER_NAMES, load_config
+from tests.family_support import family
+from turbonode.config import SAMPLER_NAMES, TINY_MODELS, load_config
 
 
 def test_sampler_names_match_the_config_contract():
     assert tuple(SAMPLERS) == SAMPLER_NAMES
+
+
+def test_tiny_model_names_match_the_config_contract():
+    assert tuple(BUILDERS) == TINY_MODELS
 
 
 @pytest.mark.parametrize("name", SAMPLER_NAMES)
@@ -29,7 +38,15 @@ def test_partial_tier_tables_override_only_the_named_tiers(tmp_path):
         "max_batch = 8\nmin_share = 0.2\n"
     )
     settings = EngineSettings.from_config(load_config(str(path), env={}).worker)
-    assert settings.steps == {"turbo": 2, "fast": 12, "other": 20, "relax": 25}
-    assert settings.sampler["relax"] == "ddim" and settings.sampler["turbo"] == "euler_a"
-    assert settings.guidance["fast"] == 3 and settings.guidance["turbo"] == 0.0
+    assert (settings.steps, settings.sampler, settings.guidance) == ({"turbo": 2}, {"relax": "ddim"}, {"fast": 3})
     assert settings.max_batch == 8 and settings.min_share == 0.2
+    # the tiers the file does not name take the model family's defaults (SD 1.x here)
+    tiers = settings.tier_defaults(family("tiny"))
+    assert tiers.steps == {"turbo": 2, "fast": 12, "other": 20, "relax": 25}
+    assert tiers.sampler["relax"] == "ddim" and tiers.sampler["turbo"] == "euler_a"
+    assert tiers.guidance["fast"] == 3 and tiers.guidance["turbo"] == 0.0
+    # on Flux the same file's SD sampler is refused by its key; its steps and guidance apply
+    with pytest.raises(FamilyError, match="worker.sampler.relax: sampler 'ddim' does not apply to flux models"):
+        settings.tier_defaults(family("tiny-flux"))
+    flux = dataclasses.replace(settings, sampler={}).tier_defaults(family("tiny-flux"))
+    assert flux.steps == {"turbo": 2, "fast": 4, "other": 4, "relax": 4} and flux.sampler["relax"] == "euler"

@@ -1,4 +1,4 @@
-"""Helpers for the worker tests: one tiny model per process, engines, an in-process server."""
+"""Helpers for the worker tests: one tiny model of each family per process, engines, an in-process server."""
 
 from __future__ import annotations
 
@@ -13,30 +13,20 @@ from render.engine import Engine, EngineSettings
 from render.http_api import Api, RequestDefaults
 from render.jobs import JobRequest
 from render.metrics import WorkerMetrics
-from render.model import load_components
-
-SIZE = 64  # pixels: the smallest size the API takes keeps every test step ~10 ms
+from tests.family_support import SIZE, family
 
 
-@functools.lru_cache(maxsize=1)
-def components():
-    import torch
-
-    torch.set_num_threads(2)
-    return load_components("tiny")
+@functools.cache
+def backend(model: str = "tiny"):
+    return make_backend("torch", family(model), "cpu")
 
 
-@functools.lru_cache(maxsize=1)
-def backend():
-    return make_backend("torch", components(), "cpu")
-
-
-def make_engine(*, clock=None, on_event=None, backend_=None, metrics=None, **settings) -> Engine:
+def make_engine(*, model="tiny", clock=None, on_event=None, backend_=None, metrics=None, **settings) -> Engine:
     kwargs = {"clock": clock} if clock is not None else {}
-    comps = components()
-    b = backend_ or backend()
-    encoder = PromptEncoder(comps, b.device, b.dtype, capacity=16)
-    return Engine(b, encoder, comps, EngineSettings(**settings), metrics=metrics, on_event=on_event, **kwargs)
+    fam = family(model)
+    b = backend_ or backend(model)
+    encoder = PromptEncoder(fam, b.device, b.dtype, capacity=16)
+    return Engine(b, encoder, fam, EngineSettings(**settings), metrics=metrics, on_event=on_event, **kwargs)
 
 
 def req(tier="relax", steps=3, seed=1, prompt="a red cat", guidance=None, n=1, size=SIZE, **kw) -> JobRequest:
@@ -70,8 +60,8 @@ def serve(engine: Engine | None = None, **settings):
     engine = engine or make_engine(metrics=metrics, **settings)
     engine.metrics = metrics
     metrics.watch(engine)
-    defaults = RequestDefaults(SIZE, engine.size_multiple, engine.settings.steps, engine.settings.guidance)
-    api = Api(engine, metrics.registry, defaults, "tiny")
+    defaults = RequestDefaults(SIZE, engine.size_multiple, engine.defaults.steps, engine.defaults.guidance)
+    api = Api(engine, metrics.registry, defaults)
     loop = asyncio.new_event_loop()
     started = threading.Event()
     holder = {}

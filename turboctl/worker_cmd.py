@@ -13,7 +13,7 @@ import sys
 import click
 
 from turbonode import logs
-from turbonode.config import BACKEND_NAMES, CLI_ENV_WORKER_SOCKET, load_config
+from turbonode.config import BACKEND_NAMES, CLI_ENV_WORKER_SOCKET, TINY_MODELS, load_config
 from turbonode.errors import ConfigError, ControlError, TurbonodeError
 from turbonode.jsonrpc import DEFAULT_SOCKET, ControlClient
 
@@ -62,11 +62,11 @@ def command():
 
 
 @command.command("run")
-@click.option("--model", help="'tiny' (embedded) or a local diffusers directory")
+@click.option("--model", help=f"a local diffusers directory, or an embedded test model: {', '.join(TINY_MODELS)}")
 @click.option("--listen", metavar="HOST:PORT", help="HTTP API address (default 0.0.0.0:8460)")
 @click.option("--control", metavar="PATH", help="control socket path")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML configuration file")
-@click.option("--backend", type=click.Choice(BACKEND_NAMES), help="UNet/VAE backend")
+@click.option("--backend", type=click.Choice(BACKEND_NAMES), help="denoiser/VAE backend")
 @click.option("--device", help="torch device: auto, cpu, cuda, cuda:N")
 def run(model, listen, control, config_file, backend, device):
     """Serve the OpenAI-compatible image API and the control socket until SIGTERM."""
@@ -111,7 +111,9 @@ def status(client, as_json):
     if as_json:
         click.echo(json.dumps(st, indent=2))
         return
+    model = st.get("model") or {}
     click.echo(
+        f"model {model.get('model')} ({model.get('family')} family, {model.get('pipeline')}), "
         f"backend {st['backend'].get('name')} on {st['backend'].get('device')}, "
         f"max batch {st['max_batch']}, up {st['uptime_s']:.0f} s"
     )

@@ -29,6 +29,8 @@ from .tiers import TIER_NAMES
 DEFAULT_PATH = "/etc/turbonode/turbonode.toml"
 # Samplers the worker can build per job (render/samplers.py maps them to diffusers classes).
 SAMPLER_NAMES = ("euler_a", "euler", "dpmpp_2m", "ddim", "lcm")
+# The embedded test models `worker.model` takes besides a directory (render/families/tiny.py builds them).
+TINY_MODELS = ("tiny", "tiny-sdxl", "tiny-sd3", "tiny-flux")
 # UNet/VAE backends (render/backends/select.py builds them; `auto` picks one).
 BACKEND_NAMES = ("auto", "torch", "tensorrt")
 ENV_PREFIX = "TURBONODE_"
@@ -98,6 +100,16 @@ def multiple_of(step: int) -> Check:
 
 def link_rate(v: Any) -> None:
     check_link_rate(parse_rate(v))  # RateError is a ValueError
+
+
+def zero_or(inner: Check) -> Check:
+    """0 (a default that means "the model's own"), or a value `inner` accepts."""
+
+    def check(v: Any) -> None:
+        if v != 0:
+            inner(v)
+
+    return check
 
 
 def fraction(v: Any) -> None:
@@ -186,33 +198,26 @@ class WorkerConfig:
     listen: str = opt("0.0.0.0:8460", host_port, "HTTP API address")
     control_socket: str = opt("/run/turbonode/worker.sock", help="JSON-RPC control socket path")
     control_group: str = opt("turbonode", help="group owning the control socket (mode 0660)")
-    model: str = opt("tiny", help="'tiny' (embedded) or a local diffusers directory")
-    backend: str = opt("auto", one_of(*BACKEND_NAMES), "UNet backend")
+    model: str = opt("tiny", help=f"a local diffusers directory, or an embedded test model: {', '.join(TINY_MODELS)}")
+    backend: str = opt("auto", one_of(*BACKEND_NAMES), "denoiser/VAE backend")
     device: str = opt("auto", help="torch device: auto, cpu, cuda, cuda:N")
-    max_batch: int = opt(4, positive, "largest UNet batch")
+    max_batch: int = opt(4, positive, "largest denoiser batch (rows: an image with CFG takes two)")
     size: int = opt(
-        256, all_of(in_range(MIN_PIXELS, MAX_PIXELS, " px"), multiple_of(PIXEL_STEP)), "default image size in pixels"
+        0,
+        zero_or(all_of(in_range(MIN_PIXELS, MAX_PIXELS, " px"), multiple_of(PIXEL_STEP))),
+        "default image size in pixels (0: the model's native size)",
     )
-    steps: dict[str, int] = opt(
-        {"turbo": 4, "fast": 12, "other": 20, "relax": 25},
-        per_tier(in_range(1, MAX_STEPS)),
-        "default denoising steps per tier",
-    )
+    # steps, sampler and guidance: tiers not named take the model family's defaults (docs/worker.md)
+    steps: dict[str, int] = opt({}, per_tier(in_range(1, MAX_STEPS)), "default denoising steps per tier")
     queue_limit: dict[str, int] = opt(
         {"turbo": 32, "fast": 64, "other": 64, "relax": 256}, per_tier(positive), "queued jobs per tier before 429"
     )
     min_share: float = opt(0.1, fraction, "minimum share of steps each waiting lower tier gets")
     text_cache_size: int = opt(256, positive, "entries in the text-embedding LRU cache")
     engine_cache_dir: str = opt("/var/cache/turbonode/engines", help="TensorRT engine cache")
-    sampler: dict[str, str] = opt(
-        {"turbo": "euler_a", "fast": "dpmpp_2m", "other": "dpmpp_2m", "relax": "dpmpp_2m"},
-        per_tier(one_of(*SAMPLER_NAMES)),
-        "diffusers scheduler per tier (few-step turbo: euler_a)",
-    )
+    sampler: dict[str, str] = opt({}, per_tier(one_of(*SAMPLER_NAMES)), "diffusers scheduler per tier")
     guidance: dict[str, float] = opt(
-        {"turbo": 0.0, "fast": 7.5, "other": 7.5, "relax": 7.5},
-        per_tier(guidance_scale),
-        "default classifier-free guidance per tier (<= 1 disables it)",
+        {}, per_tier(guidance_scale), "default guidance per tier (CFG: <= 1 disables it; Flux-dev: embedded)"
     )
     drain_timeout: float = opt(
         30.0,

@@ -1,13 +1,15 @@
-"""The interface every UNet/VAE backend implements.
+"""The interface every denoiser/VAE backend implements.
 
 The engine composes a batch of samples at each denoising step and calls the backend once:
-one UNet evaluation with per-sample timesteps and text embeddings. The text encoder stays
-in torch for every backend (it runs once per prompt and is cached).
+one denoiser evaluation on the named tensors the model family built for the batch (latents,
+a timestep per row, every row's conditioning: render/families/base.py `denoiser_inputs`).
+The text encoders stay in torch for every backend (they run once per prompt and are cached).
 """
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
 from typing import Protocol
 
 import torch
@@ -19,9 +21,7 @@ class DiffusionBackend(Protocol):
     device: torch.device
     dtype: torch.dtype
 
-    def predict_noise(
-        self, latents: torch.Tensor, timesteps: torch.Tensor, encoder_hidden_states: torch.Tensor
-    ) -> torch.Tensor: ...
+    def predict(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor: ...
 
     def decode(self, latents: torch.Tensor) -> torch.Tensor: ...
 
@@ -29,21 +29,19 @@ class DiffusionBackend(Protocol):
 
 
 class Backend(ABC):
-    """A UNet noise predictor and VAE decoder on one device."""
+    """A model family's denoiser and VAE decoder on one device."""
 
     name: str = "abstract"
     device: torch.device
     dtype: torch.dtype
 
     @abstractmethod
-    def predict_noise(
-        self, latents: torch.Tensor, timesteps: torch.Tensor, encoder_hidden_states: torch.Tensor
-    ) -> torch.Tensor:
-        """latents [B,C,H,W], timesteps [B] (one per sample), embeddings [B,L,D] -> noise [B,C,H,W]."""
+    def predict(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """The family's denoiser inputs (one row each, per-row timesteps) -> a prediction shaped like the latents."""
 
     @abstractmethod
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        """Unscaled latents [B,C,H,W] -> images [B,3,8H,8W] in [-1, 1]."""
+        """Latents as the scheduler left them [B,C,H,W] -> images [B,3,8H,8W] in [-1, 1]."""
 
     def unsupported_size(self, height: int, width: int) -> str | None:
         """Why this backend cannot render height x width pixels, or None (any size, by default).

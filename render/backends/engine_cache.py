@@ -30,14 +30,15 @@ from turbonode.errors import BackendUnavailable
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-KEY_VERSION = 1  # bump when what an engine depends on changes in a way the fields do not show
+KEY_VERSION = 2  # bump when what an engine depends on changes in a way the fields do not show
 
 
 @dataclass(frozen=True)
 class EngineKey:
     """Everything a serialized engine depends on."""
 
-    component: str  # "unet" or "vae_decoder"
+    component: str  # "denoiser" or "decoder"
+    family: str  # the model family (render/families): its graph's inputs differ from another's
     model_hash: str  # content hash of the weights and config
     trt_version: str
     gpu_name: str
@@ -63,7 +64,12 @@ class EngineKey:
         return hashlib.sha256(self.canonical().encode()).hexdigest()
 
     def filename(self) -> str:
-        return f"{self.component}-{self.precision}-{self.digest()[:20]}.engine"
+        return f"{self.family}-{self.component}-{self.precision}-{self.digest()[:20]}.engine"
+
+    @property
+    def what(self) -> str:
+        """How the logs name it: 'the sdxl denoiser'."""
+        return f"{self.family} {self.component}"
 
 
 def _atomic_write(path: Path, data: bytes) -> None:
@@ -106,24 +112,22 @@ class EngineCache:
         # (the worker shows its lifecycle at INFO) and in `systemctl status`.
         log.info(
             "building the %s engine (%s, batch %d..%d, %s): minutes for a large model -> %s",
-            key.component,
+            key.what,
             key.precision,
             key.min_batch,
             key.max_batch,
             ", ".join(f"{h}x{w}" for h, w in key.resolutions),
             path,
         )
-        sdnotify.notify(f"STATUS=building the {key.component} TensorRT engine (ONNX export, then TensorRT)")
+        sdnotify.notify(f"STATUS=building the {key.what} TensorRT engine (ONNX export, then TensorRT)")
         started = time.monotonic()
         blob = build()
         if not blob:
-            raise BackendUnavailable(f"TensorRT could not build the {key.component} engine (see the log above)")
-        log.info(
-            "built the %s engine in %.1f s (%.1f MiB)", key.component, time.monotonic() - started, len(blob) / 2**20
-        )
+            raise BackendUnavailable(f"TensorRT could not build the {key.what} engine (see the log above)")
+        log.info("built the %s engine in %.1f s (%.1f MiB)", key.what, time.monotonic() - started, len(blob) / 2**20)
         engine = self._try_deserialize(path, blob, deserialize)
         if engine is None:
-            raise BackendUnavailable(f"the freshly built {key.component} engine does not deserialize")
+            raise BackendUnavailable(f"the freshly built {key.what} engine does not deserialize")
         _atomic_write(path, bytes(blob))
         _atomic_write(path.with_suffix(".json"), key.canonical().encode() + b"\n")
         return engine

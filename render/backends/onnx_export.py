@@ -1,76 +1,50 @@
-"""Export the UNet and the VAE decoder to ONNX, the input of the TensorRT engine builder.
+"""Export a model family's denoiser and VAE decoder to ONNX, the input of the TensorRT engine builder.
 
-The exported graphs take exactly what `Backend.predict_noise` and `Backend.decode` take:
-a batch of latents, one timestep per sample, one embedding sequence per sample. Batch,
-latent height/width and text length are dynamic axes, so one file serves every
-optimisation profile.
+The denoiser graph takes exactly what the family's `denoiser_inputs` builds, under the same
+names (`Family.input_names`, render/families/base.py): latents, one timestep per row, every
+row's conditioning (SDXL text_embeds and time_ids, SD3/Flux pooled projections, Flux-dev
+guidance) and Flux's position ids; the decoder graph takes latents as the scheduler left
+them (un-scaling and un-shifting inside). Batch, latent size and text length are dynamic
+axes (`Family.dynamic_axes`), so one file serves every optimisation profile.
 
 Exporter choice: the TorchScript tracer (`dynamo=False`), not torch 2.13's default dynamo
 exporter. The dynamo exporter needs onnxscript, which the lean install does not have (and
 the checked environment lacks), and `torch.export` with explicit symbolic-dimension ranges,
 against which diffusers' Python-side shape branches (e.g. the up-sampling size check) are a
 risk. The tracer records the shape arithmetic as Shape ops that the TensorRT ONNX parser
-resolves per profile; it is the exporter NVIDIA's Stable Diffusion demos have used. Tested
-here: batch, H and W stay dynamic and the graph matches torch to ~1e-6 (fp32).
+resolves per profile; it is the exporter NVIDIA's Stable Diffusion demos have used. Two
+things the transformer families need from it are added for the duration of an export
+(`_traceable`): a symbolic for `aten::rms_norm` and a rotary embedding that keeps its shapes
+symbolic. Tested here: batch, size and text length stay dynamic and the graphs match torch
+to ~1e-6 (fp32) on onnxruntime.
 
 Precision lives in the graph: TensorRT 11 builds strongly typed networks only (no FP16
-builder flag), so an fp16 engine is built from a graph exported in fp16.
+builder flag), so an fp16 engine is built from a graph exported in fp16. Graphs over 2 GB
+(an SDXL UNet in fp16 is ~5 GB, Flux's transformer ~24 GB) cannot be one protobuf: their
+weights go to ONE external data file next to the graph, `<name>.onnx.data`, which the
+TensorRT parser and onnxruntime read from the same directory.
 """
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import logging
+import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from render.families.base import FLOAT32_INPUTS, PREDICTION, TIMESTEP_INPUT, VAE_INPUT, VAE_OUTPUT, Family
+
 log = logging.getLogger(__name__)
 
 OPSET = 17  # first opset with LayerNormalization; TensorRT 10/11 parse up to 20+
-UNET_INPUTS = ("sample", "timestep", "encoder_hidden_states")
-UNET_OUTPUT = "noise"
-VAE_INPUT = "latents"
-VAE_OUTPUT = "images"
-
-
-class UNetForExport(torch.nn.Module):
-    """The UNet as a plain (sample, timestep[B], embeddings) -> noise function."""
-
-    def __init__(self, unet: torch.nn.Module):
-        super().__init__()
-        self.unet = unet
-
-    def forward(self, sample, timestep, encoder_hidden_states):
-        return self.unet(sample, timestep, encoder_hidden_states=encoder_hidden_states, return_dict=False)[0]
-
-
-class VAEDecoderForExport(torch.nn.Module):
-    """Latents as the scheduler produced them -> images, exactly what `TorchBackend.decode` computes."""
-
-    def __init__(self, vae: Any):  # a diffusers AutoencoderKL
-        super().__init__()
-        self.vae = vae
-        self.scale = float(vae.config.scaling_factor)
-
-    def forward(self, latents):
-        return self.vae.decode(latents / self.scale, return_dict=False)[0]
-
-
-@dataclass(frozen=True)
-class ExportShape:
-    """Example shapes for tracing; the exported axes stay dynamic."""
-
-    batch: int = 2
-    latent_height: int = 64
-    latent_width: int = 64
-    text_len: int = 77
-
-
-DEFAULT_SHAPE = ExportShape()
+EXTERNAL_DATA_THRESHOLD = 2**30  # bytes of weights above which they go to external data (protobuf: 2 GiB)
 
 
 def _export(
@@ -105,38 +79,194 @@ def _placement(module: torch.nn.Module) -> tuple[torch.device, torch.dtype]:
     return param.device, param.dtype
 
 
-def export_unet(unet: Any, path: str | Path, *, shape: ExportShape = DEFAULT_SHAPE, opset: int = OPSET) -> Path:
-    """Write the UNet as ONNX with dynamic batch, latent H/W and text length.
+def _placed(module: torch.nn.Module, device: torch.device | None, dtype: torch.dtype | None) -> torch.nn.Module:
+    """The module on `device` in `dtype`: itself when already there, else a copy (the caller's keeps its own)."""
+    here, kind = _placement(module)
+    if (device is None or torch.device(device) == here) and (dtype is None or dtype == kind):
+        return module
+    return copy.deepcopy(module).to(device or here, dtype or kind)
 
-    The graph's precision and the tracing device are the module's own (move it first).
-    The timestep input is float32 [B] in every precision: diffusers computes the sinusoidal
-    embedding in float32 and casts it to the sample dtype itself.
+
+def external_data_path(path: Path) -> Path:
+    return path.with_name(path.name + ".data")
+
+
+def example_inputs(
+    family: Family, rows: int, height: int, width: int, device: torch.device, dtype: torch.dtype
+) -> tuple[torch.Tensor, ...]:
+    """Tracing inputs in `input_names` order: random values of the real shapes and dtypes."""
+    gen = torch.Generator().manual_seed(0)
+    shapes = family.input_shapes(rows, height, width)
+    args = []
+    for name in family.input_names:
+        if name == TIMESTEP_INPUT:
+            x = torch.linspace(999, 1, rows) / family.timestep_divisor
+        elif name in FLOAT32_INPUTS:
+            x = torch.rand(shapes[name], generator=gen) * 8
+        else:
+            x = torch.randn(shapes[name], generator=gen)
+        args.append(x.to(device, torch.float32 if name in FLOAT32_INPUTS else dtype))
+    return tuple(args)
+
+
+def _finish(traced: Path, path: Path, threshold: int) -> Path:
+    """Rewrite the traced graph at `path`, its weights inline or in one external data file."""
+    import onnx
+
+    model = onnx.load(str(traced), load_external_data=True)
+    weights = sum(len(t.raw_data) for t in model.graph.initializer)
+    external = weights > threshold
+    for stale in (path, external_data_path(path)):
+        stale.unlink(missing_ok=True)
+    onnx.save_model(
+        model,
+        str(path),
+        save_as_external_data=external,
+        all_tensors_to_one_file=True,
+        location=external_data_path(path).name,
+        size_threshold=1024,
+    )
+    log.info(
+        "%s: %.1f MiB of weights%s",
+        path.name,
+        weights / 2**20,
+        f", in {external_data_path(path).name}" if external else "",
+    )
+    return path
+
+
+def _rms_norm(g: Any, x: Any, normalized_shape: list[int], weight: Any, eps: float | None) -> Any:
+    """aten::rms_norm (torch.nn.RMSNorm: Flux's q/k norms) as plain ONNX ops, computed in float32.
+
+    The TorchScript exporter has no symbolic for it (ONNX's RMSNormalization is opset 23);
+    float32 statistics, as diffusers' own RMSNorm keeps them, spare fp16 graphs an overflow.
     """
-    device, dtype = _placement(unet)
-    cfg = unet.config
-    b, h, w = shape.batch, shape.latent_height, shape.latent_width
-    sample = torch.randn(b, cfg.in_channels, h, w, device=device, dtype=dtype)
-    timestep = torch.linspace(1, 999, b, device=device, dtype=torch.float32)
-    ehs = torch.randn(b, shape.text_len, cfg.cross_attention_dim, device=device, dtype=dtype)
-    dynamic = {
-        "sample": {0: "batch", 2: "height", 3: "width"},
-        "timestep": {0: "batch"},
-        "encoder_hidden_states": {0: "batch", 1: "text_len"},
-        UNET_OUTPUT: {0: "batch", 2: "height", 3: "width"},
-    }
-    return _export(
-        UNetForExport(unet), (sample, timestep, ehs), Path(path), UNET_INPUTS, (UNET_OUTPUT,), dynamic, opset
-    )
+    from torch.onnx import symbolic_helper
+
+    x32 = g.op("Cast", x, to_i=1)  # 1: ONNX FLOAT
+    axes = list(range(-len(normalized_shape), 0))
+    mean = g.op("ReduceMean", g.op("Mul", x32, x32), axes_i=axes, keepdims_i=1)
+    eps_value = g.op("Constant", value_t=torch.tensor(1e-6 if eps is None else eps, dtype=torch.float32))
+    y = g.op("CastLike", g.op("Div", x32, g.op("Sqrt", g.op("Add", mean, eps_value))), x)
+    return y if symbolic_helper._is_none(weight) else g.op("Mul", y, weight)
 
 
-def export_vae_decoder(vae: Any, path: str | Path, *, shape: ExportShape = DEFAULT_SHAPE, opset: int = OPSET) -> Path:
-    """Write the VAE decoder (with the latent scaling) as ONNX, dynamic batch and H/W."""
-    device, dtype = _placement(vae)
-    latents = torch.randn(
-        shape.batch, vae.config.latent_channels, shape.latent_height, shape.latent_width, device=device, dtype=dtype
+def _rotary(original: Any) -> Any:
+    """diffusers' apply_rotary_emb with its (pairs of channels) split traceable for dynamic shapes.
+
+    `x.reshape(*x.shape[:-1], -1, 2)` records the traced batch and sequence length as constants
+    (a Flux graph then only runs at the traced size); `unflatten(-1, (-1, 2))` keeps them symbolic.
+    Same arithmetic otherwise; other variants go to the original.
+    """
+
+    def apply_rotary_emb(
+        x: torch.Tensor, freqs_cis: Any, use_real: bool = True, use_real_unbind_dim: int = -1, sequence_dim: int = 2
+    ) -> torch.Tensor:
+        if not use_real or use_real_unbind_dim != -1 or sequence_dim not in (1, 2):
+            return original(x, freqs_cis, use_real, use_real_unbind_dim, sequence_dim)
+        cos, sin = freqs_cis
+        index = (None, slice(None), None, slice(None)) if sequence_dim == 1 else (None, None, slice(None), slice(None))
+        cos, sin = cos[index].to(x.device), sin[index].to(x.device)
+        x_real, x_imag = x.unflatten(-1, (-1, 2)).unbind(-1)
+        x_rotated = torch.stack([-x_imag, x_real], dim=-1).flatten(3)
+        return (x.float() * cos + x_rotated.float() * sin).to(x.dtype)
+
+    return apply_rotary_emb
+
+
+@contextlib.contextmanager
+def _traceable(opset: int) -> Iterator[None]:
+    """What the tracer needs for the transformer families, for the duration of one export."""
+    from diffusers.models.transformers import transformer_flux
+    from torch.onnx import register_custom_op_symbolic, symbolic_helper, unregister_custom_op_symbolic
+
+    register_custom_op_symbolic("aten::rms_norm", symbolic_helper.parse_args("v", "is", "v", "f")(_rms_norm), opset)
+    original = transformer_flux.apply_rotary_emb
+    transformer_flux.apply_rotary_emb = _rotary(original)
+    try:
+        yield
+    finally:
+        transformer_flux.apply_rotary_emb = original
+        unregister_custom_op_symbolic("aten::rms_norm", opset)
+
+
+def _export_via_tmp(
+    module: torch.nn.Module,
+    args: tuple,
+    path: Path,
+    input_names,
+    output_names,
+    dynamic_axes: dict,
+    opset: int,
+    threshold: int,
+) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # The tracer writes weights of a graph over 2 GB as one file per tensor: trace into a
+    # scratch directory, then keep one graph file (and at most one data file).
+    with tempfile.TemporaryDirectory(prefix=".export-", dir=path.parent) as tmp, _traceable(opset):
+        traced = _export(module, args, Path(tmp) / path.name, input_names, output_names, dynamic_axes, opset)
+        return _finish(traced, path, threshold)
+
+
+def export_denoiser(
+    family: Family,
+    path: str | Path,
+    *,
+    rows: int = 2,
+    height: int | None = None,
+    width: int | None = None,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    opset: int = OPSET,
+    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+) -> Path:
+    """Write the family's denoiser as ONNX with its dynamic axes.
+
+    The graph's precision (and the tracing device) is `dtype` (`device`), by default the
+    module's own; the family's module is left as it was. Timesteps, ids and guidance stay
+    float32 inputs in every precision (diffusers builds their embeddings in float32).
+    """
+    started = time.monotonic()
+    module = _placed(family.denoiser_module(), device, dtype)
+    device, dtype = _placement(module)
+    size = family.native_size // 4 // family.size_multiple * family.size_multiple or family.size_multiple
+    args = example_inputs(family, rows, height or size, width or size, device, dtype)
+    out = _export_via_tmp(
+        module,
+        args,
+        Path(path),
+        family.input_names,
+        (PREDICTION,),
+        family.dynamic_axes(),
+        opset,
+        external_data_threshold,
     )
+    log.info("exported the %s denoiser in %.1f s", family.name, time.monotonic() - started)
+    return out
+
+
+def export_decoder(
+    family: Family,
+    path: str | Path,
+    *,
+    rows: int = 1,
+    latent_height: int = 16,
+    latent_width: int = 16,
+    device: torch.device | None = None,
+    dtype: torch.dtype | None = None,
+    opset: int = OPSET,
+    external_data_threshold: int = EXTERNAL_DATA_THRESHOLD,
+) -> Path:
+    """Write the family's latent decoder (VAE with its scaling and shift) as ONNX, dynamic batch and H/W;
+    precision and device as for `export_denoiser`."""
+    module = _placed(family.decoder_module(), device, dtype)
+    device, dtype = _placement(module)
+    latents = torch.randn(rows, family.latent_channels, latent_height, latent_width, device=device, dtype=dtype)
     dynamic = {
         VAE_INPUT: {0: "batch", 2: "height", 3: "width"},
         VAE_OUTPUT: {0: "batch", 2: "image_height", 3: "image_width"},
     }
-    return _export(VAEDecoderForExport(vae), (latents,), Path(path), (VAE_INPUT,), (VAE_OUTPUT,), dynamic, opset)
+    return _export_via_tmp(
+        module, (latents,), Path(path), (VAE_INPUT,), (VAE_OUTPUT,), dynamic, opset, external_data_threshold
+    )

@@ -10,6 +10,7 @@ import logging
 
 import torch
 
+from render.families.base import Family
 from turbonode.config import BACKEND_NAMES
 from turbonode.errors import BackendUnavailable
 
@@ -33,23 +34,23 @@ def resolve_device(device: str) -> torch.device:
     return dev
 
 
-def _tensorrt(components, dev: torch.device, options) -> Backend:
+def _tensorrt(family: Family, dev: torch.device, options) -> Backend:
     from .tensorrt import TensorRTBackend, TensorRTOptions
 
     if options is None:
         from turbonode.config import WorkerConfig
 
-        options = TensorRTOptions.from_config(WorkerConfig())
+        options = TensorRTOptions.from_config(WorkerConfig(), family.native_size)
     try:
-        return TensorRTBackend(components, dev, options)
+        return TensorRTBackend(family, dev, options)
     except BackendUnavailable:
         raise
     except Exception as exc:  # export, build or CUDA failures: a clear message, and auto's fallback
         raise BackendUnavailable(f"tensorrt backend failed to start: {type(exc).__name__}: {exc}") from exc
 
 
-def make_backend(name: str, components, device: str = "auto", *, tensorrt_options=None) -> Backend:
-    """Build the backend `name` ('auto', 'torch', 'tensorrt') for `components` on `device`.
+def make_backend(name: str, family: Family, device: str = "auto", *, tensorrt_options=None) -> Backend:
+    """Build the backend `name` ('auto', 'torch', 'tensorrt') for the model `family` on `device`.
 
     `tensorrt_options` (a render.backends.tensorrt.TensorRTOptions) sets the engines'
     batch range, sizes and cache; None takes the config defaults.
@@ -58,12 +59,12 @@ def make_backend(name: str, components, device: str = "auto", *, tensorrt_option
         raise BackendUnavailable(f"unknown backend {name!r} (expected {', '.join(BACKEND_NAMES)})")
     dev = resolve_device(device)
     if name == "tensorrt":
-        return _tensorrt(components, dev, tensorrt_options)
+        return _tensorrt(family, dev, tensorrt_options)
     if name == "auto":
         try:
-            return _tensorrt(components, dev, tensorrt_options)
+            return _tensorrt(family, dev, tensorrt_options)
         except BackendUnavailable as exc:
             log.warning("backend auto: using torch on %s (%s)", dev, exc)
     from .torch_backend import TorchBackend
 
-    return TorchBackend(components, dev)
+    return TorchBackend(family, dev)

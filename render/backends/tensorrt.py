@@ -1,7 +1,8 @@
-"""The TensorRT backend: UNet and VAE decoder as TensorRT engines on one CUDA GPU.
+"""The TensorRT backend: a model family's denoiser and VAE decoder as TensorRT engines on one CUDA GPU.
 
-Engines are built from ONNX exports (onnx_export.py) with one optimisation profile that
-spans batch 1..max_batch and the configured resolutions, and are cached on disk
+Engines are built from ONNX exports (onnx_export.py: the SD/SDXL UNet with its added inputs,
+the SD3/Flux transformers) with one optimisation profile that spans 1..max_batch rows and
+the configured resolutions (`Family.input_shapes` at the smallest and largest), and are cached on disk
 (engine_cache.py). Inference runs on torch CUDA tensors in place: the engine reads and
 writes torch's own device memory (`set_tensor_address(tensor.data_ptr())`) and runs on
 torch's current stream, so there is no host copy and no extra synchronisation.
@@ -12,15 +13,18 @@ logic (pure functions below) is tested without a GPU.
 
 from __future__ import annotations
 
-import copy
 import importlib
 import logging
+import shutil
+import tempfile
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from render.families.base import LATENT_INPUT, PREDICTION, VAE_INPUT, VAE_OUTPUT, Family
 from turbonode.errors import BackendUnavailable
 
 from . import onnx_export
@@ -38,7 +42,7 @@ class TensorRTOptions:
     cache_dir: Path
     max_batch: int = 4
     sizes: tuple[tuple[int, int], ...] = ((512, 512),)  # image (height, width) in pixels; first = opt
-    precision: str = "fp16"
+    precision: str | None = None  # None: the family's half precision (fp16, or bf16 for SD3/Flux)
     optimization_level: int = 3  # TensorRT's default; lower builds faster, runs a little slower
 
     def __post_init__(self):
@@ -46,18 +50,18 @@ class TensorRTOptions:
             raise ValueError("max_batch must be at least 1")
         if not self.sizes:
             raise ValueError("at least one image size is needed")
-        if self.precision not in PRECISIONS:
+        if self.precision is not None and self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {sorted(PRECISIONS)}")
 
     @classmethod
-    def from_config(cls, worker) -> TensorRTOptions:
-        """From the [worker] config section: its batch limit, default size and cache directory."""
-        return cls(
-            cache_dir=Path(worker.engine_cache_dir), max_batch=worker.max_batch, sizes=((worker.size, worker.size),)
-        )
+    def from_config(cls, worker, native_size: int = 512) -> TensorRTOptions:
+        """From the [worker] config section: its batch limit, default size (0: the model's) and cache directory."""
+        size = worker.size or native_size
+        return cls(cache_dir=Path(worker.engine_cache_dir), max_batch=worker.max_batch, sizes=((size, size),))
 
 
-PRECISIONS = {"fp16": torch.float16, "fp32": torch.float32}
+PRECISIONS = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+PRECISION_NAMES = {dtype: name for name, dtype in PRECISIONS.items()}
 
 
 def tensorrt_unavailable_reason() -> str | None:
@@ -77,39 +81,28 @@ def tensorrt_unavailable_reason() -> str | None:
     return None
 
 
-def latent_profile(options: TensorRTOptions, scale: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
-    """(min, opt, max) latent (height, width) covering every configured image size."""
+def size_profile(options: TensorRTOptions, multiple: int) -> tuple[tuple[int, int], tuple[int, int], tuple[int, int]]:
+    """(min, opt, max) image (height, width) in pixels covering every configured size; opt is the first."""
     for h, w in options.sizes:
-        if h % scale or w % scale:
-            raise ValueError(f"image size {h}x{w} is not a multiple of the VAE scale {scale}")
-    lat = [(h // scale, w // scale) for h, w in options.sizes]
-    return ((min(h for h, _ in lat), min(w for _, w in lat)), lat[0], (max(h for h, _ in lat), max(w for _, w in lat)))
+        if h % multiple or w % multiple:
+            raise ValueError(f"image size {h}x{w} is not a multiple of {multiple} (the model's size step)")
+    hs, ws = [h for h, _ in options.sizes], [w for _, w in options.sizes]
+    return (min(hs), min(ws)), options.sizes[0], (max(hs), max(ws))
 
 
-def unet_profile(
-    options: TensorRTOptions, *, in_channels: int, text_len: int, embed_dim: int, scale: int
-) -> dict[str, tuple[Shape, Shape, Shape]]:
-    """min/opt/max shape of each UNet input. Opt is the full batch: speed matters under load."""
-    (h0, w0), (h1, w1), (h2, w2) = latent_profile(options, scale)
+def denoiser_profile(options: TensorRTOptions, family: Family) -> dict[str, tuple[Shape, Shape, Shape]]:
+    """min/opt/max shape of each denoiser input. Opt is the full batch: speed matters under load."""
+    lo, opt, hi = size_profile(options, family.size_multiple)
     b = options.max_batch
-    sample, timestep, ehs = onnx_export.UNET_INPUTS
-    return {
-        sample: ((1, in_channels, h0, w0), (b, in_channels, h1, w1), (b, in_channels, h2, w2)),
-        timestep: ((1,), (b,), (b,)),
-        ehs: ((1, text_len, embed_dim), (b, text_len, embed_dim), (b, text_len, embed_dim)),
-    }
+    small, typical, large = family.input_shapes(1, *lo), family.input_shapes(b, *opt), family.input_shapes(b, *hi)
+    return {name: (small[name], typical[name], large[name]) for name in family.input_names}
 
 
-def vae_profile(options: TensorRTOptions, *, latent_channels: int, scale: int) -> dict[str, tuple[Shape, Shape, Shape]]:
-    (h0, w0), (h1, w1), (h2, w2) = latent_profile(options, scale)
-    b = options.max_batch
-    return {
-        onnx_export.VAE_INPUT: (
-            (1, latent_channels, h0, w0),
-            (b, latent_channels, h1, w1),
-            (b, latent_channels, h2, w2),
-        )
-    }
+def decoder_profile(options: TensorRTOptions, family: Family) -> dict[str, tuple[Shape, Shape, Shape]]:
+    lo, opt, hi = size_profile(options, family.size_multiple)
+    b, c = options.max_batch, family.latent_channels
+    lat = [family.latent_size(*hw) for hw in (lo, opt, hi)]
+    return {VAE_INPUT: ((1, c, *lat[0]), (b, c, *lat[1]), (b, c, *lat[2]))}
 
 
 def _logger(trt):
@@ -227,7 +220,7 @@ class EngineRunner:
 
 
 class EngineFactory:
-    """Cached TensorRT engines for torch modules, on one CUDA device with one set of options."""
+    """Cached TensorRT engines for a model family, on one CUDA device with one set of options."""
 
     def __init__(self, device: torch.device, options: TensorRTOptions):
         reason = tensorrt_unavailable_reason()
@@ -239,81 +232,77 @@ class EngineFactory:
         self.device = torch.device("cuda", torch.cuda.current_device()) if device.index is None else device
         self.trt = importlib.import_module("tensorrt")
         self.options = options
-        self.dtype = PRECISIONS[options.precision]
         self.logger = _logger(self.trt)
         self.runtime = self.trt.Runtime(self.logger)
         self.cache = EngineCache(options.cache_dir)
 
-    def key(self, component: str, model_hash: str) -> EngineKey:
+    def key(self, component: str, family: Family, precision: str) -> EngineKey:
         props = torch.cuda.get_device_properties(self.device)
         return EngineKey(
             component=component,
-            model_hash=model_hash,
+            family=family.name,
+            model_hash=family.fingerprint,
             trt_version=self.trt.__version__,
             gpu_name=props.name,
             compute_capability=(props.major, props.minor),
             min_batch=1,
             max_batch=self.options.max_batch,
             resolutions=self.options.sizes,
-            precision=self.options.precision,
+            precision=precision,
         )
 
-    def unet(self, unet, model_hash: str, *, text_len: int, scale: int) -> EngineRunner:
-        cfg = unet.config
-        profile = unet_profile(
-            self.options, in_channels=cfg.in_channels, text_len=text_len, embed_dim=cfg.cross_attention_dim, scale=scale
-        )
-        return self._get(
-            "unet", model_hash, unet, onnx_export.export_unet, profile, onnx_export.ExportShape(text_len=text_len)
-        )
+    def denoiser(self, family: Family, precision: str) -> EngineRunner:
+        def export(path: Path) -> None:
+            onnx_export.export_denoiser(family, path, device=self.device, dtype=PRECISIONS[precision])
 
-    def vae_decoder(self, vae, model_hash: str, *, scale: int) -> EngineRunner:
-        profile = vae_profile(self.options, latent_channels=vae.config.latent_channels, scale=scale)
-        return self._get(
-            "vae_decoder", model_hash, vae, onnx_export.export_vae_decoder, profile, onnx_export.ExportShape()
-        )
+        return self._get(self.key("denoiser", family, precision), export, denoiser_profile(self.options, family))
 
-    def _get(
-        self, component: str, model_hash: str, module, export, profile, shape: onnx_export.ExportShape
-    ) -> EngineRunner:
-        key = self.key(component, model_hash)
-        onnx_path = self.cache.root / "onnx" / f"{component}-{model_hash}-{key.precision}.onnx"
+    def decoder(self, family: Family, precision: str) -> EngineRunner:
+        def export(path: Path) -> None:
+            onnx_export.export_decoder(family, path, device=self.device, dtype=PRECISIONS[precision])
 
+        return self._get(self.key("decoder", family, precision), export, decoder_profile(self.options, family))
+
+    def _get(self, key: EngineKey, export: Callable[[Path], None], profile: dict) -> EngineRunner:
         def build() -> bytes:
-            # Export from a copy: the caller's torch module keeps its device and dtype.
-            shadow = copy.deepcopy(module).to(self.device, self.dtype)
-            export(shadow, onnx_path, shape=shape)
-            del shadow
-            torch.cuda.empty_cache()
+            # GBs for SDXL, tens of GB for Flux (graph + external data): exported into a scratch
+            # directory that goes when the engine is built; a rebuild exports afresh.
+            scratch = Path(tempfile.mkdtemp(prefix=".onnx-", dir=self.cache.root))
             try:
+                onnx_path = scratch / f"{key.family}-{key.component}.onnx"
+                export(onnx_path)
+                torch.cuda.empty_cache()
                 return build_serialized_engine(self.trt, onnx_path, profile, self.options, self.logger)
             finally:
-                onnx_path.unlink(missing_ok=True)  # GBs for SD; a rebuild exports afresh
+                shutil.rmtree(scratch, ignore_errors=True)
 
         def deserialize(blob: bytes):
             engine = self.runtime.deserialize_cuda_engine(blob)
             return None if engine is None else EngineRunner(self.trt, engine, self.device)
 
+        self.cache.root.mkdir(parents=True, exist_ok=True)
         with torch.cuda.device(self.device):
             return self.cache.load_or_build(key, build, deserialize)
 
 
 class TensorRTBackend(Backend):
-    """UNet and VAE decoder as cached TensorRT engines; the text encoder stays in torch."""
+    """The family's denoiser and VAE decoder as cached TensorRT engines; the text encoders stay in torch."""
 
     name = "tensorrt"
 
-    def __init__(self, components, device: torch.device, options: TensorRTOptions):
+    def __init__(self, family: Family, device: torch.device, options: TensorRTOptions):
         self.engines = EngineFactory(device, options)
-        self.device, self.dtype, self.options = self.engines.device, self.engines.dtype, options
-        self.scale = components.vae_scale_factor
-        self.unet = self.engines.unet(
-            components.unet, components.fingerprint, text_len=components.tokenizer.model_max_length, scale=self.scale
-        )
-        self.vae = self.engines.vae_decoder(components.vae, components.fingerprint, scale=self.scale)
+        self.options, self.family = options, family
+        precision = options.precision or PRECISION_NAMES[family.cuda_dtype]
+        self.device, self.dtype = self.engines.device, PRECISIONS[precision]
+        self.shared_inputs = frozenset(family.shared_axes)  # per token, not per row: never split by row
+        self.denoiser = self.engines.denoiser(family, precision)
+        # SDXL's VAE overflows in fp16 (its config says force_upcast): its engine is built in fp32
+        self.decoder = self.engines.decoder(family, "fp32" if family.vae_needs_fp32(self.dtype) else precision)
+        self.scale = family.vae_scale_factor
 
     def unsupported_size(self, height: int, width: int) -> str | None:
-        (h0, w0), _, (h2, w2) = [(h * self.scale, w * self.scale) for h, w in latent_profile(self.options, self.scale)]
+        (h0, w0), _, (h2, w2) = size_profile(self.options, self.family.size_multiple)
         if h0 <= height <= h2 and w0 <= width <= w2:
             return None
         # WIDTHxHEIGHT, as the API's 'size' is written
@@ -322,33 +311,28 @@ class TensorRTBackend(Backend):
             f"({w0}x{h0} to {w2}x{h2}; worker.size sets it)"
         )
 
-    def _check_size(self, latents: torch.Tensor) -> None:
-        reason = self.unsupported_size(latents.shape[-2] * self.scale, latents.shape[-1] * self.scale)
-        if reason:
-            raise BackendUnavailable(reason)
-
     def _chunks(self, n: int):
         step = self.options.max_batch
         return [slice(i, min(i + step, n)) for i in range(0, n, step)]
 
     @torch.inference_mode()
-    def predict_noise(self, latents, timesteps, encoder_hidden_states):
-        self._check_size(latents)
-        dev, dtype = self.device, self.unet.inputs["sample"]
-        sample = latents.to(dev, dtype).contiguous()
-        t = timesteps.to(dev, torch.float32).reshape(-1).expand(sample.shape[0]).contiguous()
-        ehs = encoder_hidden_states.to(dev, self.unet.inputs["encoder_hidden_states"]).contiguous()
+    def predict(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        # an input's dtype is the engine's (timesteps, ids, guidance: float32; the rest the precision)
+        feeds = {n: t.to(self.device, self.denoiser.inputs[n]).contiguous() for n, t in inputs.items()}
+        rows = feeds[LATENT_INPUT].shape[0]
         outs = [
-            self.unet(sample=sample[s], timestep=t[s], encoder_hidden_states=ehs[s])[onnx_export.UNET_OUTPUT]
-            for s in self._chunks(sample.shape[0])
+            self.denoiser(**{n: t if n in self.shared_inputs else t[s] for n, t in feeds.items()})[PREDICTION]
+            for s in self._chunks(rows)
         ]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     @torch.inference_mode()
-    def decode(self, latents):
-        self._check_size(latents)
-        x = latents.to(self.device, self.vae.inputs[onnx_export.VAE_INPUT]).contiguous()
-        outs = [self.vae(**{onnx_export.VAE_INPUT: x[s]})[onnx_export.VAE_OUTPUT] for s in self._chunks(x.shape[0])]
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        reason = self.unsupported_size(latents.shape[-2] * self.scale, latents.shape[-1] * self.scale)
+        if reason:
+            raise BackendUnavailable(reason)
+        x = latents.to(self.device, self.decoder.inputs[VAE_INPUT]).contiguous()
+        outs = [self.decoder(**{VAE_INPUT: x[s]})[VAE_OUTPUT] for s in self._chunks(x.shape[0])]
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
     def describe(self) -> dict:

@@ -1,44 +1,47 @@
-"""The torch backend: UNet and VAE as eager torch modules (CPU here, CUDA where present)."""
+"""The torch backend: the family's denoiser and VAE decoder as eager torch modules (CPU here, CUDA where present)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
+
+from render.families.base import FLOAT32_INPUTS, Family
 
 from .base import Backend
 
 
-def _place(module, device, dtype):
+def _place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
     module = module.to(device)
     # diffusers logs a warning on every dtype cast, even a no-op one: cast only when needed.
-    return module if module.dtype == dtype else module.to(dtype)
+    return module if next(module.parameters()).dtype == dtype else module.to(dtype)
 
 
 class TorchBackend(Backend):
-    """Runs the diffusers UNet/VAE in torch; fp16 on CUDA, fp32 on CPU.
+    """Runs the family's denoiser and VAE in torch: on CUDA in the family's half precision, fp32 on CPU.
 
-    `decode` takes latents as the scheduler produced them and divides by the VAE's
-    scaling factor itself, so callers never need to know it.
+    `decode` takes latents as the scheduler produced them and un-scales (and un-shifts) them
+    itself, so callers never need to know the VAE's factors.
     """
 
     name = "torch"
 
-    def __init__(self, components, device: torch.device):
+    def __init__(self, family: Family, device: torch.device):
         self.device = torch.device(device)
-        self.dtype = torch.float16 if self.device.type == "cuda" else torch.float32
-        self.unet = _place(components.unet, self.device, self.dtype)
-        self.vae = _place(components.vae, self.device, self.dtype)
-        self.scaling_factor = float(self.vae.config.scaling_factor)
+        self.dtype = family.cuda_dtype if self.device.type == "cuda" else torch.float32
+        self.denoiser = _place(family.denoiser_module(), self.device, self.dtype)
+        self.input_names = family.input_names
+        # SDXL's VAE overflows in fp16 (its config says force_upcast): it decodes in fp32, as diffusers does
+        self.decoder_dtype = torch.float32 if family.vae_needs_fp32(self.dtype) else self.dtype
+        self.decoder = _place(family.decoder_module(), self.device, self.decoder_dtype)
 
     @torch.inference_mode()
-    def predict_noise(self, latents, timesteps, encoder_hidden_states):
-        return self.unet(
-            latents.to(self.device, self.dtype),
-            timesteps.to(self.device),
-            encoder_hidden_states=encoder_hidden_states.to(self.device, self.dtype),
-            return_dict=False,
-        )[0]
+    def predict(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        args = [
+            inputs[n].to(self.device, torch.float32 if n in FLOAT32_INPUTS else self.dtype) for n in self.input_names
+        ]
+        return self.denoiser(*args)
 
     @torch.inference_mode()
-    def decode(self, latents):
-        latents = latents.to(self.device, self.dtype) / self.scaling_factor
-        return self.vae.decode(latents, return_dict=False)[0]
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        return self.decoder(latents.to(self.device, self.decoder_dtype))
