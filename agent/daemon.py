@@ -148,7 +148,7 @@ def run(cfg: Config, flags: Flags | None = None) -> int:
         stack.callback(_shutdown, loop, cfg, datapath)
         status = UnixRpcServer(a.socket, {"status": loop.status, "ping": lambda: "pong"}, owner="agent").start()
         stack.callback(status.close)
-        server = metrics.serve(metrics.build_registry(loop.watchers, loop.metrics_state), a.metrics)
+        server = metrics.serve(metrics.build_registry(loop.watchers, loop.metrics_state, cfg.node.name), a.metrics)
         log.info("metrics on %s:%d/metrics, status on %s", *server.server_address[:2], a.socket)
         stack.callback(server.server_close)
         stack.callback(server.shutdown)

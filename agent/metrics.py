@@ -11,6 +11,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from turbonode.config import split_host_port
 from turbonode.errors import TurbonodeError
+from turbonode.exposition import NodeLabelled, daemon_registry
 from turbonode.levels import LEVELS
 
 from .watchers.base import Watcher
@@ -60,15 +61,17 @@ class PolicyCollector:
         return []
 
 
-def build_registry(watchers: list[Watcher], policy_state) -> CollectorRegistry:
-    reg = CollectorRegistry(auto_describe=False)
+def build_registry(watchers: list[Watcher], policy_state, node: str = "") -> NodeLabelled:
+    """The agent's exposition: build info, process metrics, a collector per watcher and the
+    policy's, every series labelled with the node's name ('' = the hostname)."""
+    reg, served = daemon_registry("agent", node)
     for w in watchers:
         reg.register(WatcherCollector(w))
     reg.register(PolicyCollector(policy_state))
-    return reg
+    return served
 
 
-def serve(registry: CollectorRegistry, address: str):
+def serve(registry: CollectorRegistry | NodeLabelled, address: str):
     """Start the /metrics HTTP server on HOST:PORT; returns the server (port 0 picks one)."""
     from prometheus_client import start_http_server
 

@@ -11,6 +11,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import psutil
 import torch
@@ -20,6 +21,7 @@ from turbonode.rpc_server import UnixRpcServer
 from turbonode.throttle_params import THROTTLE_HELD
 from turbonode.tiers import PROTECTED_TIER, TIER_NAMES
 
+from .readiness import Readiness
 from .throttle import Held
 
 log = logging.getLogger(__name__)
@@ -30,8 +32,16 @@ GC_PAUSES_PER_STATUS = 256
 class ControlHandlers:
     """The RPC methods, as plain callables taking keyword params (jsonrpc.dispatch calls them)."""
 
-    def __init__(self, engine, gc_monitor, started: float | None = None, backend_info: dict | None = None):
+    def __init__(
+        self,
+        engine,
+        gc_monitor,
+        started: float | None = None,
+        backend_info: dict | None = None,
+        readiness: Callable[[str | None], Readiness] | None = None,
+    ):
         self.engine = engine
+        self.readiness = readiness  # the HTTP API's (render/http_api.py): what /readyz?tier=T answers
         self.gc = gc_monitor
         self.started = time.monotonic() if started is None else started
         self.backend_info = backend_info or engine.backend.describe()
@@ -82,10 +92,24 @@ class ControlHandlers:
                 "uptime_s": round(time.monotonic() - self.started, 3),
             }
         )
+        if self.readiness is not None:
+            out["ready"] = {
+                tier: {"ready": r.ready, "status": r.status, "reason": r.reason}
+                for tier in TIER_NAMES
+                for r in [self.readiness(tier)]
+            }
         return out
 
     def throttle(
-        self, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=(), reason=None, ttl_s=None, hold=False
+        self,
+        max_batch=None,
+        paused_tiers=(),
+        step_caps=None,
+        shed_tiers=(),
+        unready_tiers=(),
+        reason=None,
+        ttl_s=None,
+        hold=False,
     ) -> dict:
         try:
             t = self.engine.throttle.set(
@@ -93,6 +117,7 @@ class ControlHandlers:
                 paused_tiers=paused_tiers,
                 step_caps=step_caps,
                 shed_tiers=shed_tiers,
+                unready_tiers=unready_tiers,
                 reason=reason if reason is not None else "",
                 ttl_s=ttl_s,
                 hold=hold,
@@ -129,7 +154,9 @@ class ControlHandlers:
 
 
 class ControlServer(UnixRpcServer):
-    """The worker's control socket: ControlHandlers' methods on the shared JSON-RPC transport."""
+    """The worker's control socket: ControlHandlers' methods (or, while the model loads, a table
+    that says so: render/daemon.py) on the shared JSON-RPC transport."""
 
-    def __init__(self, path: str, handlers: ControlHandlers, group: str | None = None):
-        super().__init__(path, handlers.table(), owner="worker", group=group)
+    def __init__(self, path: str, handlers: ControlHandlers | dict, group: str | None = None):
+        table = handlers if isinstance(handlers, dict) else handlers.table()
+        super().__init__(path, table, owner="worker", group=group)

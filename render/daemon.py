@@ -1,9 +1,15 @@
-"""The worker's composition root: load the model, wire engine, HTTP API and control socket.
+"""The worker's composition root: bind, load the model, wire engine, HTTP API and control socket.
 
-Signal handlers only set a flag (an asyncio Event). On SIGTERM/SIGINT the worker stops
-taking jobs, fails those that have not started with a clear error, lets running ones
-finish (up to `drain_timeout`), fails what is left, and exits; systemd hears READY,
-STOPPING and WATCHDOG through sd_notify.
+Bind first, then load: the HTTP server and the control socket are up before the model loads,
+so a busy port or a live worker's socket is reported at once rather than minutes later, and
+during the load GET /livez answers 200, GET /readyz and generation requests 503 "loading"
+with Retry-After, /metrics shows the worker as not ready, and every control-socket method
+answers an error saying the model is loading.
+
+Signal handlers only set a flag (an asyncio Event), also during the load. On SIGTERM/SIGINT
+the worker stops taking jobs (/readyz: 503 draining), fails those that have not started with
+a clear error, lets running ones finish (up to `drain_timeout`), fails what is left, and
+exits; systemd hears READY (once the model has loaded), STOPPING and WATCHDOG through sd_notify.
 """
 
 from __future__ import annotations
@@ -12,16 +18,26 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from turbonode import sdnotify
-from turbonode.config import split_host_port
+from turbonode.config import WorkerConfig, split_host_port
 from turbonode.errors import TurbonodeError
+from turbonode.exposition import daemon_registry
+from turbonode.jsonrpc import SERVER_ERROR, RpcError
+
+from .readiness import ENGINE_STALL_S
+
+if TYPE_CHECKING:  # torch: imported when the worker loads, not when this module does
+    from .control_server import ControlServer
+    from .engine import Engine
+    from .gc_telemetry import GcMonitor
+    from .http_api import RequestDefaults
 
 log = logging.getLogger(__name__)
-
-WATCHDOG_STALL_S = 60.0  # an engine whose loop has not come round for this long is stuck
 
 
 class ListenError(TurbonodeError):
@@ -43,22 +59,57 @@ def torch_threads() -> int:
     return n
 
 
+def loading_handlers() -> dict[str, Callable[..., Any]]:
+    """The control socket's methods while the model loads: each answers that it is loading.
+    `ping` too: its callers (the agent, the demo, `turboctl worker ping`) take an answer as
+    "ready"; the socket is bound this early only so that a live worker's is never taken over
+    after a load of minutes."""
+
+    def refuse(**_params: Any) -> Any:
+        raise RpcError(SERVER_ERROR, "the worker is loading its model")
+
+    return {"ping": refuse, "status": refuse, "throttle": refuse, "release": refuse}
+
+
 class Worker:
-    """Everything a running worker owns; `build` loads the model, `serve` runs until a signal."""
+    """Everything a running worker owns: `serve` binds, loads (`load`) and runs until a signal."""
 
-    def __init__(self, cfg, policy=None):
-        from prometheus_client import CollectorRegistry
+    def __init__(self, cfg: WorkerConfig, policy=None, node: str = ""):
+        from .http_api import Api
+        from .metrics import WorkerMetrics
 
+        self.cfg, self.policy = cfg, policy
+        self.backend_info: dict[str, Any] = {}
+        registry, served = daemon_registry("worker", node, self._build_labels)
+        self.metrics = WorkerMetrics(registry)
+        self.api = Api(
+            None, served, None, model_id=cfg.model, metrics=self.metrics, slo=cfg.slo, refuse_unready=cfg.refuse_unready
+        )
+        self.engine: Engine | None = None
+        self.gc: GcMonitor | None = None
+        self.control: ControlServer | None = None
+        self.defaults: RequestDefaults | None = None
+        self.family = ""
+        self.address: tuple[str, int] | None = None
+
+    def _build_labels(self) -> dict[str, str]:
+        """What build info adds once the model has loaded."""
+        info = self.backend_info
+        if not info:
+            return {}
+        return {"backend": info["name"], "device": info["device"], "model_family": self.family}
+
+    def load(self) -> None:
+        """Load the model and build the engine (minutes for a first TensorRT build)."""
         from .backends.select import make_backend
         from .backends.tensorrt import TensorRTOptions
         from .encode_prompt import PromptEncoder
         from .engine import Engine, EngineSettings
         from .gc_telemetry import GcMonitor, freeze_after_load
-        from .http_api import Api, RequestDefaults
-        from .metrics import WorkerMetrics
+        from .http_api import RequestDefaults
         from .model import load_model
 
-        self.cfg = cfg
+        cfg = self.cfg
         started = time.monotonic()
         loading(f"loading model {cfg.model}")
         torch_threads()
@@ -70,69 +121,105 @@ class Worker:
             family.name,
             family.fingerprint,
         )
-        settings = EngineSettings.from_config(cfg, **({"policy": policy} if policy is not None else {}))
+        settings = EngineSettings.from_config(cfg, **({"policy": self.policy} if self.policy is not None else {}))
         settings.tier_defaults(family)  # a sampler the family cannot use fails here, before a backend is built
         started = time.monotonic()
         # tensorrt: a first start exports ONNX and builds engines (minutes; progress in the log)
         loading(f"preparing backend {cfg.backend} (device {cfg.device}) for model {family.model_id}")
-        self.backend = make_backend(
-            cfg.backend,
-            family,
-            cfg.device,
-            tensorrt_options=TensorRTOptions.from_config(cfg, family.native_size),
+        backend = make_backend(
+            cfg.backend, family, cfg.device, tensorrt_options=TensorRTOptions.from_config(cfg, family.native_size)
         )
-        info = self.backend.describe()
+        info = backend.describe()
         log.info("backend %s on %s ready in %.1f s", info["name"], info["device"], time.monotonic() - started)
-        encoder = PromptEncoder(family, self.backend.device, self.backend.dtype, cfg.text_cache_size)
-        self.metrics = WorkerMetrics(CollectorRegistry())
-        self.engine = Engine(self.backend, encoder, family, settings, metrics=self.metrics)
-        self.metrics.watch(self.engine)
-        defaults = RequestDefaults(
+        encoder = PromptEncoder(family, backend.device, backend.dtype, cfg.text_cache_size)
+        engine = Engine(backend, encoder, family, settings, metrics=self.metrics)
+        self.metrics.watch(engine)
+        self.defaults = RequestDefaults(
             cfg.size or family.native_size,
-            self.engine.size_multiple,
-            self.engine.defaults.steps,
-            self.engine.defaults.guidance,
-            size_check=self.backend.unsupported_size,
+            engine.size_multiple,
+            engine.defaults.steps,
+            engine.defaults.guidance,
+            size_check=backend.unsupported_size,
         )
-        self.api = Api(self.engine, self.metrics.registry, defaults)
         self.backend_info = info
+        self.family = family.name
         del family
         freeze_after_load()
         self.gc = GcMonitor(observe=self.metrics.observe_gc)
-        self.control = None
-        self.address: tuple[str, int] | None = None
+        self.engine = engine
+
+    async def _load(self, stop: asyncio.Event) -> bool:
+        """Load in a daemon thread while the server answers; False when a signal came first
+        (the load cannot be interrupted, and a daemon thread does not hold the exit)."""
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+
+        def target() -> None:
+            try:
+                self.load()
+            except BaseException as exc:  # noqa: BLE001 - handed to the event loop, raised there
+                loop.call_soon_threadsafe(done.set_exception, exc)
+            else:
+                loop.call_soon_threadsafe(done.set_result, None)
+
+        threading.Thread(target=target, name="turbonode-load", daemon=True).start()
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({done, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not done.done():
+            return False
+        stopped.cancel()
+        done.result()  # a load error propagates
+        return True
 
     async def serve(self, on_ready: Callable[[str], None] | None = None) -> int:
         from aiohttp import web
 
         from .control_server import ControlHandlers, ControlServer
 
+        started = time.monotonic()
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
-        self.gc.install()
-        self.engine.start()
         runner = web.AppRunner(self.api.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
         host, port = split_host_port(self.cfg.listen)
         try:
-            site = web.TCPSite(runner, host, port)
-            await site.start()
-            self.control = ControlServer(
-                self.cfg.control_socket,
-                ControlHandlers(self.engine, self.gc, backend_info=self.backend_info),
-                self.cfg.control_group,
-            ).start()
+            await web.TCPSite(runner, host, port).start()
         except OSError as exc:
             await self._shutdown(runner)
             raise ListenError(f"cannot listen on {self.cfg.listen}: {exc.strerror or exc}") from None
+        try:
+            self.control = ControlServer(self.cfg.control_socket, loading_handlers(), self.cfg.control_group)
+        except OSError as exc:
+            await self._shutdown(runner)
+            raise ListenError(f"cannot create {self.cfg.control_socket}: {exc.strerror or exc}") from None
         except TurbonodeError:
             await self._shutdown(runner)
             raise
+        self.control.start()
         bound = runner.addresses[0]
         self.address = (bound[0], bound[1])
         url = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"
+        loading(f"listening on {url} (control {self.cfg.control_socket}); the model loads next")
+        try:
+            loaded = await self._load(stop)
+        except BaseException:
+            await self._shutdown(runner)
+            raise
+        if not loaded:
+            log.info("stopped while loading the model")
+            await self._shutdown(runner)
+            return 0
+        engine, gc = self.engine, self.gc
+        assert engine is not None and gc is not None and self.control is not None and self.defaults is not None
+        gc.install()
+        engine.start()
+        handlers = ControlHandlers(
+            engine, gc, started=started, backend_info=self.backend_info, readiness=self.api.readiness
+        )
+        self.control.handlers.update(handlers.table())
+        self.api.attach(engine, self.defaults)
         serving = f"serving {url} (control {self.cfg.control_socket})"
         sdnotify.notify(f"READY=1\nSTATUS={serving}")
         log.info("%s", serving)
@@ -141,30 +228,32 @@ class Worker:
         watchdog = asyncio.create_task(self._watchdog())
         await stop.wait()
         watchdog.cancel()
-        await self._drain(loop)
+        await self._drain(engine, loop)
         await self._shutdown(runner)
         return 0
 
-    async def _drain(self, loop: asyncio.AbstractEventLoop) -> None:
+    async def _drain(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
         """Stop intake, fail what has not started, give running jobs `drain_timeout` to finish."""
         timeout = self.cfg.drain_timeout
-        failed, running = self.engine.close_intake()
+        failed, running = engine.close_intake()
         sdnotify.notify(f"STOPPING=1\nSTATUS=draining {running} running jobs (up to {timeout:g} s)")
         log.info("draining: %d running jobs get up to %g s to finish; %d queued jobs failed", running, timeout, failed)
         started = time.monotonic()
-        if await loop.run_in_executor(None, self.engine.wait_idle, timeout):
+        if await loop.run_in_executor(None, engine.wait_idle, timeout):
             log.info("drained in %.1f s", time.monotonic() - started)
             return
-        n = self.engine.fail_all(f"the worker stopped before the job finished (drain timeout {timeout:g} s)")
+        n = engine.fail_all(f"the worker stopped before the job finished (drain timeout {timeout:g} s)")
         log.warning("drain timeout: failed %d unfinished jobs after %g s", n, timeout)
 
     async def _watchdog(self) -> None:
         interval = sdnotify.watchdog_interval()
         if interval is None:
             return
+        engine = self.engine
+        assert engine is not None
         while True:
             # ping only while the engine thread is alive and its loop keeps coming round
-            if self.engine.alive and self.engine.clock() - self.engine.heartbeat < WATCHDOG_STALL_S:
+            if engine.alive and engine.clock() - engine.heartbeat < ENGINE_STALL_S:
                 sdnotify.notify("WATCHDOG=1")
             await asyncio.sleep(interval)
 
@@ -172,11 +261,14 @@ class Worker:
         await runner.cleanup()
         if self.control is not None:
             self.control.close()
-        self.engine.stop()
-        self.gc.uninstall()
+        if self.engine is not None:
+            self.engine.stop()
+        if self.gc is not None:
+            self.gc.uninstall()
 
 
-def run(cfg, on_ready: Callable[[str], None] | None = None, policy=None) -> int:
-    """Build and serve a worker from a WorkerConfig; returns the exit status."""
-    worker = Worker(cfg, policy)
+def run(cfg: WorkerConfig, on_ready: Callable[[str], None] | None = None, policy=None, node: str = "") -> int:
+    """Serve a worker from a WorkerConfig until a signal; returns the exit status. `node` names the
+    node in the metrics' `node` label ('' = the hostname)."""
+    worker = Worker(cfg, policy, node)
     return asyncio.run(worker.serve(on_ready))

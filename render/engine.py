@@ -237,11 +237,15 @@ class Engine:
         self.step_times.append(seconds)
         self.steps_total += 1
         if self.metrics is not None:
-            self.metrics.observe_step(seconds, len(samples))
+            self.metrics.observe_step(seconds, [s.job.tier for s in samples])
+        now = self.clock()
         with self.jobs.lock:
             for s in samples:
-                if s.job.state is JobState.RUNNING and all(x.denoised for x in s.job.samples):
-                    s.job.state = JobState.DECODING
+                job = s.job
+                if job.state is JobState.RUNNING and all(x.denoised for x in job.samples):
+                    job.state, job.denoised = JobState.DECODING, now
+                    if self.metrics is not None and job.started is not None:
+                        self.metrics.observe_stage(job.tier, "denoise", now - job.started)
         self._emit("step", samples, seconds)
 
     def _decode(self, samples: list[Sample]) -> None:

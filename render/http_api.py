@@ -5,10 +5,16 @@ b64_json) and turbonode's (tier, steps, seed, guidance, negative_prompt, async);
 may also come from the X-Turbonode-Tier header. Synchronous requests wait for the images;
 a client that disconnects cancels its job. `"async": true` answers 202 with a job id to
 poll at GET /v1/jobs/{id} and cancel with DELETE. Bad input answers 4xx with a message,
-full queues and shed tiers 429 with Retry-After. Every response of a job leaves on a
-socket marked with its tier's DSCP, so the node's QoS classifies the images end to end.
+full queues and shed tiers 429 with Retry-After; a worker still loading its model, draining,
+or (with worker.refuse_unready) not ready for the tier answers 503 with Retry-After. Every
+response of a job leaves on a socket marked with its tier's DSCP, so the node's QoS
+classifies the images end to end.
 GET /v1/models lists what the worker serves (OpenAI's list shape: one model, with its
 family and per-tier defaults under `turbonode`).
+
+Health, Kubernetes-style: GET /livez (the process and its engine turn), GET /readyz (the
+model is loaded and the worker not draining), GET /readyz?tier=T (new work of tier T is
+welcome here: render/readiness.py), and the original GET /healthz. GET /metrics.
 """
 
 from __future__ import annotations
@@ -22,18 +28,22 @@ import logging
 import math
 import secrets
 import socket
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from turbonode.config import MAX_GUIDANCE, MAX_PIXELS, MAX_STEPS, MIN_PIXELS
 from turbonode.errors import ConfigError
+from turbonode.metric_names import CLIENT_CLOSED, UNKNOWN_TIER
 from turbonode.text import parse_decimal, quote
 from turbonode.tiers import DEFAULT_TIER, TIER_NAMES, tos_byte
 
 from .jobs import JobCancelled, JobFailed, JobRequest, Rejected
+from .readiness import ENGINE_STALL_S, Phase, Readiness, TierView, readiness
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +86,8 @@ class BadRequest(Exception):
 class RequestDefaults:
     size: int
     size_multiple: int
-    steps: dict
-    guidance: dict
+    steps: Mapping[str, int]
+    guidance: Mapping[str, float]
     size_check: Callable[[int, int], str | None] | None = None  # Backend.unsupported_size(height, width)
 
     def __post_init__(self) -> None:
@@ -265,12 +275,39 @@ async def json_errors(request, handler):
 
 
 class Api:
-    def __init__(self, engine, registry, defaults: RequestDefaults):
+    """The HTTP routes. `engine` is None while the model loads: the server is up from the start
+    (a busy port is reported before loading), answers /livez, /readyz and /metrics, and refuses
+    generation with 503 + Retry-After until `attach` hands it the engine."""
+
+    def __init__(
+        self,
+        engine,
+        registry,
+        defaults: RequestDefaults | None,
+        *,
+        model_id: str = "",
+        metrics=None,
+        slo: Mapping[str, float] | None = None,
+        refuse_unready: bool = False,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self.engine = engine
-        self.registry = registry
+        self.registry = registry  # what /metrics serves
         self.defaults = defaults
-        self.model = engine.describe_model()
-        self.created = int(engine.wall())  # when this worker loaded its model: the model object's `created`
+        # what the worker serves: the engine's description once loaded, the configured id before
+        self.model: dict = engine.describe_model() if engine is not None else {"model": model_id}
+        self.created = int(time.time())  # when this worker loaded its model: the model object's `created`
+        self.metrics = metrics
+        self.slo = dict(slo or {})
+        self.refuse_unready = refuse_unready
+        self.clock = clock
+        if metrics is not None:
+            metrics.watch_readiness(lambda tier: self.readiness(tier).ready, self.slo)
+
+    def attach(self, engine, defaults: RequestDefaults) -> None:
+        """The model has loaded: serve it."""
+        self.defaults, self.model, self.created = defaults, engine.describe_model(), int(engine.wall())
+        self.engine = engine
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[json_errors])
@@ -281,91 +318,82 @@ class Api:
                 web.delete("/v1/jobs/{id}", self.delete_job),
                 web.get("/v1/models", self.list_models),
                 web.get("/v1/models/{id:.+}", self.get_model),  # a directory's id has slashes
+                web.get("/livez", self.livez),
+                web.get("/readyz", self.readyz),
                 web.get("/healthz", self.healthz),
-                web.get("/metrics", self.metrics),
+                web.get("/metrics", self.metrics_page),
             ]
         )
         return app
 
-    async def _images(self, job) -> list[dict]:
-        loop = asyncio.get_running_loop()
-        encoded = await asyncio.gather(*(loop.run_in_executor(None, encode_png, s.image) for s in job.samples))
-        return [{"b64_json": b64, "revised_prompt": job.request.prompt} for b64 in encoded]
+    # ---- health -----------------------------------------------------------------------
 
-    async def generate(self, request: web.Request) -> web.Response:
-        header_tier = request.headers.get(TIER_HEADER)
-        try:
-            body = parse_json_body(await request.read(), request.charset)
-            job_request, run_async = parse_generation(body, header_tier, self.defaults)
-        except BadRequest as exc:
-            return web.json_response(error_body(exc.message, "invalid_request_error", exc.param), status=exc.status)
-        _mark(request, job_request.tier)
-        try:
-            job = self.engine.submit(job_request)
-        except Rejected as exc:
-            headers = {}
-            if exc.retry_after is not None:
-                headers["Retry-After"] = str(max(1, math.ceil(exc.retry_after)))
-            code = type(exc).__name__.lower()
-            return web.json_response(
-                error_body(str(exc), "rate_limit_error" if exc.status == 429 else "server_error", "tier", code),
-                status=exc.status,
-                headers=headers,
-            )
-        if run_async:
-            return web.json_response(
-                job.describe(self.engine.clock()), status=202, headers={"Location": f"/v1/jobs/{job.id}"}
-            )
-        try:
-            await asyncio.shield(asyncio.wrap_future(job.future))
-        except asyncio.CancelledError:
-            # the client went away (aiohttp cancels the handler): free the job's slot
-            self.engine.cancel(job.id)
-            raise
-        except JobCancelled as exc:
-            return web.json_response(error_body(str(exc), "invalid_request_error", None, "cancelled"), status=409)
-        except JobFailed as exc:
-            status = 503 if not self.engine.accepting else 500
-            return web.json_response(
-                error_body(f"job failed: {exc}", "server_error", None, "job_failed"), status=status
-            )
-        answer = {
-            "created": int(job.created),
-            "data": await self._images(job),
-            "turbonode": job.describe(self.engine.clock()),
-        }
-        job.drop_images()  # delivered: a sync job's pixels are not kept
-        return web.json_response(answer)
+    def phase(self) -> Phase:
+        engine = self.engine
+        if engine is None:
+            return Phase.LOADING
+        if not engine.accepting:
+            return Phase.DRAINING
+        return Phase.SERVING if engine.alive else Phase.STOPPED
 
-    def _job(self, request: web.Request):
-        job = self.engine.get(request.match_info["id"])
-        if job is None:
-            raise web.HTTPNotFound(reason=f"no job {request.match_info['id']!r} (unknown or expired)")
-        _mark(request, job.tier)
-        return job
+    def readiness(self, tier: str | None = None) -> Readiness:
+        phase = self.phase()
+        if phase is not Phase.SERVING or tier is None:
+            return readiness(phase)
+        engine = self.engine
+        now = engine.clock()
+        lease = engine.throttle.current()
+        view = TierView(
+            unready_by_agent=lease is not None and tier in lease.unready_tiers,
+            shed_by_agent=lease is not None and tier in lease.shed_tiers,
+            agent_reason=lease.reason if lease is not None else "",
+            lease_left_s=lease.expires_at - now if lease is not None else 0.0,
+            oldest_wait_s=engine.jobs.oldest_wait(tier, now),
+            objective_s=self.slo.get(tier),
+        )
+        return readiness(phase, tier, view)
 
-    async def get_job(self, request: web.Request) -> web.Response:
-        job = self._job(request)
-        out = job.describe(self.engine.clock())
-        if job.state.value == "done" and not job.images_dropped:
-            out["data"] = await self._images(job)
-        return web.json_response(out)
+    def alive(self) -> tuple[bool, str]:
+        engine = self.engine
+        if engine is None:
+            return True, "loading"
+        if not engine.alive:
+            return False, "the engine thread has stopped"
+        stalled = engine.clock() - engine.heartbeat
+        if stalled > ENGINE_STALL_S:
+            return False, f"the engine loop has not come round for {stalled:.0f} s"
+        return True, self.phase().value
 
-    async def delete_job(self, request: web.Request) -> web.Response:
-        job = self.engine.cancel(self._job(request).id)
-        return web.json_response(job.describe(self.engine.clock()))
+    async def livez(self, request: web.Request) -> web.Response:
+        """Liveness (restart me if not): the process answers and its engine thread turns."""
+        ok, why = self.alive()
+        return web.json_response({"status": "alive" if ok else "dead", "phase": why}, status=200 if ok else 503)
+
+    async def readyz(self, request: web.Request) -> web.Response:
+        """Readiness (send me work): loaded and not draining; with ?tier=T, for that tier's new work."""
+        tier = request.query.get("tier")
+        if tier is not None and tier not in TIER_NAMES:
+            raise web.HTTPBadRequest(reason=f"unknown tier {tier!r} (expected one of {', '.join(TIER_NAMES)})")
+        r = self.readiness(tier)
+        body = {"status": r.status, "ready": r.ready, "tier": tier}
+        if r.reason:
+            body["reason"] = r.reason
+        return web.json_response(body, status=200 if r.ready else 503, headers=r.retry_after_header())
 
     async def healthz(self, request: web.Request) -> web.Response:
-        ok = self.engine.alive and self.engine.accepting
-        body = {
-            "status": "ok" if ok else ("draining" if self.engine.alive else "engine stopped"),
-            "model": self.model["model"],
-            "backend": self.engine.backend.describe(),
-        }
-        return web.json_response(body, status=200 if ok else 503)
+        """The original health check: 200 while serving, else 503 saying loading, draining or engine stopped."""
+        phase = self.phase()
+        status = {Phase.SERVING: "ok", Phase.STOPPED: "engine stopped"}.get(phase, phase.value)
+        body = {"status": status, "model": self.model["model"]}
+        if self.engine is not None:
+            body["backend"] = self.engine.backend.describe()
+        return web.json_response(body, status=200 if phase is Phase.SERVING else 503)
 
     def _model_object(self) -> dict:
         """OpenAI's model object, with what turbonode adds (family, pipeline, sizes, per-tier defaults)."""
+        if self.engine is None:
+            r = self.readiness()
+            raise web.HTTPServiceUnavailable(reason=r.reason, headers=r.retry_after_header())
         return {
             "id": self.model["model"],
             "object": "model",
@@ -385,5 +413,143 @@ class Api:
             )
         return web.json_response(self._model_object())
 
-    async def metrics(self, request: web.Request) -> web.Response:
+    async def metrics_page(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    # ---- generation -------------------------------------------------------------------
+
+    async def _images(self, job) -> list[dict]:
+        loop = asyncio.get_running_loop()
+        encoded = await asyncio.gather(*(loop.run_in_executor(None, encode_png, s.image) for s in job.samples))
+        return [{"b64_json": b64, "revised_prompt": job.request.prompt} for b64 in encoded]
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        """One generation request, measured from arrival to its response written, by tier and outcome."""
+        start = self.clock()
+        tally = Tally()
+        try:
+            answer = await self._generate(request, tally)
+            tally.outcome, tally.code = answer.outcome, answer.response.status
+            await answer.response.prepare(request)
+            await answer.response.write_eof()
+            if answer.outcome == "ok" and self.metrics is not None:
+                self.metrics.observe_stage(tally.tier, "respond", self.clock() - answer.job.finished)
+            return answer.response
+        except (asyncio.CancelledError, ConnectionError):
+            tally.outcome, tally.code = "cancelled", CLIENT_CLOSED  # the client went away first
+            raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.request_answered(tally.tier, tally.outcome, tally.code, self.clock() - start)
+
+    async def _generate(self, request: web.Request, tally: Tally) -> Answer:
+        header_tier = request.headers.get(TIER_HEADER)
+        try:
+            body = parse_json_body(await request.read(), request.charset)
+        except BadRequest as exc:
+            tally.tier = _tier_of(None, header_tier)
+            return Answer("invalid", _error(exc.message, exc.status, exc.param))
+        tally.tier = _tier_of(body, header_tier)
+        if self.engine is None or self.defaults is None:
+            r = self.readiness()
+            return Answer("rejected", _error(r.reason, 503, "tier", "loading", r))
+        try:
+            job_request, run_async = parse_generation(body, header_tier, self.defaults)
+        except BadRequest as exc:
+            return Answer("invalid", _error(exc.message, exc.status, exc.param))
+        tier = tally.tier = job_request.tier
+        _mark(request, tier)
+        if self.refuse_unready:
+            r = self.readiness(tier)
+            if r.status == "not ready":  # a shed tier keeps its 429 from the job table
+                message = f"this node is not ready for {tier} work: {r.reason}"
+                return Answer("rejected", _error(message, 503, "tier", "not_ready", r))
+        try:
+            job = self.engine.submit(job_request)
+        except Rejected as exc:
+            headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))} if exc.retry_after is not None else {}
+            response = web.json_response(
+                error_body(
+                    str(exc),
+                    "rate_limit_error" if exc.status == 429 else "server_error",
+                    "tier",
+                    type(exc).__name__.lower(),
+                ),
+                status=exc.status,
+                headers=headers,
+            )
+            return Answer("rejected", response)
+        if run_async:
+            response = web.json_response(
+                job.describe(self.engine.clock()), status=202, headers={"Location": f"/v1/jobs/{job.id}"}
+            )
+            return Answer("accepted", response, job)
+        try:
+            await asyncio.shield(asyncio.wrap_future(job.future))
+        except asyncio.CancelledError:
+            # the client went away (aiohttp cancels the handler): free the job's slot
+            self.engine.cancel(job.id)
+            raise
+        except JobCancelled as exc:
+            return Answer("cancelled", _error(str(exc), 409, None, "cancelled"), job)
+        except JobFailed as exc:
+            status = 503 if not self.engine.accepting else 500
+            return Answer("failed", _error(f"job failed: {exc}", status, None, "job_failed"), job)
+        payload = {
+            "created": int(job.created),
+            "data": await self._images(job),
+            "turbonode": job.describe(self.engine.clock()),
+        }
+        job.drop_images()  # delivered: a sync job's pixels are not kept
+        return Answer("ok", web.json_response(payload), job)
+
+    # ---- jobs -------------------------------------------------------------------------
+
+    def _job(self, request: web.Request):
+        job = self.engine.get(request.match_info["id"]) if self.engine is not None else None
+        if job is None:
+            raise web.HTTPNotFound(reason=f"no job {request.match_info['id']!r} (unknown or expired)")
+        _mark(request, job.tier)
+        return job
+
+    async def get_job(self, request: web.Request) -> web.Response:
+        job = self._job(request)
+        out = job.describe(self.engine.clock())
+        if job.state.value == "done" and not job.images_dropped:
+            out["data"] = await self._images(job)
+        return web.json_response(out)
+
+    async def delete_job(self, request: web.Request) -> web.Response:
+        job = self.engine.cancel(self._job(request).id)
+        return web.json_response(job.describe(self.engine.clock()))
+
+
+@dataclass
+class Answer:
+    """A generation request's response and its outcome (one of turbonode.metric_names.OUTCOMES)."""
+
+    outcome: str
+    response: web.Response
+    job: Any = None
+
+
+@dataclass
+class Tally:
+    """How a generation request is counted, filled in as far as it got."""
+
+    tier: str = UNKNOWN_TIER
+    outcome: str = "failed"
+    code: int = 500
+
+
+def _tier_of(body, header_tier: str | None) -> str:
+    """The request's tier as far as it can be read, for counting a refused or bad request."""
+    tier = body.get("tier") if isinstance(body, dict) else None
+    tier = tier or header_tier or DEFAULT_TIER
+    return tier if tier in TIER_NAMES else UNKNOWN_TIER
+
+
+def _error(message: str, status: int, param: str | None = None, code: str | None = None, r=None) -> web.Response:
+    kind = "invalid_request_error" if status < 500 else "server_error"
+    headers = r.retry_after_header() if r is not None else {}
+    return web.json_response(error_body(message, kind, param, code), status=status, headers=headers)

@@ -131,7 +131,7 @@ class JobTable:
                     wait = now - job.submitted
                     self.queue_waits[job.tier].append(wait)
                     if self.metrics is not None:
-                        self.metrics.observe_queue_wait(job.tier, wait)
+                        self.metrics.observe_stage(job.tier, "queue_wait", wait)
 
     def finish(self, job: Job, state: JobState, error: str | None = None) -> None:
         """Move a job to a terminal state and resolve its future."""
@@ -144,6 +144,8 @@ class JobTable:
             while len(self._finished) > KEEP_FINISHED:
                 self._jobs.pop(self._finished.popleft(), None)
             if state is JobState.DONE:
+                if self.metrics is not None and job.denoised is not None:
+                    self.metrics.observe_stage(job.tier, "decode", job.finished - job.denoised)
                 self._holding_images.append(job)
                 while len(self._holding_images) > self.keep_images:
                     self._holding_images.popleft().drop_images()
@@ -196,6 +198,12 @@ class JobTable:
         return self._intake_open
 
     # ---- status -----------------------------------------------------------------------
+
+    def oldest_wait(self, tier: str, now: float) -> float:
+        """How long the tier's oldest queued job has waited so far (0 when none waits)."""
+        with self.lock:
+            queued = (j.submitted for j in self._active.values() if j.tier == tier and j.state is JobState.QUEUED)
+            return max((now - t for t in queued), default=0.0)
 
     def tiers(self, now: float) -> dict[str, dict]:
         """Per tier: queued, in flight, the oldest queued job's wait, the p99 of recent waits."""

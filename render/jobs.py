@@ -118,7 +118,8 @@ class Job:
     id: str = field(default_factory=lambda: "job-" + uuid.uuid4().hex[:16])
     state: JobState = JobState.QUEUED
     error: str | None = None
-    started: float | None = None
+    started: float | None = None  # first denoising step (monotonic)
+    denoised: float | None = None  # last denoising step done, decode pending
     finished: float | None = None
     cond: Conditioning | None = None  # the prompt's encoding, once the job is admitted
     uncond: Conditioning | None = None  # the negative prompt's, with classifier-free guidance
@@ -156,6 +157,7 @@ class Job:
             "progress": self.progress,
             "created": int(self.created),
             "steps": max((s.total_steps for s in self.samples), default=self.request.steps),
+            "step": min((s.step for s in self.samples), default=0),  # of the least advanced image
             "seed": self.request.seed,
             "n": self.request.n,
             "size": f"{self.request.width}x{self.request.height}",

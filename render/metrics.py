@@ -1,25 +1,37 @@
-"""The worker's Prometheus metrics (`turbonode_worker_*`, base units).
+"""The worker's Prometheus metrics (`turbonode_worker_*`, base units; names shared with the
+dashboard and the alerts in turbonode/metric_names.py).
 
-Events (a step ran, a job waited, a GC paused, a job ended) go into histograms and
-counters as they happen. Levels (queue depth, in-flight jobs, text-cache counts) are read
-from the engine at scrape time by a Collector that builds fresh families every scrape.
-Everything lives in one CollectorRegistry the caller owns, so tests use a fresh one.
+Events (a request answered, a job passed a stage, a step ran, a GC paused, a job ended) go
+into histograms and counters as they happen. Levels (queue depth, in-flight jobs, readiness,
+text-cache counts) are read at scrape time by Collectors that build fresh families every
+scrape. Everything lives in one CollectorRegistry the caller owns, so tests use a fresh one.
 """
 
 from __future__ import annotations
 
+import collections
 import logging
+from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from turbonode.tiers import PRIORITY_ORDER
+from turbonode.metric_names import (
+    DENOISE_STEPS,
+    READY,
+    REQUEST_BUCKETS,
+    REQUEST_DURATION,
+    REQUEST_STAGE,
+    REQUESTS,
+    SLO,
+    STAGES,
+)
+from turbonode.tiers import PRIORITY_ORDER, TIER_NAMES
 
 log = logging.getLogger(__name__)
 
 P = "turbonode_worker_"
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
-WAIT_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0)
 GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 
 
@@ -27,30 +39,61 @@ class WorkerMetrics:
     def __init__(self, registry: CollectorRegistry | None = None):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self.request_duration = Histogram(
+            REQUEST_DURATION,
+            "Generation requests, from arrival to the response written, by tier and outcome",
+            ["tier", "outcome"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.request_stage = Histogram(
+            REQUEST_STAGE,
+            "Where a generation request's time went, by tier and stage (queue_wait, denoise, decode, respond)",
+            ["tier", "stage"],
+            buckets=REQUEST_BUCKETS,
+            registry=r,
+        )
+        self.requests = Counter(
+            REQUESTS, "Generation requests answered, by tier and HTTP status code", ["tier", "code"], registry=r
+        )
+        self.denoise_steps = Counter(DENOISE_STEPS, "Denoising steps done per image, by tier", ["tier"], registry=r)
         self.step_seconds = Histogram(
             P + "step_duration_seconds", "Wall time of one batched UNet step", buckets=STEP_BUCKETS, registry=r
         )
         self.batch_size = Histogram(
             P + "batch_images", "Images in one UNet step", buckets=(1, 2, 4, 8, 16, 32), registry=r
         )
-        self.queue_wait = Histogram(
-            P + "queue_wait_seconds",
-            "Time from submission to a job's first step",
-            ["tier"],
-            buckets=WAIT_BUCKETS,
-            registry=r,
-        )
         self.gc_pause = Histogram(
             P + "gc_pause_seconds", "Pause of one garbage collection", ["generation"], buckets=GC_BUCKETS, registry=r
         )
         self.jobs = Counter(P + "jobs", "Jobs that ended, by tier and outcome", ["tier", "outcome"], registry=r)
+        # The series a dashboard or an alert divides or takes quantiles of exist from the start, at
+        # 0: Prometheus takes a series' first sample as its baseline, so a lazily created one
+        # would lose its first events (the first requests after a restart).
+        for tier in TIER_NAMES:
+            self.denoise_steps.labels(tier)
+            self.jobs.labels(tier, "done")
+            for outcome in ("ok", "rejected"):
+                self.request_duration.labels(tier, outcome)
+            for stage in STAGES:
+                self.request_stage.labels(tier, stage)
+            for code in ("200", "429", "503"):
+                self.requests.labels(tier, code)
 
-    def observe_step(self, seconds: float, images: int) -> None:
+    def request_answered(self, tier: str, outcome: str, code: int, seconds: float) -> None:
+        self.request_duration.labels(tier, outcome).observe(seconds)
+        self.requests.labels(tier, str(code)).inc()
+
+    def observe_stage(self, tier: str, stage: str, seconds: float) -> None:
+        self.request_stage.labels(tier, stage).observe(seconds)
+
+    def observe_step(self, seconds: float, tiers: Iterable[str]) -> None:
+        """One batched UNet step: `tiers` has one entry per image in the batch."""
+        per_tier = collections.Counter(tiers)
         self.step_seconds.observe(seconds)
-        self.batch_size.observe(images)
-
-    def observe_queue_wait(self, tier: str, seconds: float) -> None:
-        self.queue_wait.labels(tier).observe(seconds)
+        self.batch_size.observe(sum(per_tier.values()))
+        for tier, n in per_tier.items():
+            self.denoise_steps.labels(tier).inc(n)
 
     def observe_gc(self, generation: int, seconds: float) -> None:
         self.gc_pause.labels(str(generation)).observe(seconds)
@@ -61,6 +104,33 @@ class WorkerMetrics:
     def watch(self, engine) -> None:
         """Export the engine's levels at scrape time."""
         self.registry.register(EngineCollector(engine))
+
+    def watch_readiness(self, ready: Callable[[str], bool], slo: Mapping[str, float]) -> None:
+        """Export each tier's readiness (what GET /readyz?tier=T answers) and objective at scrape time."""
+        self.registry.register(ReadinessCollector(ready, slo))
+
+
+class ReadinessCollector:
+    """turbonode_worker_ready{tier} and turbonode_worker_slo_seconds{tier}; from the HTTP server
+    up, so a worker still loading its model shows 0 rather than nothing."""
+
+    def __init__(self, ready: Callable[[str], bool], slo: Mapping[str, float]):
+        self.ready, self.slo = ready, slo
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        ready = GaugeMetricFamily(
+            READY, "1 while the worker takes new work of the tier (GET /readyz?tier=T)", labels=["tier"]
+        )
+        for tier in PRIORITY_ORDER:
+            ready.add_metric([tier], int(self.ready(tier)))
+        yield ready
+        slo = GaugeMetricFamily(SLO, "The tier's request-duration objective (worker.slo)", labels=["tier"])
+        for tier, seconds in self.slo.items():
+            slo.add_metric([tier], seconds)
+        yield slo
 
 
 class EngineCollector:

@@ -50,6 +50,7 @@ class Throttle(ThrottleLimits):
             "paused_tiers": sorted(self.paused_tiers),
             "step_caps": dict(self.step_caps),
             "shed_tiers": sorted(self.shed_tiers),
+            "unready_tiers": sorted(self.unready_tiers),
             "reason": self.reason,
             "ttl_s": self.ttl_s,
             "expires_at": self.set_at_wall + self.ttl_s,
@@ -64,6 +65,7 @@ def make_throttle(
     paused_tiers=(),
     step_caps=None,
     shed_tiers=(),
+    unready_tiers=(),
     reason="",
     ttl_s=None,
     hold=False,
@@ -71,7 +73,7 @@ def make_throttle(
     now_wall: float,
 ) -> Throttle:
     """Validate the `throttle` call's parameters; ValueError names the bad one."""
-    limits = check_throttle(max_batch, paused_tiers, step_caps, shed_tiers)
+    limits = check_throttle(max_batch, paused_tiers, step_caps, shed_tiers, unready_tiers)
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError("reason must be a non-empty string (it is logged and shown in status)")
     if not isinstance(hold, bool):
@@ -85,6 +87,7 @@ def make_throttle(
         limits.paused_tiers,
         limits.step_caps,
         limits.shed_tiers,
+        limits.unready_tiers,
         reason.strip(),
         ttl_s,
         now,

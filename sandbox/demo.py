@@ -36,6 +36,7 @@ class DemoSettings:
     clients: dict = field(default_factory=lambda: {"turbo": 1, "fast": 1, "other": 1, "relax": 2})
     bulk_flows: int = 4
     stress: bool = True  # the fault: stress-ng on every CPU during the load
+    keep_logs: bool = False  # keep the daemons' logs (and the node's config) after the demo
 
 
 def preflight() -> None:

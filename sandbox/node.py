@@ -44,8 +44,9 @@ class DemoNode:
     def __init__(self, settings: DemoSettings, log=print):
         self.s = settings
         self.log = log
-        self.tmp = Path(tempfile.mkdtemp(prefix="turbonode-demo-"))
         self.sandbox = Sandbox(prefix="tnd")
+        # named after the node's namespace, so a test can find it; removed on close unless keep_logs
+        self.tmp = Path(tempfile.mkdtemp(prefix=f"turbonode-demo-{self.sandbox.server}-"))
         self.procs: list[subprocess.Popen] = []
         self.env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PYTHONUNBUFFERED": "1"}
         self.config = self.tmp / "turbonode.toml"
@@ -65,7 +66,7 @@ class DemoNode:
         )
         self.log(
             f"node: netns {sb.server} ({sb.server_ip}, {sb.dev} shaped to {self.s.rate}); "
-            f"client: netns {sb.client} ({sb.client_ip}); logs in {self.tmp}"
+            f"client: netns {sb.client} ({sb.client_ip})" + (f"; logs in {self.tmp} (kept)" if self.s.keep_logs else "")
         )
         self.worker = self._spawn(
             "worker", sb.cmd(sb.server, *self._turboctl("worker", "run", "--config", str(self.config)))
@@ -80,7 +81,10 @@ class DemoNode:
             _stop(proc)
         self.procs.clear()
         self.sandbox.delete()  # takes the veth pair and every qdisc on it along
-        shutil.rmtree(self.tmp, ignore_errors=True)
+        if self.s.keep_logs:
+            self.log(f"logs kept in {self.tmp}")
+        else:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
     def __enter__(self) -> DemoNode:
         try:
@@ -114,16 +118,20 @@ class DemoNode:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if proc.poll() is not None:
-                raise DemoError(
-                    f"the {name} exited ({proc.returncode}): see {self.tmp}/{name}.log\n"
-                    + _tail(self.tmp / f"{name}.log")
-                )
+                raise DemoError(f"the {name} exited ({proc.returncode}){self._log_hint(name)}")
             try:
                 probe()
                 return
             except ControlError:
                 time.sleep(0.2)
-        raise DemoError(f"the {name} did not come up in {timeout:.0f} s: see {self.tmp}/{name}.log")
+        raise DemoError(f"the {name} did not come up in {timeout:.0f} s{self._log_hint(name)}")
+
+    def _log_hint(self, name: str) -> str:
+        """Where to look: the kept log's path, or (it is about to be removed) its last lines."""
+        path = self.tmp / f"{name}.log"
+        if self.s.keep_logs:
+            return f": see {path}"
+        return f"; the end of its log (--keep-logs keeps the whole):\n{_tail(path)}"
 
     def release(self, proc: subprocess.Popen) -> None:
         _stop(proc)

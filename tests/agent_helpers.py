@@ -34,9 +34,11 @@ class MiniWorker:
             "max_batch": 4,
             "gc": {"last_seq": self.pauses[-1]["seq"] if self.pauses else 0, "pauses": pauses},
             "throttle": t and {k: v for k, v in t.items() if k != "expires"},
+            "backend": {"name": "mini", "device": "cpu"},
+            "uptime_s": 1.0,
         }
 
-    def throttle(self, reason, ttl_s, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=()):
+    def throttle(self, reason, ttl_s, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=(), unready_tiers=()):
         if "turbo" in list(paused_tiers) + list(shed_tiers) + list(step_caps or {}):
             raise RpcError(INVALID_PARAMS, "turbo is never throttled")
         self.calls.append(("throttle", reason))

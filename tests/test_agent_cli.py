@@ -58,12 +58,14 @@ SNAPSHOT = {
 def test_status_table_shows_level_why_qos_worker(tmp_path):
     path = str(tmp_path / "agent.sock")
     srv = UnixRpcServer(path, {"status": lambda: SNAPSHOT}).start()
+    args = ["status", "--socket", path, "--worker-socket", str(tmp_path / "no-worker.sock")]
     try:
-        out = CliRunner().invoke(main, ["status", "--socket", path])
-        js = CliRunner().invoke(main, ["status", "--socket", path, "--json"])
+        out = CliRunner().invoke(main, args)
+        js = CliRunner().invoke(main, [*args, "--json"])
     finally:
         srv.close()
-    assert out.exit_code == 0, out.output
+    assert out.exit_code == 1, out.output  # the worker's own socket does not answer: shown, and exit 1
+    assert "worker:   unreachable" in out.output and "the agent sees it ok" in out.output
     text = out.output
     assert "level:    degraded" in text
     assert "pressured -> degraded" in text and "netrx_cpu_share=0.41 > 0.25" in text
@@ -74,7 +76,7 @@ def test_status_table_shows_level_why_qos_worker(tmp_path):
     assert relax.split() == ["relax", "5", "700", "3", "1500", "10mbit", "25mbit"]
     assert ["turbo", "1", "2", "12.0", "ms", "30.0", "ms"] in [line.split() for line in text.splitlines()]
     assert "throttle: max_batch=2, paused_tiers=['relax'], expires_in_s=2.1" in text
-    assert json.loads(js.output)["level"] == "degraded"
+    assert json.loads(js.output)["agent"]["level"] == "degraded"
 
 
 def test_status_socket_is_not_stolen_from_a_live_agent(tmp_path):

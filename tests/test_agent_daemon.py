@@ -103,27 +103,29 @@ def test_cpu_load_throttles_worker_then_recovers(tmp_path, worker):
         tmp_path,
         tmp_path / "worker.sock",
         f'procfs = "{proc_root}"\n[policy]\nexit_samples = 4\nmin_change_interval = 0.5\n'
-        'disabled = ["netrx_cpu_share", "netrx_latency_p99_s"]\n',
+        'disabled = ["netrx_cpu_share", "netrx_latency_p99_s"]\n[node]\nname = "tn-agent-test"\n',
     )
     try:
         assert wait_for(lambda: agent.call("status")["level"] == "normal", 10)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert "turbonode_cpu_collector_success 1.0" in text
-        assert "turbonode_worker_collector_success 1.0" in text
-        assert "turbonode_degradation_level 0.0" in text
+        # every series carries the configured node name (node.name)
+        assert 'turbonode_cpu_collector_success{node="tn-agent-test"} 1.0' in text
+        assert 'turbonode_worker_collector_success{node="tn-agent-test"} 1.0' in text
+        assert 'turbonode_degradation_level{node="tn-agent-test"} 0.0' in text
         fake.busy = 0.9
         assert wait_for(lambda: worker.throttle_state, 5), "no throttle within 5 s of 90 % CPU"
         assert "cpu_load=0.9 > 0.75" in worker.throttle_state["reason"]
         st = wait_for(lambda: (s := agent.call("status"))["last_change"] and s, 2)
         assert st["level"] != "normal" and st["last_change"]["reasons"][0]["signal"] == "cpu_load"
         # The worker's own view of its throttle arrives with the agent's next sample.
-        cli = lambda: CliRunner().invoke(main, ["status", "--socket", f"{tmp_path}/agent.sock"])
+        status = ["status", "--socket", f"{tmp_path}/agent.sock", "--worker-socket", f"{tmp_path}/worker.sock"]
+        cli = lambda: CliRunner().invoke(main, status)
         result = wait_for(lambda: (r := cli()).exit_code == 0 and "throttle: max_batch=" in r.output and r, 2)
         assert result, cli().output
         assert "level:" in result.output and "cpu_load=0.9 > 0.75" in result.output
         assert "worker:   ok" in result.output
-        js = CliRunner().invoke(main, ["status", "--json", "--socket", f"{tmp_path}/agent.sock"])
-        assert json.loads(js.output)["worker"]["state"] == "ok"
+        js = CliRunner().invoke(main, [*status, "--json"])
+        assert json.loads(js.output)["agent"]["worker"]["state"] == "ok"
         fake.busy = 0.72  # inside the hysteresis band: the level holds
         time.sleep(2)
         assert agent.call("status")["level"] != "normal"
@@ -132,8 +134,8 @@ def test_cpu_load_throttles_worker_then_recovers(tmp_path, worker):
         assert wait_for(lambda: worker.calls and worker.calls[-1][0] == "release", 2)
         assert worker.throttle_state is None
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert 'turbonode_throttle_actions_total{action="throttle",reason="cpu_load"}' in text
-        assert 'turbonode_throttle_actions_total{action="release",reason="recovery"} 1.0' in text
+        assert 'turbonode_throttle_actions_total{action="throttle",node="tn-agent-test",reason="cpu_load"}' in text
+        assert 'turbonode_throttle_actions_total{action="release",node="tn-agent-test",reason="recovery"} 1.0' in text
     finally:
         rc, out = stop(proc)
         fake.close()
@@ -155,8 +157,11 @@ def test_absent_worker_and_dry_run(tmp_path):
         assert st, "a zero threshold must escalate"
         assert st["worker"]["state"] == "absent" and "does not exist" in st["worker"]["error"]
         assert st["actions"]["dry_run"] is True
-        result = CliRunner().invoke(main, ["status", "--socket", f"{tmp_path}/agent.sock"])
-        assert "worker:   absent" in result.output and "(dry-run)" in result.output
+        result = CliRunner().invoke(
+            main, ["status", "--socket", f"{tmp_path}/agent.sock", "--worker-socket", f"{tmp_path}/nobody.sock"]
+        )
+        assert "worker:   unreachable" in result.output and "the agent sees it absent" in result.output
+        assert "(dry-run)" in result.output and result.exit_code == 1
     finally:
         rc, out = stop(proc)
     assert rc == 0, out

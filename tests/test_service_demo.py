@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
+import tempfile
 import time
+from pathlib import Path
 
 import psutil
 import pytest
@@ -76,14 +80,24 @@ def _leftovers(tag: str) -> list[str]:
 @needs_bcc
 @pytest.mark.slow
 def test_demo_runs_both_phases_and_cleans_up():
-    res = CliRunner().invoke(main, ["demo", "--seconds", "4", "--size", "64", "--json"])
+    res = CliRunner().invoke(main, ["demo", "--seconds", "4", "--size", "64", "--json", "--keep-logs"])
     assert res.exit_code == 0, res.output
     result = json.loads(res.stdout)
     for phase in ("without", "with"):
         assert result[phase]["tiers"]["turbo"]["ok"] >= 1, result
     assert result["without"]["agent"] is None and result["with"]["agent"]["max_level"]
-    server, client, tmp = re.search(r"netns (\S+) .*netns (\S+) .*logs in (\S+)", res.stderr).groups()
-    assert not ({server, client} & _netns()) and not os.path.exists(tmp) and not _leftovers(tmp)
+    server, client, tmp = re.search(r"netns (\S+) .*netns (\S+) .*logs in (\S+) \(kept\)", res.stderr).groups()
+    try:
+        assert not ({server, client} & _netns()) and not _leftovers(tmp)
+        # --keep-logs: the path it printed exists, with both daemons' logs
+        assert f"logs kept in {tmp}" in res.stderr
+        assert "serving" in Path(tmp, "worker.log").read_text() and Path(tmp, "agent.log").stat().st_size
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _demo_dirs(server: str) -> list[str]:
+    return glob.glob(os.path.join(tempfile.gettempdir(), f"turbonode-demo-{server}-*"))
 
 
 @needs_bcc
@@ -93,9 +107,10 @@ def test_demo_interrupted_removes_everything(sig):
     proc, out = start(turboctl_argv("demo", "--seconds", "30"), daemon_env())
     try:
         assert out.wait_for(r"phase 1/2", 180), out.text
-        m = re.search(r"netns (\S+) .*netns (\S+) .*logs in (\S+)", out.text)
-        server, client, tmp = m.groups()
+        server, client = re.search(r"netns (\S+) .*netns (\S+)", out.text).groups()
         assert {server, client} <= _netns()
+        [tmp] = _demo_dirs(server)
+        assert "logs in" not in out.text  # never a path that will not exist
         proc.send_signal(sig)
         assert proc.wait(60) == 1
     finally:

@@ -89,7 +89,7 @@ def agent_problems(docs, cfg: Config) -> list[str]:
     if set(caps.get("add", [])) != AGENT_CAPS or caps.get("drop") != ["ALL"] or sc.get("privileged"):
         problems.append(f"agent: capabilities {caps} (want drop ALL, add {sorted(AGENT_CAPS)}, not privileged)")
     mounts = _mounts(c, pod)
-    env = {e["name"]: e.get("value") for e in c.get("env", [])}
+    env = {e["name"]: e["value"] for e in c.get("env", []) if "value" in e}  # valueFrom: set by the kubelet
     procfs = load_config(os.devnull, env=env).agent.procfs  # what the daemon makes of its environment
     if procfs not in mounts or _host_path(mounts[procfs]) != "/proc":
         problems.append(f"agent: procfs root {procfs!r} is not the host's /proc")
@@ -118,6 +118,21 @@ def worker_problems(docs, cfg: Config) -> list[str]:
         problems.append(f"worker: the agent does not run with the control socket's group {group}")
     if pod["terminationGracePeriodSeconds"] < 60:
         problems.append("worker: too little grace to drain in-flight jobs")
+    probes = {kind: c.get(kind, {}).get("httpGet", {}).get("path") for kind in ("livenessProbe", "readinessProbe")}
+    if probes != {"livenessProbe": "/livez", "readinessProbe": "/readyz"}:
+        problems.append(f"worker: probes {probes} (want liveness /livez, readiness /readyz)")
+    return problems
+
+
+def node_label_problems(docs) -> list[str]:
+    """Both daemons of a node must label their metrics with the same `node`: the Kubernetes node."""
+    problems = []
+    for role in ("agent", "worker"):
+        c = docs[("DaemonSet", f"turbonode-{role}")]["spec"]["template"]["spec"]["containers"][0]
+        env = {e["name"]: e for e in c.get("env", [])}
+        ref = env.get("TURBONODE_NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+        if ref != "spec.nodeName":
+            problems.append(f"{role}: TURBONODE_NODE_NAME is not the pod's spec.nodeName")
     return problems
 
 
@@ -146,6 +161,9 @@ def test_configmap_toml_is_valid(tmp_path):
     assert config_problems(docs) == []
     assert agent_problems(docs, cfg) == []
     assert worker_problems(docs, cfg) == []
+    assert node_label_problems(docs) == []
+    # the variable the manifests set is the configuration key node.name
+    assert load_config(os.devnull, env={"TURBONODE_NODE_NAME": "gpu-node-01"}).node.name == "gpu-node-01"
 
 
 def test_checks_catch_broken_manifests():
@@ -159,7 +177,14 @@ def test_checks_catch_broken_manifests():
     worker["volumes"] = [v for v in worker["volumes"] if v["name"] != "run"] + [{"name": "run", "emptyDir": {}}]
     worker["containers"][0]["ports"][0]["containerPort"] = 8000
     worker["containers"][0]["command"][-1] = "/etc/other.toml"
-    problems = agent_problems(broken, cfg) + worker_problems(broken, cfg) + config_problems(broken)
+    worker["containers"][0]["readinessProbe"]["httpGet"]["path"] = "/healthz"
+    worker["containers"][0]["env"] = [e for e in worker["containers"][0]["env"] if e["name"] != "TURBONODE_NODE_NAME"]
+    problems = (
+        agent_problems(broken, cfg)
+        + worker_problems(broken, cfg)
+        + config_problems(broken)
+        + node_label_problems(broken)
+    )
     for expected in (
         "hostNetwork",
         "capabilities",
@@ -167,6 +192,8 @@ def test_checks_catch_broken_manifests():
         "/run/turbonode is not shared",
         "worker: port is not 8460",
         "--config /etc/other.toml",
+        "want liveness /livez, readiness /readyz",
+        "worker: TURBONODE_NODE_NAME",
     ):
         assert any(expected in p for p in problems), (expected, problems)
 

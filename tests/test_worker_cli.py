@@ -119,7 +119,7 @@ def test_render_writes_png(tmp_path):
             ],
         )
         assert r.exit_code == 0, r.output
-        meta = json.loads(r.output)
+        meta = json.loads(r.stdout)  # progress went to stderr
         assert meta["tier"] == "turbo" and meta["seed"] == 5 and meta["files"] == [str(out)]
         assert Image.open(out).size == (64, 64)
         r = runner.invoke(
@@ -208,7 +208,8 @@ def test_daemon_ready_sigterm_finishes_running_and_fails_queued(tmp_path):
         text=True,
     )
     try:
-        # while it loads, `systemctl status` says so; then READY
+        # the worker listens before it loads; while it loads, `systemctl status` says so; then READY
+        assert notify.recv(4096).startswith(b"STATUS=listening on http://")
         assert notify.recv(4096) == b"STATUS=loading model tiny"
         while b"READY=1" not in notify.recv(4096):
             pass

@@ -208,7 +208,7 @@ def test_healthz_and_metrics(server):
         'turbonode_worker_queue_depth{tier="turbo"}',
         "turbonode_worker_in_flight",
         "turbonode_worker_step_duration_seconds_bucket",
-        "turbonode_worker_queue_wait_seconds_bucket",
+        'turbonode_worker_request_stage_seconds_bucket{le="0.01",stage="queue_wait",tier="fast"}',
         'turbonode_worker_jobs_total{outcome="done",tier="fast"}',
         "turbonode_worker_text_cache_hits_total",
         "turbonode_worker_collector_success 1.0",

@@ -47,12 +47,12 @@ def drain(engine: Engine, jobs, limit: int = 500) -> None:
 
 
 class Served:
-    def __init__(self, engine, metrics, url, port):
-        self.engine, self.metrics, self.url, self.port = engine, metrics, url, port
+    def __init__(self, engine, metrics, url, port, api):
+        self.engine, self.metrics, self.url, self.port, self.api = engine, metrics, url, port, api
 
 
 @contextlib.contextmanager
-def serve(engine: Engine | None = None, **settings):
+def serve(engine: Engine | None = None, api_settings: dict | None = None, **settings):
     """The real aiohttp app on 127.0.0.1:<ephemeral> in a background thread, engine thread running."""
     from aiohttp import web
 
@@ -61,7 +61,7 @@ def serve(engine: Engine | None = None, **settings):
     engine.metrics = metrics
     metrics.watch(engine)
     defaults = RequestDefaults(SIZE, engine.size_multiple, engine.defaults.steps, engine.defaults.guidance)
-    api = Api(engine, metrics.registry, defaults)
+    api = Api(engine, metrics.registry, defaults, metrics=metrics, **(api_settings or {}))
     loop = asyncio.new_event_loop()
     started = threading.Event()
     holder = {}
@@ -85,7 +85,7 @@ def serve(engine: Engine | None = None, **settings):
     assert started.wait(30), "server did not start"
     engine.start()
     try:
-        yield Served(engine, metrics, f"http://127.0.0.1:{holder['port']}", holder["port"])
+        yield Served(engine, metrics, f"http://127.0.0.1:{holder['port']}", holder["port"], api)
     finally:
         engine.fail_all("test over")
         asyncio.run_coroutine_threadsafe(holder["runner"].cleanup(), loop).result(10)

@@ -37,7 +37,10 @@ from .qos_cmd import format_table
 @click.option("--size", type=click.IntRange(32, 512), default=256, show_default=True, help="image size in pixels")
 @click.option("--no-fault", is_flag=True, help="skip the stress-ng CPU fault")
 @click.option("--json", "as_json", is_flag=True, help="print the full demo's results as JSON")
-def command(qos_only, rate, seconds, size, no_fault, as_json):
+@click.option(
+    "--keep-logs", is_flag=True, help="keep the worker's and the agent's logs and the node's config; prints where"
+)
+def command(qos_only, rate, seconds, size, no_fault, as_json, keep_logs):
     """Build a sandbox node (two network namespaces) and its client, run the worker (tiny model)
     and a mixed-tier load - image requests of every tier, bulk flows, a stress-ng CPU fault - twice:
     as a plain FIFO node without the agent, then with turbonode; compare what each tier saw.
@@ -49,7 +52,7 @@ def command(qos_only, rate, seconds, size, no_fault, as_json):
         if qos_only:
             qos_only_demo(rate or parse_rate("100mbit"), seconds or 8)
         else:
-            full_demo(rate or parse_rate("20mbit"), seconds or 20, size, not no_fault, as_json)
+            full_demo(rate or parse_rate("20mbit"), seconds or 20, size, not no_fault, as_json, keep_logs)
     except TurbonodeError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
@@ -73,11 +76,11 @@ def _interrupt_in(owner: int):
     return handler
 
 
-def full_demo(rate: int, seconds: int, size: int, fault: bool, as_json: bool) -> None:
+def full_demo(rate: int, seconds: int, size: int, fault: bool, as_json: bool, keep_logs: bool = False) -> None:
     from sandbox import report  # pyroute2, psutil: only when run
     from sandbox.demo import DemoSettings, run_demo
 
-    settings = DemoSettings(rate=format_rate(rate), duration=seconds, size=size, stress=fault)
+    settings = DemoSettings(rate=format_rate(rate), duration=seconds, size=size, stress=fault, keep_logs=keep_logs)
     result = run_demo(settings, (lambda msg: click.echo(msg, err=True)) if as_json else click.echo)
     click.echo(json.dumps(result, indent=2) if as_json else "\n" + report.comparison(result))
 

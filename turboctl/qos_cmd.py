@@ -9,7 +9,7 @@ import click
 
 from turbonode.config import load_config
 from turbonode.errors import ConfigError, TurbonodeError
-from turbonode.rates import format_rate
+from turbonode.rates import describe_rate, format_rate, parse_rate
 from turbonode.text import parse_decimal
 from turbonode.tiers import TIER_NAMES
 
@@ -70,14 +70,19 @@ def command():
 
 @command.command("apply")
 @_target
-@click.option("--rate", type=LINK_RATE, help="link rate the root shapes to, e.g. 100mbit (default: qos.rate)")
+@click.option(
+    "--rate",
+    type=LINK_RATE,
+    help="link rate the root shapes to, in tc's units: 100mbit = 100 Mbit/s, 100mbps = 100 MB/s = 800 Mbit/s "
+    "(default: qos.rate)",
+)
 def apply_cmd(qos, dp, rate):
-    """Install or update the tree and classifier (idempotent)."""
+    """Install or update the tree and classifier (idempotent); prints the link rate in bit/s."""
     result = dp.apply(qos, rate_bps=rate)
     how = "compiled and attached" if result["compiled"] else "already current"
     click.echo(
-        f"{dp.dev}: {result['changes']} change(s); classifier {how} (prog id {result['prog_id']}); "
-        f"leaf queues {result['leaf_kind']}"
+        f"{dp.dev}: link {describe_rate(rate or parse_rate(qos.rate))}; {result['changes']} change(s); "
+        f"classifier {how} (prog id {result['prog_id']}); leaf queues {result['leaf_kind']}"
     )
     if result["extra_classes"]:
         click.echo(f"{dp.dev}: deleted classes turbonode does not define: {', '.join(result['extra_classes'])}")
@@ -124,7 +129,7 @@ def format_table(view: dict) -> str:
     where = f"{view['dev']}" + (f" (netns {view['netns']})" if view["netns"] else "")
     lines.insert(
         0,
-        f"{where}: link {format_rate(view['rate_bps'])}, leaf queues {view['leaf_kind']}, "
+        f"{where}: link {describe_rate(view['rate_bps'])}, leaf queues {view['leaf_kind']}, "
         f"classifier prog id {view['prog_id']}",
     )
     lines.append(f"unparsed frames (sent to 'other'): {u['packets']} packets, {u['bytes']} bytes")

@@ -33,7 +33,8 @@ def _rate(bps) -> str | None:
     return None if bps is None else format_rate(bps)
 
 
-def render(st: dict, now: float | None = None) -> str:
+def render_agent(st: dict, now: float | None = None) -> list[str]:
+    """The agent's level and why, its actions, watchers and QoS per tier."""
     now = time.time() if now is None else now
     out = [f"level:    {st['level']}"]
     change = st.get("last_change")
@@ -84,8 +85,20 @@ def render(st: dict, now: float | None = None) -> str:
                 for t, q in qos.items()
             ],
         )
-    worker = st.get("worker", {})
-    out += ["", f"worker:   {worker.get('state')}" + (f" ({worker['error']})" if worker.get("error") else "")]
+    return out
+
+
+def render_worker(worker: dict) -> list[str]:
+    """Readiness, queues per tier and the throttle, from the worker's status (its own or the agent's copy)."""
+    out = []
+    ready = worker.get("ready") or {}
+    if ready:
+        out.append(
+            "ready:    "
+            + ", ".join(
+                f"{t} {r['status']}" + (f" ({r['reason']})" if r.get("reason") else "") for t, r in ready.items()
+            )
+        )
     tiers = worker.get("tiers") or {}
     if tiers:
         out += _table(
@@ -102,32 +115,78 @@ def render(st: dict, now: float | None = None) -> str:
                 if t in tiers
             ],
         )
-    thr = worker.get("throttle")
-    if worker.get("state") == "ok":
+    if tiers or "throttle" in worker:
+        thr = worker.get("throttle")
         shown = {k: v for k, v in (thr or {}).items() if k != "hold" and v not in (None, [], {})}
         out.append(
             "throttle: "
             + ("none" if not thr else ", ".join(f"{k}={v}" for k, v in shown.items()))
             + ("  (operator hold)" if thr and thr.get("hold") else "")
         )
+    return out
+
+
+def render(agent: dict, worker: dict, now: float | None = None) -> str:
+    """Each part and what it says; an unreachable part says why, and the rest still shows."""
+    out = []
+    if "error" in agent:
+        out.append(f"agent:    unreachable: {agent['error']}")
+    else:
+        out.append(f"agent:    ok ({agent['_socket']})")
+        out += render_agent(agent, now)
+    out.append("")
+    if "error" not in worker:
+        backend = worker.get("backend") or {}
+        out.append(
+            f"worker:   ok ({worker['_socket']}): backend {backend.get('name')} on {backend.get('device')}, "
+            f"up {worker.get('uptime_s', 0):.0f} s"
+        )
+        out += render_worker(worker)
+    else:
+        # bound but still loading its model: it answers, and says so
+        state = "loading" if "loading its model" in worker["error"] else "unreachable"
+        out.append(f"worker:   {state}: {worker['error']}")
+        seen = agent.get("worker")
+        if seen:  # the agent's last sample of the worker, with the agent's view of why
+            out.append(
+                f"          the agent sees it {seen.get('state')}"
+                + (f" ({seen['error']})" if seen.get("error") else "")
+            )
+            out += render_worker(seen)
     return "\n".join(out)
+
+
+def _ask(path: str, peer: str) -> dict:
+    try:
+        return {**ControlClient(path, peer=peer).call("status"), "_socket": path}
+    except ControlError as exc:
+        return {"error": str(exc), "_socket": path}
 
 
 @click.command("status")
 @click.option("--socket", "path", help="agent status socket (default: agent.socket from the config)")
+@click.option("--worker-socket", help="worker control socket (default: worker.control_socket from the config)")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML configuration file")
-@click.option("--json", "as_json", is_flag=True, help="print the agent's status object as JSON")
-@click.pass_context
-def command(ctx, path, config_file, as_json):
-    """Show the agent's degradation level and why, QoS per tier, worker queues and throttle."""
-    if path is None:
+@click.option("--json", "as_json", is_flag=True, help='print {"agent": ..., "worker": ...} as JSON')
+def command(path, worker_socket, config_file, as_json):
+    """Show what each part of the node says: the agent (level and why, actions, QoS per tier) and the
+    worker (readiness per tier, queues, throttle). A part that does not answer is shown as unreachable,
+    with why, and the exit status is 1."""
+    if path is None or worker_socket is None:
         try:
-            path = load_config(config_file).agent.socket
+            cfg = load_config(config_file)
         except ConfigError as exc:
             raise click.ClickException(f"invalid configuration: {exc}") from None
-    ctx.obj = ControlClient(path, peer="agent")
-    try:
-        st = ctx.obj.call("status")
-    except ControlError as exc:
-        raise click.ClickException(str(exc)) from None
-    click.echo(json.dumps(st, indent=2, sort_keys=True) if as_json else render(st))
+        path = path or cfg.agent.socket
+        worker_socket = worker_socket or cfg.worker.control_socket
+    agent, worker = _ask(path, "agent"), _ask(worker_socket, "worker")
+    if as_json:
+        parts = {
+            name: {k: v for k, v in part.items() if k != "_socket"}
+            for name, part in (("agent", agent), ("worker", worker))
+        }
+        click.echo(json.dumps(parts, indent=2, sort_keys=True))
+    else:
+        click.echo(render(agent, worker))
+    if "error" in agent or "error" in worker:
+        raise SystemExit(1)

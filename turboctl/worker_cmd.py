@@ -78,14 +78,15 @@ def run(model, listen, control, config_file, backend, device):
         "worker.device": device,
     }
     try:
-        cfg = load_config(config_file, overrides=overrides).worker
+        full = load_config(config_file, overrides=overrides)
     except ConfigError as exc:
         raise click.ClickException(f"invalid configuration: {exc}") from None
+    cfg = full.worker
     from render import daemon  # imports torch: only here, never when the CLI loads
 
     logs.show_lifecycle("render", "turbonode")  # model load, engine builds, serving, drain, throttles
     try:
-        rc = daemon.run(cfg)
+        rc = daemon.run(cfg, node=full.node.name)
     except TurbonodeError as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(rc)
@@ -123,6 +124,8 @@ def status(client, as_json):
             f"{tier:<6} {t['queued']:>6} {t['in_flight']:>7} {_fmt_s(t['oldest_wait_s']):>12} "
             f"{_fmt_s(t['queue_wait_p99_s']):>10}"
         )
+    if st.get("ready"):
+        click.echo("ready: " + ", ".join(f"{t} {r['status']}" for t, r in st["ready"].items()))
     s = st["step_time_s"]
     click.echo(f"step: last {_fmt_s(s['last'])}, p50 {_fmt_s(s['p50'])}, p99 {_fmt_s(s['p99'])}")
     gc = st["gc"]
@@ -133,7 +136,8 @@ def status(client, as_json):
         "throttle: none"
         if t is None
         else f"throttle: {t['reason']} (max batch {t['max_batch']}, paused {t['paused_tiers']}, "
-        f"caps {t['step_caps']}, shed {t['shed_tiers']}; expires in {t['expires_in_s']:.1f} s)"
+        f"caps {t['step_caps']}, shed {t['shed_tiers']}, unready {t['unready_tiers']}; "
+        f"expires in {t['expires_in_s']:.1f} s)"
         + ("; operator hold: the agent does not change it" if t.get("hold") else "")
     )
 
@@ -146,6 +150,13 @@ def status(client, as_json):
 @click.option("--pause", "paused", type=TIER, multiple=True, help="tier whose jobs wait (repeatable)")
 @click.option("--step-cap", "caps", type=TIER_STEPS, multiple=True, help="TIER=STEPS cap for new jobs (repeatable)")
 @click.option("--shed", "shed", type=TIER, multiple=True, help="tier whose new jobs get 429 (repeatable)")
+@click.option(
+    "--unready",
+    "unready",
+    type=TIER,
+    multiple=True,
+    help="tier the worker reports not ready, so a balancer sends it elsewhere; turbo allowed (repeatable)",
+)
 @click.option("--reason", required=True, help="why (logged, shown in status)")
 @click.option(
     "--hold",
@@ -159,8 +170,9 @@ def status(client, as_json):
     f"with --hold {HOLD_TTL_S:g}]",
 )
 @control_command
-def throttle(client, max_batch, paused, caps, shed, reason, hold, ttl, as_json):
-    """Throttle the worker's lower tiers (turbo cannot be throttled); it expires after --ttl."""
+def throttle(client, max_batch, paused, caps, shed, unready, reason, hold, ttl, as_json):
+    """Throttle the worker's lower tiers (turbo cannot be throttled, only reported not ready); it expires
+    after --ttl."""
     params = {"hold": True} if hold else {}  # only an operator's hold says so on the wire
     result = _call(
         client,
@@ -169,6 +181,7 @@ def throttle(client, max_batch, paused, caps, shed, reason, hold, ttl, as_json):
         paused_tiers=list(paused),
         step_caps=dict(caps),
         shed_tiers=list(shed),
+        unready_tiers=list(unready),
         reason=reason,
         ttl_s=ttl or (HOLD_TTL_S if hold else THROTTLE_TTL_S),
         **params,

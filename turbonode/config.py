@@ -182,6 +182,11 @@ def opt(default: Any, check: Check | None = None, help: str = "", table_help: Ma
 
 
 @dataclass
+class NodeConfig:
+    name: str = opt("", help="the node's name: the `node` label of every metric both daemons export ('' = hostname)")
+
+
+@dataclass
 class QosConfig:
     dev: str = opt("", help="egress interface to shape")
     netns: str = opt("", help="named network namespace of dev ('' = the agent's own)")
@@ -223,6 +228,17 @@ class WorkerConfig:
         30.0,
         in_range(0, MAX_DRAIN_TIMEOUT_S, " s", lo_open=True),
         "seconds SIGTERM waits for in-flight jobs before failing them",
+    )
+    slo: dict[str, float] = opt(
+        {"turbo": 2.0},
+        per_tier(positive),
+        "request-duration objective per tier (s): exported for alerts; a tier whose oldest queued job has "
+        "waited half of it reports not ready",
+    )
+    refuse_unready: bool = opt(
+        False,
+        help="answer new work of a tier that is not ready 503 + Retry-After at once (behind a balancer) "
+        "instead of queueing it",
     )
 
 
@@ -355,10 +371,11 @@ class PolicyConfig:
                 "paused_tiers": ["relax"],
                 "step_caps": {"fast": 6},
                 "shed_tiers": ["relax"],
+                "unready_tiers": ["turbo"],
             },
         },
         level_actions,
-        "what each level does (relax_ceil_pct, max_batch, paused_tiers, step_caps, shed_tiers)",
+        "what each level does (relax_ceil_pct, max_batch, paused_tiers, step_caps, shed_tiers, unready_tiers)",
     )
 
     def __post_init__(self) -> None:
@@ -367,6 +384,7 @@ class PolicyConfig:
 
 @dataclass
 class Config:
+    node: NodeConfig = field(default_factory=NodeConfig)
     qos: QosConfig = field(default_factory=QosConfig)
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)

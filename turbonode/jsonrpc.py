@@ -36,6 +36,7 @@ INVALID_REQUEST = -32600
 METHOD_NOT_FOUND = -32601
 INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
+SERVER_ERROR = -32000  # the first of the implementation-defined codes: the server cannot serve this now
 
 
 class RpcError(Exception):

@@ -1,4 +1,9 @@
-"""Rates in tc's notation: '100mbit' is bits, '10mbps' is bytes per second."""
+"""Rates in tc's notation: '100mbit' is bits, '10mbps' is bytes per second.
+
+tc's convention surprises: '100Mbps' is 100 megabytes per second, 800 Mbit/s. turboctl follows
+tc (the same strings mean the same rates in both), and prints the effective rate in bit/s
+(`describe_rate`) wherever it applies or shows one, so the surprise is visible.
+"""
 
 from __future__ import annotations
 
@@ -45,3 +50,8 @@ def format_rate(bits_per_s: int) -> str:
         if bits_per_s >= scale and bits_per_s % scale == 0:
             return f"{bits_per_s // scale}{unit}"
     return f"{bits_per_s}bit"
+
+
+def describe_rate(bits_per_s: int) -> str:
+    """'800mbit (800,000,000 bit/s)': tc's notation and the rate in plain bits per second."""
+    return f"{format_rate(bits_per_s)} ({bits_per_s:,} bit/s)"

@@ -1,9 +1,11 @@
 """What a worker throttle may limit, validated once for both sides of the control socket.
 
 The agent's `[policy.actions.<level>]` tables (turbonode.config) and the worker's `throttle`
-method (render/throttle.py) check the same four parameters with this function, so a level
-the config accepts is a throttle the worker accepts. The protected tier (turbonode.tiers)
-can never be paused, shed or step-capped: protecting it is why the throttle exists.
+method (render/throttle.py) check the same parameters with this function, so a level the
+config accepts is a throttle the worker accepts. The protected tier (turbonode.tiers) can
+never be paused, shed or step-capped: protecting it is why the throttle exists. It may be
+*unready*: `unready_tiers` throttles nothing, it makes the worker report those tiers not
+ready (GET /readyz?tier=T) so that a balancer sends their new work to another node.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import Any
 
 from .tiers import PROTECTED_TIER, TIER_NAMES
 
-THROTTLE_KEYS: tuple[str, ...] = ("max_batch", "paused_tiers", "step_caps", "shed_tiers")
+THROTTLE_KEYS: tuple[str, ...] = ("max_batch", "paused_tiers", "step_caps", "shed_tiers", "unready_tiers")
 # JSON-RPC error code (implementation-defined server error range) of a `throttle` or `release`
 # refused because an operator hold is in force; the error's data carries {"hold": the throttle}.
 THROTTLE_HELD = -32001
@@ -27,19 +29,20 @@ class ThrottleLimits:
     paused_tiers: frozenset[str] = frozenset()
     step_caps: dict[str, int] = field(default_factory=dict)
     shed_tiers: frozenset[str] = frozenset()
+    unready_tiers: frozenset[str] = frozenset()
 
 
 def _positive_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 1
 
 
-def _tiers(name: str, value: Any) -> frozenset[str]:
+def _tiers(name: str, value: Any, protected_allowed: bool = False) -> frozenset[str]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
         raise ValueError(f"{name} must be a list of tier names")
     for t in value:
         if t not in TIER_NAMES:
             raise ValueError(f"{name}: unknown tier {t!r} (expected one of {', '.join(TIER_NAMES)})")
-    if PROTECTED_TIER in value:
+    if PROTECTED_TIER in value and not protected_allowed:
         raise ValueError(f"{name}: the {PROTECTED_TIER} tier cannot be throttled")
     return frozenset(value)
 
@@ -52,7 +55,11 @@ def check_ttl(ttl_s: Any, limit: float = MAX_THROTTLE_TTL_S) -> float:
 
 
 def check_throttle(
-    max_batch: Any = None, paused_tiers: Any = (), step_caps: Any = None, shed_tiers: Any = ()
+    max_batch: Any = None,
+    paused_tiers: Any = (),
+    step_caps: Any = None,
+    shed_tiers: Any = (),
+    unready_tiers: Any = (),
 ) -> ThrottleLimits:
     """Validate the throttle's limits; ValueError names the bad parameter first."""
     if max_batch is not None and not _positive_int(max_batch):
@@ -65,5 +72,9 @@ def check_throttle(
         if not _positive_int(cap):
             raise ValueError(f"step_caps.{t} must be a positive integer, got {cap!r}")
     return ThrottleLimits(
-        max_batch, _tiers("paused_tiers", paused_tiers), dict(step_caps), _tiers("shed_tiers", shed_tiers)
+        max_batch,
+        _tiers("paused_tiers", paused_tiers),
+        dict(step_caps),
+        _tiers("shed_tiers", shed_tiers),
+        _tiers("unready_tiers", unready_tiers, protected_allowed=True),
     )

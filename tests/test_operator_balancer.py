@@ -1,0 +1,202 @@
+"""The shipped HAProxy configuration (deploy/haproxy/turbonode.cfg) in front of two real
+workers, each in its own network namespace, HAProxy in a third: turbo is spread over both;
+when one worker is not ready for turbo (its agent's lease says so, as at level critical)
+turbo moves to the other at once - while that worker keeps serving the other tiers - and
+comes back when the lease is released. Async jobs are polled through the balancer on the
+worker that took them."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+from conftest import KERNEL_SKIP
+from daemon_harness import ROOT, daemon_env, start, stop, turboctl_argv
+
+from sandbox.netns import Fleet
+
+pytestmark = [
+    pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or ""),
+    pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy not installed (scripts/setup.sh)"),
+]
+
+CONFIG = ROOT / "deploy/haproxy/turbonode.cfg"
+PORT = 8460
+
+# Runs inside the balancer's namespace: N requests, one JSON line per answer.
+CLIENT = r"""
+import json, sys, urllib.request, urllib.error
+url, tier, n, extra = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
+for _ in range(n):
+    body = json.dumps({"prompt": "balanced", "tier": tier, "size": "64x64", "steps": 2, **extra}).encode()
+    req = urllib.request.Request(url + "/v1/images/generations", body, {"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=60) as r:
+            out = {"status": r.status, "server": r.headers.get("X-Served-By"), "location": r.headers.get("Location")}
+    except urllib.error.HTTPError as e:
+        out = {"status": e.code, "server": e.headers.get("X-Served-By"), "error": e.read()[:200].decode(),
+               "retry_after": e.headers.get("Retry-After")}
+    print(json.dumps(out), flush=True)
+"""
+GET = r"""
+import json, sys, urllib.request, urllib.error
+try:
+    with urllib.request.urlopen(sys.argv[1], timeout=30) as r:
+        print(json.dumps({"status": r.status, "server": r.headers.get("X-Served-By"), "body": json.loads(r.read())}))
+except urllib.error.HTTPError as e:
+    print(json.dumps({"status": e.code, "server": e.headers.get("X-Served-By"), "body": e.read()[:300].decode()}))
+"""
+
+
+def client(fleet: Fleet, tier: str, n: int, url: str = f"http://127.0.0.1:{PORT}", **extra) -> list[dict]:
+    """n generation requests from inside the balancer's namespace, through HAProxy (or to `url`)."""
+    argv = [sys.executable, "-c", CLIENT, url, tier, str(n), json.dumps(extra)]
+    out = fleet.run(fleet.balancer, *argv, timeout=300)
+    return [json.loads(line) for line in out.stdout.splitlines()]
+
+
+def get(fleet: Fleet, url: str) -> dict:
+    return json.loads(fleet.run(fleet.balancer, sys.executable, "-c", GET, url).stdout)
+
+
+def haproxy_config(workers: list[tuple[str, str]], stats: Path) -> str:
+    """The shipped file with this fleet's servers and a stats socket in the test's directory."""
+    text = CONFIG.read_text().replace("/run/haproxy/turbonode.sock", str(stats))
+    lines, seen = [], {}
+    for line in text.splitlines():
+        m = re.match(r"(\s+)server \S+ \S+ id (\d) (.*)$", line)
+        if m:
+            name, addr = workers[int(m.group(2)) - 1]
+            line = f"{m.group(1)}server {name} {addr}:{PORT} id {m.group(2)} {m.group(3)}"
+            seen[m.group(2)] = True
+        lines.append(line)
+    assert len(seen) == len(workers)
+    return "\n".join(lines) + "\n"
+
+
+def server_states(stats: Path) -> dict[tuple[str, str], str]:
+    """(backend, server) -> UP/DOWN, from HAProxy's runtime API."""
+    with socket.socket(socket.AF_UNIX) as s:
+        s.settimeout(5)
+        s.connect(str(stats))
+        s.sendall(b"show stat\n")
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+    out = {}
+    for line in data.decode().splitlines():
+        f = line.split(",")
+        if len(f) > 17 and f[1] not in ("FRONTEND", "BACKEND", "svname"):
+            out[(f[0], f[1])] = f[17]
+    return out
+
+
+def wait_state(stats: Path, want: dict[tuple[str, str], str], timeout: float) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        states = server_states(stats)
+        if all(states.get(k, "").startswith(v) for k, v in want.items()) or time.monotonic() > deadline:
+            return states
+        time.sleep(0.1)
+
+
+@pytest.mark.slow
+def test_turbo_moves_to_the_ready_worker():
+    work = Path(tempfile.mkdtemp(prefix="tn-lb-"))
+    procs = []
+    try:
+        with Fleet() as fleet:
+            names = ["w1", "w2"]
+            for ns, addr, name in zip(fleet.nodes, fleet.addresses, names):
+                cfg = work / f"{name}.toml"
+                cfg.write_text(
+                    f'[node]\nname = "{name}"\n[worker]\nlisten = "{addr}:{PORT}"\n'
+                    f'control_socket = "{work}/{name}.sock"\nmodel = "tiny"\ndevice = "cpu"\nsize = 64\n'
+                    "refuse_unready = true\n"
+                )
+                procs.append(
+                    start(
+                        fleet.cmd(ns, *turboctl_argv("worker", "run", "--config", str(cfg))),
+                        daemon_env(HOME=str(work), XDG_CACHE_HOME=str(work / "cache")),
+                    )
+                )
+            stats = work / "haproxy.sock"
+            (work / "haproxy.cfg").write_text(haproxy_config(list(zip(names, fleet.addresses)), stats))
+            check = subprocess.run(["haproxy", "-c", "-f", str(work / "haproxy.cfg")], capture_output=True, text=True)
+            assert check.returncode == 0, check.stdout + check.stderr
+            procs.append(
+                start(fleet.cmd(fleet.balancer, "haproxy", "-db", "-f", str(work / "haproxy.cfg")), daemon_env())
+            )
+            for _proc, out in procs[:2]:
+                assert out.wait_for(r"serving http://", 240), out.text
+            all_up = {(b, n): "UP" for b in ("turbo", "workers") for n in names}
+            assert wait_state(stats, all_up, 20) == all_up
+
+            # healthy fleet: turbo is spread over both workers
+            answers = client(fleet, "turbo", 8)
+            assert {a["status"] for a in answers} == {200}, answers
+            assert {a["server"] for a in answers} == {"w1", "w2"}, answers
+
+            # w1's lease (as its agent sends at level critical): not ready for turbo
+            thr = subprocess.run(
+                turboctl_argv(
+                    "throttle",
+                    "--socket",
+                    str(work / "w1.sock"),
+                    "--unready",
+                    "turbo",
+                    "--reason",
+                    "test: level critical",
+                    "--ttl",
+                    "120",
+                ),
+                env=daemon_env(),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert thr.returncode == 0, thr.stderr
+            w1 = f"http://{fleet.addresses[0]}:{PORT}"
+            direct = get(fleet, f"{w1}/readyz?tier=turbo")
+            assert direct["status"] == 503 and "level critical" in json.dumps(direct["body"])
+            # refuse_unready: new turbo work at w1 itself gets a fast 503 with Retry-After ...
+            [refused] = client(fleet, "turbo", 1, url=w1)
+            assert refused["status"] == 503 and "not ready" in refused["error"] and refused["retry_after"], refused
+            # ... so through HAProxy turbo moves at once: a request that reaches w1 before the health
+            # check marks it down is retried on w2 (retry-on 503), after that the check keeps it off w1
+            answers = client(fleet, "turbo", 6)
+            assert [a["status"] for a in answers] == [200] * 6 and {a["server"] for a in answers} == {"w2"}, answers
+            states = wait_state(stats, {("turbo", "w1"): "DOWN"}, 10)
+            assert states[("turbo", "w1")].startswith("DOWN") and states[("workers", "w1")] == "UP", states
+            assert {a["server"] for a in client(fleet, "fast", 6)} == {"w1", "w2"}  # w1 still serves the rest
+
+            # async jobs, taken by either worker: polled through the balancer on the one that has them
+            jobs = client(fleet, "relax", 4, **{"async": True})
+            assert {j["status"] for j in jobs} == {202} and {j["server"] for j in jobs} == {"w1", "w2"}, jobs
+            for job in jobs:
+                polled = get(fleet, f"http://127.0.0.1:{PORT}{job['location']}")
+                assert polled["status"] == 200 and polled["server"] == job["server"], (job, polled)
+
+            # released: turbo comes back to w1
+            rel = subprocess.run(
+                turboctl_argv("release", "--socket", str(work / "w1.sock")),
+                env=daemon_env(),
+                capture_output=True,
+                text=True,
+                timeout=30,
+            )
+            assert rel.returncode == 0, rel.stderr
+            assert wait_state(stats, all_up, 10) == all_up
+            assert {a["server"] for a in client(fleet, "turbo", 8)} == {"w1", "w2"}
+    finally:
+        for proc, _ in reversed(procs):
+            stop(proc, 60)
+        shutil.rmtree(work, ignore_errors=True)

@@ -1,0 +1,62 @@
+"""Metric names and labels that more than one part relies on: both daemons, the Grafana
+dashboard (deploy/grafana/turbonode.json) and the alerting rules (deploy/prometheus/).
+
+Every series either daemon exports carries NODE_LABEL, the node's name (its hostname unless
+the configuration names it), so one dashboard selection shows the agent (:9465) and the
+worker (:8460) of a node although Prometheus scrapes them as two instances.
+"""
+
+from __future__ import annotations
+
+NODE_LABEL = "node"
+
+# 1 on both daemons; labels: component (agent|worker), version, revision (git), and on the
+# worker backend (torch|tensorrt), device and model_family.
+BUILD_INFO = "turbonode_build_info"
+
+# ---- worker: the tiers' service level, per generation request ------------------------------
+# From the request's arrival to its response written, by tier and outcome (OUTCOMES).
+REQUEST_DURATION = "turbonode_worker_request_duration_seconds"
+# Where that time went, by tier and stage (STAGES), for jobs that reached the stage.
+REQUEST_STAGE = "turbonode_worker_request_stage_seconds"
+# Generation requests answered, by tier and HTTP status code (counter: _total).
+REQUESTS = "turbonode_worker_requests"
+# Denoising steps done per image, by tier (counter: rate() is steps per second).
+DENOISE_STEPS = "turbonode_worker_denoise_steps"
+# 1 while the worker takes new work of the tier (what GET /readyz?tier=T answers), by tier.
+READY = "turbonode_worker_ready"
+# The configured request-duration objective, by tier: alerts and panels compare p99 with it.
+SLO = "turbonode_worker_slo_seconds"
+
+STAGES = ("queue_wait", "denoise", "decode", "respond")
+# ok: images answered; accepted: an async job queued (202); rejected: 429/503 before queueing
+# (queue full, tier shed, not ready, draining); failed: the job failed; cancelled: by the
+# client or its disconnect; invalid: a bad request (4xx).
+OUTCOMES = ("ok", "accepted", "rejected", "failed", "cancelled", "invalid")
+# A request whose tier could not be read (bad body or unknown tier name).
+UNKNOWN_TIER = "unknown"
+# nginx's code for a client that closed the connection before the answer.
+CLIENT_CLOSED = 499
+
+# Sub-second to tens of seconds: a turbo image takes ~0.1-1 s, a relax one up to minutes.
+REQUEST_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    5.0,
+    7.5,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+)
