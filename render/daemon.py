@@ -201,7 +201,7 @@ class Worker:
         bound = runner.addresses[0]
         self.address = (bound[0], bound[1])
         url = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"
-        loading(f"listening on {url} (control {self.cfg.control_socket}); the model loads next")
+        loading(f"listening on {url} (control {self.cfg.control_socket}), loading model {self.cfg.model}")
         try:
             loaded = await self._load(stop)
         except BaseException:
