@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import codecs
+import contextlib
 import io
 import json
 import logging
@@ -50,6 +51,7 @@ log = logging.getLogger(__name__)
 TIER_HEADER = "X-Turbonode-Tier"
 MAX_PROMPT_CHARS = 4000
 MAX_IMAGES = 10
+MAX_WAIT_S = 600.0  # the longest GET /v1/jobs/{id}?wait= holds an answer
 # OpenAI request fields that do not change what this worker renders; accepted and ignored.
 IGNORED_OPENAI_FIELDS = {
     "model",
@@ -513,7 +515,21 @@ class Api:
         return job
 
     async def get_job(self, request: web.Request) -> web.Response:
+        """The job's state and progress, and its images once done. `?wait=S` holds the answer
+        until the job ends or S seconds pass: a client waiting this way gets its images even
+        when the worker drains and exits right after the job (as a synchronous request does)."""
         job = self._job(request)
+        raw = request.query.get("wait")
+        if raw is not None:
+            try:
+                wait = float(raw)
+            except ValueError:
+                wait = -1.0
+            if not 0 <= wait <= MAX_WAIT_S:
+                raise web.HTTPBadRequest(reason=f"'wait' must be seconds between 0 and {MAX_WAIT_S:g}, got {raw!r}")
+            if not job.state.terminal:
+                with contextlib.suppress(asyncio.TimeoutError, JobCancelled, JobFailed):
+                    await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), wait)
         out = job.describe(self.engine.clock())
         if job.state.value == "done" and not job.images_dropped:
             out["data"] = await self._images(job)

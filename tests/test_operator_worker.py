@@ -305,3 +305,17 @@ def test_sigterm_while_loading_exits_at_once(tmp_path):
         notify.close()
     assert "READY=1" not in notify.messages
     assert not os.path.exists(tmp_path / "w.sock")
+
+
+def test_get_job_can_wait_for_the_end():
+    with serve(max_batch=1) as s:
+        status, headers, body = post(
+            s.url, {"prompt": "w", "tier": "fast", "size": "64x64", "steps": 20, "async": True}
+        )
+        job = json.loads(body)
+        assert status == 202 and job["state"] in ("queued", "running")
+        with urllib.request.urlopen(f"{s.url}/v1/jobs/{job['id']}?wait=60", timeout=90) as r:
+            done = json.loads(r.read())
+        assert done["state"] == "done" and done["step"] == 20 and len(done["data"]) == 1
+        assert get(s.url, f"/v1/jobs/{job['id']}?wait=soon")[0] == 400
+        assert get(s.url, f"/v1/jobs/{job['id']}?wait=9999")[0] == 400

@@ -71,7 +71,7 @@ class Node:
         return self.box.run("journalctl", "--no-pager", "-o", "cat", "-u", unit, "-t", "turboctl", *args).stdout
 
     def agent_status(self) -> dict:
-        return json.loads(self.box.run(TURBOCTL, "status", "--json").stdout)
+        return json.loads(self.box.run(TURBOCTL, "status", "--json").stdout)["agent"]
 
     def _render_argv(self, *args: str) -> list[str]:
         """`turboctl render` as a client of the node, to its worker's URL."""

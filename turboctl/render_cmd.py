@@ -1,7 +1,7 @@
 """`turboctl render PROMPT`: images through the worker's HTTP API, written as PNG.
 
-The job is submitted asynchronously and polled (GET /v1/jobs/{id}), so a long render shows
-its progress, step n of N, on stderr. A full queue (429) or a node not ready for the tier
+The job is submitted asynchronously; one request waits for its end (GET /v1/jobs/{id}?wait=S)
+while short polls show its progress, step n of N, on stderr. A full queue (429) or a node not ready for the tier
 (503) is retried after the server's Retry-After, a bounded number of times. `--async` prints
 the job id and returns at once; Ctrl-C cancels the job (DELETE /v1/jobs/{id}).
 """
@@ -9,9 +9,11 @@ the job id and returns at once; Ctrl-C cancels the job (DELETE /v1/jobs/{id}).
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -24,6 +26,7 @@ from .params import TIER, json_option
 
 DEFAULT_URL = f"http://127.0.0.1:{split_host_port(WorkerConfig().listen)[1]}"
 POLL_S = 0.2
+MAX_WAIT_S = 600.0  # the worker's limit for GET /v1/jobs/ID?wait= (render/http_api.py)
 RETRY_CODES = (429, 503)  # queue full or tier shed; loading, draining or not ready for the tier
 
 
@@ -77,25 +80,48 @@ def progress_line(job: dict) -> str:
 
 
 def wait_for_job(base: str, job: dict, deadline: float, say) -> dict:
-    """Poll the job until it is done (its images in the answer); progress goes to `say`."""
+    """The job's end, with its images. One request waits for it the whole time (GET
+    /v1/jobs/ID?wait=S), so a worker that drains and exits right after the job still answers
+    it; meanwhile short polls of the same job show its progress through `say`."""
     path = f"{base}/v1/jobs/{job['id']}"
+    result: dict = {}
+
+    def wait() -> None:
+        try:
+            while not result:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    result["timeout"] = True
+                    return
+                answer = _call(f"{path}?wait={min(left, MAX_WAIT_S):.1f}", timeout=min(left, MAX_WAIT_S) + 30)[1]
+                if answer["state"] in ("done", "failed", "cancelled"):
+                    result["job"] = answer
+        except (WorkerAnswer, click.ClickException) as exc:
+            result["error"] = str(exc.message if isinstance(exc, click.ClickException) else exc)
+
+    waiter = threading.Thread(target=wait, name="render-wait", daemon=True)
+    waiter.start()
     shown = None
     try:
-        while job["state"] not in ("done", "failed", "cancelled"):
-            if time.monotonic() > deadline:
-                _call(path, "DELETE")
-                raise click.ClickException(f"{job['id']}: not done in time; cancelled")
+        while waiter.is_alive():
             line = progress_line(job)
             if line != shown:
                 say(line)
                 shown = line
-            time.sleep(POLL_S)
-            job = _call(path)[1]
+            waiter.join(POLL_S)
+            with contextlib.suppress(WorkerAnswer, click.ClickException):  # progress only: the waiter decides
+                job = _call(path)[1]
     except KeyboardInterrupt:
-        _call(path, "DELETE")
+        with contextlib.suppress(WorkerAnswer, click.ClickException):
+            _call(path, "DELETE")
         raise click.ClickException(f"interrupted; {job['id']} cancelled") from None
-    except WorkerAnswer as exc:
-        raise click.ClickException(str(exc)) from None
+    if "error" in result:
+        raise click.ClickException(result["error"])
+    if "timeout" in result:
+        with contextlib.suppress(WorkerAnswer, click.ClickException):
+            _call(path, "DELETE")
+        raise click.ClickException(f"{job['id']}: not done in time; cancelled")
+    job = result["job"]
     if job["state"] != "done":
         raise click.ClickException(f"{job['id']} {job['state']}: {job.get('error', '')}")
     if "data" not in job:
