@@ -54,12 +54,12 @@ def panel_queries() -> list[tuple[str, str, str]]:
 
 
 def snapshot(prom: Prometheus) -> dict[str, dict[str, float]]:
-    """Panel -> {series as its legend names it: value}; NaN and empty series left out."""
+    """Panel -> {series as its legend names it: value}; NaN (no events in the window) left out."""
     out: dict[str, dict[str, float]] = {}
     for title, expr, legend in panel_queries():
         for row in prom.query(expr):
             value = float(row["value"][1])
-            if value == value and value != 0:  # not NaN, and something happened
+            if value == value:  # NaN: a quantile over nothing
                 labels = row["metric"]
                 name = re.sub(r"\{\{(\w+)\}\}", lambda m, labels=labels: labels.get(m.group(1), ""), legend).strip()
                 out.setdefault(title, {})[name or "-"] = round(value, 3)
