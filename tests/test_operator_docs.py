@@ -59,7 +59,7 @@ def test_every_option_of_every_command_is_documented():
 
 def test_every_worker_route_and_control_method_is_documented():
     worker_md = (ROOT / "docs/worker.md").read_text()
-    routes = {r.resource.canonical for r in Api(None, None, None, "tiny").app().router.routes()}
+    routes = {r.resource.canonical for r in Api(None, None, None, model_id="tiny").app().router.routes()}
     assert {"/livez", "/readyz", "/healthz", "/metrics", "/v1/jobs/{id}"} <= routes
     assert [r for r in sorted(routes) if f"`{r}" not in worker_md and f" {r}`" not in worker_md] == []
     assert "/readyz?tier=" in worker_md

@@ -167,7 +167,7 @@ def test_turbo_unready_while_its_own_queue_waits_too_long():
 
 def test_loading_phase_in_process():
     metrics = WorkerMetrics()
-    api = Api(None, metrics.registry, None, "tiny", metrics=metrics, slo={"turbo": 2.0})
+    api = Api(None, metrics.registry, None, model_id="tiny", metrics=metrics, slo={"turbo": 2.0})
     assert api.phase().value == "loading" and not api.readiness("turbo").ready
     assert api.alive() == (True, "loading")
     assert metrics.registry.get_sample_value("turbonode_worker_ready", {"tier": "turbo"}) == 0
