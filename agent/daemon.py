@@ -5,7 +5,9 @@ Nothing on the node is touched before the agent holds what it owns (agent/owners
 socket, its worker, its device): a second agent is refused having changed nothing. In dry-run
 it changes nothing at all: no mounts, no tree, no classifier, no pins; it logs what it would do.
 
-Signal handlers only set a flag (and wake the loop through the wakeup fd). sd_notify
+Signal handlers only set a flag (and wake the loop through the wakeup fd). Sources that push
+(PSI triggers, the worker's events) hand the loop file descriptors; when one fires the loop
+samples at once rather than at its next tick. sd_notify
 READY/WATCHDOG/STOPPING when run under systemd. On stop the datapath stays in place
 (qos.keep_on_stop, fail-static); the worker throttle is released and the relax ceil
 restored so nothing stays degraded behind a stopped agent.
@@ -41,6 +43,7 @@ from .watchers.psi import PsiTriggers, PsiWatcher
 from .watchers.softirq import SoftirqWatcher
 from .watchers.softnet import SoftnetWatcher
 from .watchers.worker import WorkerWatcher
+from .watchers.worker_feed import WorkerFeed
 
 log = logging.getLogger("turbonode.agent")
 
@@ -104,13 +107,15 @@ def doing(cfg: Config) -> str:
 def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
     a = cfg.agent
     client = ControlClient(a.worker_socket, timeout=max(0.5, 2 * a.sample_period))
+    policy = policy_from_config(cfg.policy)
     watchers = [
         CpuWatcher(a.procfs),
-        PsiWatcher(a.procfs),
+        PsiWatcher(a.procfs, PsiTriggers(a.procfs, cfg.policy.psi_trigger_us)),
         SoftnetWatcher(a.procfs),
         SoftirqWatcher(a.procfs, a.sysfs),
         GpuWatcher(gpu_nvml),
-        WorkerWatcher(client),
+        # the worker pushes what crosses a rule's enter threshold
+        WorkerWatcher(WorkerFeed(a.worker_socket, {r.signal: r.enter for r in policy.rules})),
     ]
     link = parse_rate(cfg.qos.rate)
     relax = tier("relax")
@@ -127,7 +132,7 @@ def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
         from .watchers.htb import HtbWatcher
 
         watchers.append(HtbWatcher(datapath))
-    return AgentLoop(watchers, policy_from_config(cfg.policy), actions_table(cfg.policy), actuator, a.sample_period)
+    return AgentLoop(watchers, policy, actions_table(cfg.policy), actuator, a.sample_period)
 
 
 def run(cfg: Config, flags: Flags | None = None) -> int:
@@ -152,17 +157,18 @@ def run(cfg: Config, flags: Flags | None = None) -> int:
         log.info("metrics on %s:%d/metrics, status on %s", *server.server_address[:2], a.socket)
         stack.callback(server.server_close)
         stack.callback(server.shutdown)
-        triggers = PsiTriggers(a.procfs, cfg.policy.psi_trigger_us)
-        stack.callback(triggers.close)
-        _run_loop(loop, triggers, flags, a.sample_period, doing(cfg))
+        _run_loop(loop, flags, a.sample_period, doing(cfg))
     return 0
 
 
-def _run_loop(loop: AgentLoop, triggers: PsiTriggers, flags: Flags, period: float, what: str) -> None:
+def _run_loop(loop: AgentLoop, flags: Flags, period: float, what: str) -> None:
     rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     poller = select.poll()
     poller.register(rfd, select.POLLIN)
-    triggers.register(poller)
+    pushers = {fd: w for w in loop.watchers for fd in w.wake_fds()}
+    for w in loop.watchers:
+        for fd, mask in w.wake_fds().items():
+            poller.register(fd, mask)
 
     def on_signal(signum, _frame):
         flags.stop = True
@@ -187,13 +193,18 @@ def _run_loop(loop: AgentLoop, triggers: PsiTriggers, flags: Flags, period: floa
                 sdnotify.notify("WATCHDOG=1")
                 last_ping = now
             due = max(due + period, now)  # never try to catch up on missed ticks
-            events = poller.poll(max(0.0, due - time.monotonic()) * 1000)
-            if rfd in (fd for fd, _ in events):
-                while _drain(rfd):
-                    pass
-            if triggers.fired(events):
-                log.debug("PSI trigger: sampling now")
-                due = time.monotonic()
+            for fd, ev in poller.poll(max(0.0, due - time.monotonic()) * 1000):
+                if fd == rfd:
+                    while _drain(rfd):
+                        pass
+                elif ev & (select.POLLERR | select.POLLHUP | select.POLLNVAL):
+                    name = pushers[fd].name
+                    log.warning("%s watcher: wakeup fd %d failed (poll events %#x); polled from now on", name, fd, ev)
+                    poller.unregister(fd)
+                else:
+                    pushers[fd].woken(fd)
+                    log.debug("%s watcher pushed: sampling now", pushers[fd].name)
+                    due = time.monotonic()
     finally:
         sdnotify.notify("STOPPING=1")
         signal.set_wakeup_fd(old_fd)

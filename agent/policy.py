@@ -1,17 +1,23 @@
 """Degradation policy: signals in, a level and the actions for it out. Pure: no I/O, no clock.
 
 Levels go normal -> pressured -> degraded -> critical (turbonode.levels). Each rule owns its
-thresholds and dwell (`[policy.rules.<signal>]`). A rule becomes *active* when its signal is
-above its enter threshold for its `enter_samples` consecutive samples, and inactive again after
-its `exit_samples` consecutive samples below its (lower) exit threshold; between the two it
-keeps its state (hysteresis). While any rule is active the level climbs one step per
-`min_change_interval`, each further step needing an active rule's `enter_samples` fresh samples
-above enter; once no rule is active and every signal has been below its exit threshold for its
-`exit_samples` samples since the last change, it steps down one level, and the next step down
-waits again.
+thresholds and dwell (`[policy.rules.<signal>]`). A rule becomes *active* once its signal has
+stayed above its enter threshold for `enter_s` seconds, and inactive again once it has stayed
+below its (lower) exit threshold for `exit_s` seconds; between the two it keeps its state
+(hysteresis). While any rule is active the level climbs one step per `min_change_interval`, each
+further step needing an active rule's `enter_s` of fresh evidence above enter; once no rule is
+active and every signal has been below its exit threshold for its `exit_s` since the last
+change, it steps down one level, and the next step down waits again.
+
+Dwell is time, not a count of samples, because samples are irregular: the agent samples on a
+period and also at once when a source pushes (a PSI trigger, a worker GC pause). A sample
+taken at `now` covers the time since the previous one, so a run above enter starts at the
+previous sample's time: a signal above enter in every sample of the last `enter_s` seconds
+has been above it for `enter_s`. An extra sample adds evidence of the same time, never time.
 
 A signal value of None means "no observation this sample" (e.g. no GC ran): it neither
-breaks an escalation streak nor holds back recovery, so a dead watcher never pins a level.
+breaks nor lengthens a run above enter, and counts as healthy time, so a dead watcher never
+pins a level.
 """
 
 from __future__ import annotations
@@ -27,7 +33,12 @@ from turbonode.errors import ConfigError
 from turbonode.levels import ACTION_LEVELS, LEVELS, NORMAL
 
 _DEFAULTS = PolicyConfig()
+_CLOCK_SLACK = 1e-9  # seconds: sums of float sample times land a hair short of an exact dwell
 HELD = "held until below exit"  # an active rule whose signal sits between exit and enter (or is silent)
+
+
+def _reached(elapsed: float, dwell: float) -> bool:
+    return elapsed >= dwell - _CLOCK_SLACK
 
 
 def describe_reason(signal: str, value: float | None, threshold: float, crossed: str) -> str:
@@ -40,14 +51,14 @@ def describe_reason(signal: str, value: float | None, threshold: float, crossed:
 
 @dataclass(frozen=True)
 class Rule:
-    """One signal's thresholds and dwell, as oomd's detectors own theirs. A dwell of None takes
-    the policy's (DegradationPolicy.enter_samples / exit_samples)."""
+    """One signal's thresholds and dwell (seconds), as oomd's detectors own theirs. A dwell of
+    None takes the policy's (DegradationPolicy.enter_s / exit_s)."""
 
     signal: str
     enter: float
     exit: float
-    enter_samples: int | None = None
-    exit_samples: int | None = None
+    enter_s: float | None = None
+    exit_s: float | None = None
 
 
 @dataclass(frozen=True)
@@ -89,51 +100,59 @@ class Decision:
 
 @dataclass
 class _RuleState:
-    enter_samples: int  # the rule's dwell, its own or the policy's
-    exit_samples: int
-    above: int = 0
-    below: int = 0
+    enter_s: float  # the rule's dwell, its own or the policy's
+    exit_s: float
+    above_since: float | None = None  # start of the current run above enter (None: not in one)
+    above_for: float = 0.0  # how long that run had lasted at its latest observation above enter
+    below_since: float | None = None  # start of the current run below exit or silent
     active: bool = False
     value: float | None = None
+
+    def below_for(self, now: float) -> float:
+        return 0.0 if self.below_since is None else now - self.below_since
 
 
 @dataclass
 class DegradationPolicy:
     rules: tuple[Rule, ...]
-    enter_samples: int = _DEFAULTS.enter_samples  # the dwell of rules that set none
-    exit_samples: int = _DEFAULTS.exit_samples
+    enter_s: float = _DEFAULTS.enter_s  # the dwell of rules that set none
+    exit_s: float = _DEFAULTS.exit_s
     min_change_interval: float = _DEFAULTS.min_change_interval
     level: int = NORMAL
     last_change: float = -math.inf
+    last_sample: float | None = None
     _state: dict[str, _RuleState] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self._state = {
-            r.signal: _RuleState(r.enter_samples or self.enter_samples, r.exit_samples or self.exit_samples)
+            r.signal: _RuleState(
+                self.enter_s if r.enter_s is None else r.enter_s, self.exit_s if r.exit_s is None else r.exit_s
+            )
             for r in self.rules
         }
         # the rules as in force, each with its dwell
         self.rules = tuple(
-            dataclasses.replace(
-                r, enter_samples=self._state[r.signal].enter_samples, exit_samples=self._state[r.signal].exit_samples
-            )
+            dataclasses.replace(r, enter_s=self._state[r.signal].enter_s, exit_s=self._state[r.signal].exit_s)
             for r in self.rules
         )
 
     def update(self, signals: Mapping[str, float | None], now: float) -> Decision:
-        """Feed one sample taken at `now` (seconds, any monotonic clock)."""
+        """Feed one sample taken at `now` (seconds, any monotonic clock), covering the time since
+        the previous sample."""
+        since = now if self.last_sample is None else self.last_sample
+        self.last_sample = now
         for rule in self.rules:
-            self._observe(rule, signals.get(rule.signal))
+            self._observe(rule, signals.get(rule.signal), since, now)
         previous = self.level
         active = [r for r in self.rules if self._state[r.signal].active]
-        may_change = now - self.last_change >= self.min_change_interval
+        may_change = _reached(now - self.last_change, self.min_change_interval)
         if active:
-            fresh = any(self._state[r.signal].above >= self._state[r.signal].enter_samples for r in active)
+            fresh = any(_reached(self._state[r.signal].above_for, self._state[r.signal].enter_s) for r in active)
             if may_change and fresh and self.level < len(LEVELS) - 1:
                 self._change(self.level + 1, now)
             reasons = tuple(self._active_reason(r) for r in active)
         else:
-            healthy = all(st.below >= st.exit_samples for st in self._state.values())
+            healthy = all(_reached(st.below_for(now), st.exit_s) for st in self._state.values())
             if may_change and healthy and self.level > NORMAL:
                 self._change(self.level - 1, now)
             reasons = (
@@ -149,27 +168,36 @@ class DegradationPolicy:
             return Reason(rule.signal, value, rule.enter, "above enter")
         return Reason(rule.signal, value, rule.exit, HELD)  # active by hysteresis
 
-    def _observe(self, rule: Rule, value: float | None) -> None:
+    def _observe(self, rule: Rule, value: float | None, since: float, now: float) -> None:
+        """One observation covering (since, now]."""
         st = self._state[rule.signal]
         st.value = value
         if value is None:
-            st.below += 1
+            if st.below_since is None:
+                st.below_since = since
         elif value > rule.enter:
-            st.above, st.below = st.above + 1, 0
+            if st.above_since is None:
+                st.above_since = since
+            st.above_for, st.below_since = now - st.above_since, None
         elif value < rule.exit:
-            st.above, st.below = 0, st.below + 1
-        else:  # inside the hysteresis band: keep the state, restart both streaks
-            st.above = st.below = 0
-        if st.below >= st.exit_samples:
-            st.active, st.above = False, 0  # a long healthy run also ends a streak that None held
-        elif st.above >= st.enter_samples:
+            st.above_since, st.above_for = None, 0.0
+            if st.below_since is None:
+                st.below_since = since
+        else:  # inside the hysteresis band: keep the state, restart both runs
+            st.above_since, st.above_for, st.below_since = None, 0.0, None
+        if _reached(st.below_for(now), st.exit_s):
+            st.active, st.above_since, st.above_for = False, None, 0.0  # long silence also ends a run None held
+        elif st.above_since is not None and _reached(st.above_for, st.enter_s):
             st.active = True
 
     def _change(self, level: int, now: float) -> None:
         self.level, self.last_change = level, now
-        # Each further step needs fresh evidence: N more samples up, or M more samples down.
+        # Each further step needs fresh evidence: enter_s more above, or exit_s more below.
         for st in self._state.values():
-            st.above = st.below = 0
+            if st.above_since is not None:
+                st.above_since, st.above_for = now, 0.0
+            if st.below_since is not None:
+                st.below_since = now
 
     def snapshot(self) -> dict[str, Any]:
         return {
@@ -193,14 +221,14 @@ def rules_from_config(cfg: PolicyConfig) -> tuple[Rule, ...]:
     except ValueError as exc:
         raise ConfigError("policy.rules", str(exc)) from None
     return tuple(
-        Rule(signal, t["enter"], t["exit"], t.get("enter_samples"), t.get("exit_samples"))
+        Rule(signal, t["enter"], t["exit"], t.get("enter_s"), t.get("exit_s"))
         for signal, t in cfg.rules.items()
         if signal not in cfg.disabled
     )
 
 
 def policy_from_config(cfg: PolicyConfig) -> DegradationPolicy:
-    return DegradationPolicy(rules_from_config(cfg), cfg.enter_samples, cfg.exit_samples, cfg.min_change_interval)
+    return DegradationPolicy(rules_from_config(cfg), cfg.enter_s, cfg.exit_s, cfg.min_change_interval)
 
 
 # ---- actions ---------------------------------------------------------------------------

@@ -1,8 +1,10 @@
 """The worker's control socket: JSON-RPC 2.0 over AF_UNIX, one object per line.
 
-Methods (docs/design.md, control protocol): `ping`, `status`, `throttle`, `release`. The server runs in its own
-threads (turbonode.rpc_server), so the agent gets answers even while the engine is deep in
-a batch; a malformed, oversized or unknown request gets an error and the worker carries on.
+Methods (docs/design.md, control protocol): `ping`, `status`, `events`, `throttle`, `release`. The server runs
+in its own threads (turbonode.rpc_server), so the agent gets answers even while the engine is
+deep in a batch, and may hold an `events` call open until something happens (a long poll):
+that is how GC pauses and turbo queue-wait excursions reach the agent at once instead of at
+its next poll. A malformed, oversized or unknown request gets an error and the worker carries on.
 """
 
 from __future__ import annotations
@@ -27,6 +29,15 @@ from .throttle import Held
 log = logging.getLogger(__name__)
 
 GC_PAUSES_PER_STATUS = 256
+MAX_EVENTS_WAIT_S = 10.0  # the longest an `events` call may wait: a client that vanished frees its thread
+
+
+def _optional_seconds(name: str, value) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value < float("inf"):
+        raise jsonrpc.RpcError(jsonrpc.INVALID_PARAMS, f"{name} must be a number of seconds >= 0 or null")
+    return float(value)
 
 
 class ControlHandlers:
@@ -50,14 +61,24 @@ class ControlHandlers:
         self._process = psutil.Process()
 
     def table(self) -> dict:
-        return {"ping": self.ping, "status": self.status, "throttle": self.throttle, "release": self.release}
+        return {
+            "ping": self.ping,
+            "status": self.status,
+            "events": self.events,
+            "throttle": self.throttle,
+            "release": self.release,
+        }
 
     def ping(self) -> dict:
         return {"pong": True, "pid": os.getpid(), "uptime_s": round(time.monotonic() - self.started, 3)}
 
-    def _gc(self, since_gc_seq) -> dict:
+    @staticmethod
+    def _check_cursor(since_gc_seq) -> None:
         if since_gc_seq is not None and (isinstance(since_gc_seq, bool) or not isinstance(since_gc_seq, int)):
             raise jsonrpc.RpcError(jsonrpc.INVALID_PARAMS, "since_gc_seq must be an integer or null")
+
+    def _gc(self, since_gc_seq) -> dict:
+        self._check_cursor(since_gc_seq)
         with self._lock:
             cursor = self._gc_cursor if since_gc_seq is None else since_gc_seq
             pauses = self.gc.since(cursor, GC_PAUSES_PER_STATUS)
@@ -99,6 +120,44 @@ class ControlHandlers:
                 for r in [self.readiness(tier)]
             }
         return out
+
+    def events(self, since_gc_seq=None, gc_pause_s=None, turbo_wait_s=None, timeout_s=1.0) -> dict:
+        """Wait until a GC pause longer than `gc_pause_s` follows `since_gc_seq` (null: now), or the
+        oldest queued turbo job has waited longer than `turbo_wait_s`, or `timeout_s` passed; a null
+        threshold never wakes. A cursor ahead of this process's pauses (the caller knew an earlier
+        worker) answers at once. The answer names the event (null: none) and carries the GC pauses
+        since the cursor and the per-tier queues, as `status` does."""
+        gc_over = _optional_seconds("gc_pause_s", gc_pause_s)
+        turbo_over = _optional_seconds("turbo_wait_s", turbo_wait_s)
+        wait_s = _optional_seconds("timeout_s", timeout_s)
+        if wait_s is None or wait_s > MAX_EVENTS_WAIT_S:
+            raise jsonrpc.RpcError(jsonrpc.INVALID_PARAMS, f"timeout_s must be between 0 and {MAX_EVENTS_WAIT_S:g}")
+        self._check_cursor(since_gc_seq)
+        cursor = self.gc.last_seq if since_gc_seq is None else since_gc_seq
+        deadline = time.monotonic() + wait_s
+        event = None
+        while cursor <= self.gc.last_seq:
+            if gc_over is not None and self.gc.longest_since(cursor) > gc_over:
+                event = "gc_pause"
+                break
+            turbo = self.engine.jobs.tiers(self.engine.clock())["turbo"]
+            if turbo_over is not None and turbo["queued"] and turbo["oldest_wait_s"] > turbo_over:
+                event = "turbo_wait"
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            if turbo_over is not None and turbo["queued"]:  # wake when the oldest crosses the threshold
+                left = min(left, turbo_over - turbo["oldest_wait_s"] + 0.001)
+            if gc_over is None:
+                time.sleep(left)
+            else:
+                self.gc.wait_for_pause(cursor, gc_over, left)
+        return {
+            "event": event,
+            "gc": self._gc(cursor),
+            "tiers": self.engine.jobs.tiers(self.engine.clock()),
+        }
 
     def throttle(
         self,

@@ -1,9 +1,11 @@
 """Time every garbage collection through `gc.callbacks` (generation and pause).
 
 A full collection in a process holding a large model can pause every thread for tens of
-milliseconds; the agent reads these pauses from `status` to tell GC stalls from network
-stalls. The callback runs inside the collector, so it takes no locks and allocates little:
-it appends to a bounded deque (atomic in CPython) and bumps counters.
+milliseconds; the agent reads these pauses from `status`, and waits for them with `events`, to
+tell GC stalls from network stalls. The callback runs inside the collector, in whatever thread
+allocated, so it takes no locks and allocates little: it appends to a bounded deque (atomic in
+CPython), bumps counters, and wakes waiters through queue.SimpleQueue, whose put() is
+reentrant (safe where a lock could already be held by the interrupted code).
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from __future__ import annotations
 import collections
 import gc
 import itertools
+import queue
+import threading
 import time
 from collections.abc import Callable
 
@@ -31,6 +35,10 @@ class GcMonitor:
         self._clock, self._wall = clock, wall
         self._started: float | None = None
         self._installed = False
+        # (queue, threshold) of each thread in wait_for_pause: replaced whole, never mutated, so the
+        # callback iterates a consistent tuple without a lock
+        self._waiters: tuple[tuple[queue.SimpleQueue, float], ...] = ()
+        self._waiters_lock = threading.Lock()
 
     def _callback(self, phase: str, info: dict) -> None:
         if phase == "start":
@@ -43,7 +51,11 @@ class GcMonitor:
         generation = info.get("generation", -1)
         self.collections_total += 1
         self.pause_seconds_total += pause
-        self.pauses.append({"seq": next(self._seq), "generation": generation, "pause_s": pause, "at": self._wall()})
+        seq = next(self._seq)
+        self.pauses.append({"seq": seq, "generation": generation, "pause_s": pause, "at": self._wall()})
+        for waiter, longer_than in self._waiters:
+            if pause > longer_than:
+                waiter.put(seq)
         if self._observe is not None:
             self._observe(generation, pause)
 
@@ -67,6 +79,28 @@ class GcMonitor:
         """Pauses with seq > `seq`, newest `limit` of them, oldest first."""
         newer = [p for p in list(self.pauses) if p["seq"] > seq]
         return newer[-limit:]
+
+    def longest_since(self, seq: int) -> float:
+        """The longest pause with seq > `seq` still kept, 0 if none."""
+        return max((p["pause_s"] for p in list(self.pauses) if p["seq"] > seq), default=0.0)
+
+    def wait_for_pause(self, seq: int, longer_than: float, timeout: float) -> bool:
+        """Block until a pause longer than `longer_than` with seq > `seq` exists, at most `timeout`
+        seconds; whether one does. Any thread, any number of them at once."""
+        waiter: tuple[queue.SimpleQueue, float] = (queue.SimpleQueue(), longer_than)
+        with self._waiters_lock:
+            self._waiters = (*self._waiters, waiter)
+        try:  # registered first, then checked: a pause in between is in the deque or in the queue
+            if self.longest_since(seq) > longer_than:
+                return True
+            try:
+                waiter[0].get(timeout=max(0.0, timeout))
+            except queue.Empty:
+                return False
+            return True
+        finally:
+            with self._waiters_lock:
+                self._waiters = tuple(w for w in self._waiters if w is not waiter)
 
 
 def freeze_after_load() -> None:

@@ -2,6 +2,7 @@
 JSON-RPC methods) on a real AF_UNIX socket, for tests that must not depend on a diffusion
 model; and a scrape of one collector through a fresh registry."""
 
+import threading
 import time
 
 import pytest
@@ -13,13 +14,22 @@ from turbonode.rpc_server import UnixRpcServer
 
 
 class MiniWorker:
-    """Just enough of the worker's control contract: status with GC seq, throttle with TTL."""
+    """Just enough of the worker's control contract: status with GC seq, events (long poll),
+    throttle with TTL. `with_events=False` is a worker from before `events`."""
 
-    def __init__(self):
+    def __init__(self, with_events: bool = True):
         self.pauses = []
         self.throttle_state = None
         self.calls = []
         self.turbo_wait = 0.0
+        self.with_events = with_events
+        self.changed = threading.Condition()
+
+    def _last_seq(self) -> int:
+        return self.pauses[-1]["seq"] if self.pauses else 0
+
+    def _tiers(self) -> dict:
+        return {"turbo": {"queued": 1, "in_flight": 0, "oldest_wait_s": self.turbo_wait, "queue_wait_p99_s": 0.0}}
 
     def status(self, since_gc_seq=None):
         t = self.throttle_state
@@ -27,16 +37,30 @@ class MiniWorker:
             self.throttle_state = t = None
         pauses = [p for p in self.pauses if since_gc_seq is None or p["seq"] > since_gc_seq]
         return {
-            "tiers": {
-                "turbo": {"queued": 0, "in_flight": 0, "oldest_wait_s": self.turbo_wait, "queue_wait_p99_s": 0.0}
-            },
+            "tiers": self._tiers(),
             "step_time_s": {"last": 0.04, "p50": 0.04, "p99": 0.05},
             "max_batch": 4,
-            "gc": {"last_seq": self.pauses[-1]["seq"] if self.pauses else 0, "pauses": pauses},
+            "gc": {"last_seq": self._last_seq(), "pauses": pauses},
             "throttle": t and {k: v for k, v in t.items() if k != "expires"},
             "backend": {"name": "mini", "device": "cpu"},
             "uptime_s": 1.0,
         }
+
+    def events(self, since_gc_seq=None, gc_pause_s=None, turbo_wait_s=None, timeout_s=1.0):
+        cursor = self._last_seq() if since_gc_seq is None else since_gc_seq
+        deadline = time.monotonic() + timeout_s
+        with self.changed:
+            while True:
+                new = [p for p in self.pauses if p["seq"] > cursor]
+                if gc_pause_s is not None and any(p["pause_s"] > gc_pause_s for p in new):
+                    event = "gc_pause"
+                elif turbo_wait_s is not None and self.turbo_wait > turbo_wait_s:
+                    event = "turbo_wait"
+                elif cursor <= self._last_seq() and self.changed.wait(max(0.0, deadline - time.monotonic())):
+                    continue
+                else:
+                    event = None
+                return {"event": event, "gc": {"last_seq": self._last_seq(), "pauses": new}, "tiers": self._tiers()}
 
     def throttle(self, reason, ttl_s, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=(), unready_tiers=()):
         if "turbo" in list(paused_tiers) + list(shed_tiers) + list(step_caps or {}):
@@ -56,13 +80,21 @@ class MiniWorker:
         return {"ok": True}
 
     def gc(self, pause_s):
-        self.pauses.append({"seq": len(self.pauses) + 1, "generation": 2, "pause_s": pause_s, "at": time.time()})
+        with self.changed:
+            self.pauses.append({"seq": len(self.pauses) + 1, "generation": 2, "pause_s": pause_s, "at": time.time()})
+            self.changed.notify_all()
+
+    def set_turbo_wait(self, seconds):
+        with self.changed:
+            self.turbo_wait = seconds
+            self.changed.notify_all()
 
     def serve(self, path: str) -> UnixRpcServer:
         self.client = ControlClient(path, timeout=1.0)
-        return UnixRpcServer(
-            path, {"status": self.status, "throttle": self.throttle, "release": self.release, "ping": lambda: "pong"}
-        ).start()
+        methods = {"status": self.status, "throttle": self.throttle, "release": self.release, "ping": lambda: "pong"}
+        if self.with_events:
+            methods["events"] = self.events
+        return UnixRpcServer(path, methods).start()
 
 
 @pytest.fixture

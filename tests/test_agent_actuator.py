@@ -1,30 +1,15 @@
-"""Worker watcher and actuator against a small real AF_UNIX JSON-RPC server (tests/agent_helpers.py),
+"""The actuator against a small real AF_UNIX JSON-RPC server (tests/agent_helpers.py),
 plus the relax-ceil action against a recording datapath stand-in."""
 
 import time
 
 from agent.actuator import Actuator
 from agent.policy import Actions
-from agent.watchers.worker import WorkerWatcher
 from tests.agent_helpers import mini_worker as worker  # noqa: F401  (fixture)
 from turbonode.jsonrpc import ControlClient
 
 
-def test_worker_watcher_reports_new_gc_pauses_only(worker):
-    worker.gc(0.5)  # history before the agent looked: not news
-    ww = WorkerWatcher(worker.client)
-    assert ww.sample(0)["gc_pause_s"] is None and ww.ok
-    worker.gc(0.007)
-    worker.gc(0.009)
-    worker.turbo_wait = 0.8
-    sig = ww.sample(0.25)
-    assert sig["gc_pause_s"] == 0.009 and sig["turbo_wait_s"] == 0.8
-    assert ww.sample(0.5)["gc_pause_s"] is None  # nothing new since
-
-
 def test_absent_worker_is_a_state_not_a_crash(tmp_path):
-    ww = WorkerWatcher(ControlClient(str(tmp_path / "none.sock"), timeout=0.2))
-    assert ww.sample(0) == {} and not ww.ok and "does not exist" in ww.error
     act = Actuator(ControlClient(str(tmp_path / "none.sock"), timeout=0.2))
     act.apply(Actions(None, {"max_batch": 1}), "pressured: x", "cpu_load", 0)
     assert "does not exist" in act.worker_error

@@ -20,7 +20,7 @@ pytestmark = [needs_bcc, pytest.mark.root, pytest.mark.slow]
 
 POLICY = (
     '[policy]\ndisabled = ["cpu_load", "netrx_cpu_share", "netrx_latency_p99_s"]\n'
-    "exit_samples = 4\nmin_change_interval = 0.5\n"
+    "exit_s = 1.0\nmin_change_interval = 0.5\n"
 )
 
 

@@ -17,7 +17,7 @@ from turboctl import main
 from turbonode.jsonrpc import ControlClient
 
 # Every sample escalates: cpu_load >= 0 is always above an enter threshold of 0.
-ESCALATE = "[policy]\nenter_samples = 1\nmin_change_interval = 0.1\n[policy.rules.cpu_load]\nenter = 0.0\nexit = 0.0\n"
+ESCALATE = "[policy]\nenter_s = 0\nmin_change_interval = 0.1\n[policy.rules.cpu_load]\nenter = 0.0\nexit = 0.0\n"
 
 
 @pytest.fixture

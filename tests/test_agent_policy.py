@@ -1,20 +1,24 @@
-"""The policy with a fake clock and recorded signal sequences (pure: no kernel, no sockets)."""
+"""The policy with a fake clock and recorded signal sequences (pure: no kernel, no sockets).
+
+Dwell is time: the tests feed samples at the agent's default period, and also at irregular
+times (extra samples the agent takes when a source pushes), which must not shorten it."""
 
 import random
 
 import pytest
 
 from agent.policy import Actions, DegradationPolicy, Rule, actions_table, policy_from_config, rules_from_config
-from turbonode.config import POLICY_RULES, PolicyConfig, load_config
+from turbonode.config import POLICY_RULES, AgentConfig, PolicyConfig, load_config
 from turbonode.errors import ConfigError
 
-PERIOD = 0.25
+PERIOD = AgentConfig().sample_period
 CPU = Rule("cpu_load", 0.75, 0.70)
+GC = Rule("gc_pause_s", 0.005, 0.001)
 
 
-def run(policy, values, signal="cpu_load", start=0.0):
+def run(policy, values, signal="cpu_load", start=0.0, period=PERIOD):
     """Feed one value per sample period; return the decisions."""
-    return [policy.update({signal: v}, start + i * PERIOD) for i, v in enumerate(values)]
+    return [policy.update({signal: v}, start + i * period) for i, v in enumerate(values)]
 
 
 def levels(decisions):
@@ -22,7 +26,7 @@ def levels(decisions):
 
 
 def changes(decisions):
-    return [(i, d.previous, d.level) for i, d in enumerate(decisions) if d.changed]
+    return [(round(d.at, 6), d.previous, d.level) for d in decisions if d.changed]
 
 
 def noisy(mean, sd, n, seed=4):
@@ -30,94 +34,138 @@ def noisy(mean, sd, n, seed=4):
     return [min(1.0, max(0.0, mean + rng.gauss(0, sd))) for _ in range(n)]
 
 
+FIVE_MINUTES = round(5 * 60 / PERIOD)
+
+
 def test_healthy_noise_with_spikes_over_threshold_changes_nothing():
-    values = noisy(0.65, 0.05, 4 * 60 * 5)  # 5 minutes of samples
-    assert sum(v > 0.75 for v in values) > 10  # single spikes do cross the enter threshold
+    values = noisy(0.60, 0.08, FIVE_MINUTES)
+    assert sum(v > 0.75 for v in values) > 50  # single spikes do cross the enter threshold, often
+    assert sum(a > 0.75 and b > 0.75 for a, b in zip(values, values[1:])) >= 2  # and twice in a row
     assert changes(run(DegradationPolicy((CPU,)), values)) == []
+
+
+def test_healthy_noise_sampled_irregularly_changes_nothing():
+    # Pushed sources add samples at any moment: more samples of the same noise add no time above.
+    rng = random.Random(7)
+    times = sorted(rng.uniform(0, 300) for _ in range(2 * FIVE_MINUTES))
+    values = noisy(0.60, 0.06, len(times), seed=8)
+    p = DegradationPolicy((CPU,))
+    assert [d for d in (p.update({"cpu_load": v}, t) for t, v in zip(times, values)) if d.changed] == []
 
 
 @pytest.mark.parametrize("mean", [0.70, 0.725, 0.75, 0.78])
 def test_noise_around_threshold_never_flaps(mean):
-    d = run(DegradationPolicy((CPU,)), noisy(mean, 0.03, 4 * 60 * 5))
+    d = run(DegradationPolicy((CPU,)), noisy(mean, 0.03, FIVE_MINUTES))
     steps = [c[2] - c[1] for c in changes(d)]
     # It may escalate, but never goes back and forth: no reversal of direction.
     reversals = sum(1 for a, b in zip(steps, steps[1:]) if (a > 0) != (b > 0))
     assert reversals == 0, changes(d)
 
 
-def test_step_change_escalates_within_enter_samples():
-    p = DegradationPolicy((CPU,), enter_samples=3)
-    d = run(p, [0.2] * 20 + [0.95] * 3)
-    assert levels(d)[:22] == [0] * 22
-    assert d[22].changed and d[22].level == 1
-    assert d[22].reasons[0].signal == "cpu_load"
-    assert d[22].reasons[0].value == 0.95 and d[22].reasons[0].threshold == 0.75
-    assert "cpu_load=0.95 > 0.75" in d[22].describe()
+@pytest.mark.parametrize("period", [PERIOD, 0.05, 0.25])
+def test_step_change_escalates_after_enter_s_whatever_the_period(period):
+    p = DegradationPolicy((CPU,), enter_s=0.3)
+    onset = 2.0
+    d = run(p, [0.2] * round(onset / period) + [0.95] * round(1 / period), period=period)
+    first = next(x for x in d if x.changed)
+    # The sample after the onset covers time since the one before: 0.3 s above from there on.
+    assert first.level == 1 and onset + 0.3 - period - 1e-9 <= first.at <= onset + 0.3 + 1e-9
+    assert first.reasons[0].signal == "cpu_load"
+    assert first.reasons[0].value == 0.95 and first.reasons[0].threshold == 0.75
+    assert "cpu_load=0.95 > 0.75" in first.describe()
+
+
+def test_extra_samples_do_not_shorten_the_dwell():
+    p = DegradationPolicy((CPU,), enter_s=0.3)
+    run(p, [0.2] * 10)  # healthy until t = 0.9
+    d = [p.update({"cpu_load": 0.95}, 1.0 + i * 0.01) for i in range(20)]  # 20 pushed samples in 0.2 s
+    assert not any(x.changed for x in d)
+    assert p.update({"cpu_load": 0.95}, 1.2).changed  # 0.3 s after the last healthy sample
 
 
 def test_one_change_per_interval_and_fresh_evidence_per_step():
-    p = DegradationPolicy((CPU,), enter_samples=3, min_change_interval=1.0)
-    d = run(p, [0.99] * 40)  # 10 s of saturation
+    p = DegradationPolicy((CPU,), enter_s=0.3, min_change_interval=1.0)
+    d = run(p, [0.99] * round(10 / PERIOD))  # 10 s of saturation
     ch = changes(d)
     assert [c[2] for c in ch] == [1, 2, 3]  # one step at a time, stops at critical
-    times = [c[0] * PERIOD for c in ch]
-    assert all(b - a >= 1.0 for a, b in zip(times, times[1:]))
+    times = [c[0] for c in ch]
+    assert all(b - a >= 1.0 - 1e-9 for a, b in zip(times, times[1:]))
 
 
 def test_recovery_waits_its_dwell_step_by_step():
-    p = DegradationPolicy((CPU,), enter_samples=3, exit_samples=8, min_change_interval=1.0)
-    d = run(p, [0.99] * 12 + [0.1] * 40)
+    p = DegradationPolicy((CPU,), enter_s=0.3, exit_s=2.0, min_change_interval=1.0)
+    end = 3.0
+    d = run(p, [0.99] * round(end / PERIOD) + [0.1] * round(15 / PERIOD))
     ch = changes(d)
     ups = [c for c in ch if c[2] > c[1]]
     downs = [c for c in ch if c[2] < c[1]]
     top = ups[-1][2]
     assert [c[2] for c in downs] == list(range(top - 1, -1, -1))
-    # The first step down needs exit_samples healthy samples after the load ended at sample 12.
-    assert downs[0][0] >= 12 + 8 - 1
+    # The first step down needs exit_s below exit after the load ended.
+    assert downs[0][0] >= end + 2.0 - PERIOD
     # Each further step waits another full dwell.
-    assert all(b[0] - a[0] >= 8 for a, b in zip(downs, downs[1:]))
-    assert "below exit" in d[downs[0][0]].reasons[0].crossed
+    assert all(b[0] - a[0] >= 2.0 - 1e-9 for a, b in zip(downs, downs[1:]))
+    first_down = next(x for x in d if x.changed and x.level < x.previous)
+    assert "below exit" in first_down.reasons[0].crossed
 
 
 def test_hysteresis_band_holds_the_level():
-    p = DegradationPolicy((CPU,), enter_samples=3, exit_samples=4)
+    p = DegradationPolicy((CPU,), enter_s=0.2, exit_s=0.4)
     d = run(p, [0.9] * 3 + [0.72] * 40)  # between exit (0.70) and enter (0.75)
     assert levels(d)[-1] == 1 and len(changes(d)) == 1
-    assert "cpu_load=0.72 (held until < 0.7)" in d[-1].describe()  # why the level holds, honestly
-    d = run(p, [0.5] * 4, start=20)
+    assert "cpu_load=0.72 (held until < 0.7)" in d[-1].describe()
+    d = run(p, [0.5] * 6, start=20)
     assert levels(d)[-1] == 0
 
 
-def test_none_keeps_streak_and_counts_as_healthy():
-    gc = Rule("gc_pause_s", 0.005, 0.001)
-    p = DegradationPolicy((gc,), enter_samples=3, exit_samples=4)
-    # Three long pauses with sample gaps where no collection ran: still "three in a row".
+def test_none_keeps_a_run_and_counts_as_healthy():
+    p = DegradationPolicy((GC,), enter_s=0.3, exit_s=1.0)
+    # Long pauses with samples between where no collection ran: the run above goes on.
     d = run(p, [0.02, None, 0.03, None, None, 0.02], signal="gc_pause_s")
     assert levels(d)[-1] == 1
+    # Silence alone adds no evidence: one pause then nothing never escalates.
+    q = DegradationPolicy((GC,), enter_s=0.3, exit_s=1.0)
+    assert levels(run(q, [0.05] + [None] * 30, signal="gc_pause_s")) == [0] * 31
     d = run(p, [0.0005, 0.003], signal="gc_pause_s", start=10)  # a 3 ms pause breaks the healthy run
-    d += run(p, [None] * 4, signal="gc_pause_s", start=11)
+    d += run(p, [None] * 12, signal="gc_pause_s", start=11)
     assert levels(d)[-1] == 0
 
 
-def test_silence_after_a_streak_at_the_top_level_recovers():
-    # At critical no escalation clears the streak; the silence after it (None: no GC ran)
+def test_gc_storm_pushed_pause_by_pause_escalates():
+    # The worker pushes each long pause as it happens (about every 100 ms in bench/garbage.py's
+    # storm), between the agent's ticks; a tick with no new pause observes nothing (None).
+    p = DegradationPolicy((GC,), enter_s=0.3)
+    samples = sorted([(t / 10, None) for t in range(20)] + [(1.03 + 0.1 * k, 0.06) for k in range(6)])
+    d = [p.update({"gc_pause_s": v}, t) for t, v in samples]
+    first = next(x for x in d if x.changed)
+    assert first.level == 1 and 1.2 < first.at < 1.35  # the run began at the tick before the first pause
+
+
+def test_periodic_report_without_a_long_pause_breaks_the_run():
+    # The worker also answers every period when nothing happened: its short pauses are healthy.
+    p = DegradationPolicy((GC,), enter_s=0.3)
+    d = run(p, [0.02, 0.0002, 0.02, 0.0002, 0.02, 0.0002, 0.02], signal="gc_pause_s")
+    assert levels(d) == [0] * 7
+
+
+def test_silence_after_a_run_at_the_top_level_recovers():
+    # At critical no escalation restarts the run; the silence after it (None: no GC ran)
     # must still end it, or the level would stay up for good.
-    gc = Rule("gc_pause_s", 0.005, 0.001)
-    p = DegradationPolicy((gc,), enter_samples=3, exit_samples=4, min_change_interval=0)
+    p = DegradationPolicy((GC,), enter_s=0.3, exit_s=1.0, min_change_interval=0)
     d = run(p, [0.05] * 12, signal="gc_pause_s")
     assert d[-1].level == 3
-    d = run(p, [None] * 40, signal="gc_pause_s", start=10)
+    d = run(p, [None] * 60, signal="gc_pause_s", start=10)
     assert [c[2] for c in changes(d)] == [2, 1, 0]
 
 
 def test_any_active_signal_holds_level():
     wait = Rule("turbo_wait_s", 0.5, 0.25)
-    p = DegradationPolicy((CPU, wait), enter_samples=2, exit_samples=2, min_change_interval=0)
-    p.update({"cpu_load": 0.9, "turbo_wait_s": 0.0}, 0)
-    d = p.update({"cpu_load": 0.9, "turbo_wait_s": 0.0}, 0.25)
+    p = DegradationPolicy((CPU, wait), enter_s=0.2, exit_s=0.5, min_change_interval=0)
+    for t in range(3):
+        d = p.update({"cpu_load": 0.9, "turbo_wait_s": 0.0}, t * PERIOD)
     assert d.level == 1
-    for t in range(2, 10):
-        d = p.update({"cpu_load": 0.1, "turbo_wait_s": 0.8 if t < 4 else 0.4}, t * 0.25)
+    for t in range(3, 30):
+        d = p.update({"cpu_load": 0.1, "turbo_wait_s": 0.8 if t < 6 else 0.4}, t * PERIOD)
     assert d.level >= 1  # turbo wait stuck in its band keeps the level
 
 
@@ -130,7 +178,7 @@ def test_config_defaults_and_actions():
         == {"cpu_load", "gc_pause_s", "netrx_latency_p99_s", "netrx_cpu_share", "turbo_wait_s"}
     )
     cpu = next(r for r in p.rules if r.signal == "cpu_load")
-    assert (cpu.enter, cpu.exit, cpu.enter_samples, cpu.exit_samples) == (0.75, 0.70, 3, 12)
+    assert (cpu.enter, cpu.exit, cpu.enter_s, cpu.exit_s) == (0.75, 0.70, 0.3, 3.0)
     table = actions_table(cfg)
     assert table[0] == Actions()
     assert table[1].relax_ceil_pct == 50 and table[1].throttle == {"max_batch": 2}
@@ -174,20 +222,22 @@ def test_config_overrides_one_level_and_names_bad_keys(tmp_path):
 def test_each_rule_owns_its_thresholds_and_dwell(tmp_path):
     f = tmp_path / "t.toml"
     f.write_text(
-        "[policy]\nenter_samples = 5\n"
-        "[policy.rules.gc_pause_s]\nenter_samples = 1\n[policy.rules.cpu_load]\nenter = 0.9\n"
+        "[policy]\nenter_s = 0.5\n[policy.rules.gc_pause_s]\nenter_s = 0\n[policy.rules.cpu_load]\nenter = 0.9\n"
     )
     cfg = load_config(str(f), env={}).policy
     p = policy_from_config(cfg)
     rules = {r.signal: r for r in p.rules}
     # a partial table keeps the other defaults; a rule without its own dwell takes the policy's
-    assert (rules["cpu_load"].enter, rules["cpu_load"].exit, rules["cpu_load"].enter_samples) == (0.9, 0.70, 5)
-    assert rules["gc_pause_s"].enter_samples == 1 and rules["gc_pause_s"].exit_samples == 12
+    assert (rules["cpu_load"].enter, rules["cpu_load"].exit, rules["cpu_load"].enter_s) == (0.9, 0.70, 0.5)
+    assert rules["gc_pause_s"].enter_s == 0 and rules["gc_pause_s"].exit_s == 3.0
     assert p.update({"gc_pause_s": 0.02, "cpu_load": 0.1}, 0).level == 1  # one long pause suffices
     cpu = policy_from_config(cfg)
-    assert levels(run(cpu, [0.95] * 5)) == [0, 0, 0, 0, 1]  # cpu_load needs five
+    d = run(cpu, [0.95] * 8, period=0.1)
+    assert levels(d) == [0] * 5 + [1] * 3  # cpu_load needs half a second
     for text, match in [
-        ("[policy.rules.cpu_load]\nenter_samples = 0\n", "cpu_load.enter_samples: must be a positive"),
+        ("[policy.rules.cpu_load]\nenter_s = -1\n", "cpu_load.enter_s: must be between 0 and 3600 s"),
+        ('[policy.rules.cpu_load]\nexit_s = "3s"\n', "cpu_load.exit_s: expected a number"),
+        ("[policy.rules.cpu_load]\nenter_samples = 3\n", "cpu_load.enter_samples: unknown key"),
         ("[policy.rules.psi]\nenter = 1\n", "unknown signal 'psi'"),
         ("[policy.rules.cpu_load]\nbogus = 1\n", "cpu_load.bogus: unknown key"),
         ("[policy.rules.cpu_load]\nexit = 0.8\n", r"cpu_load.exit: must not exceed cpu_load.enter \(0.75\)"),
@@ -197,3 +247,7 @@ def test_each_rule_owns_its_thresholds_and_dwell(tmp_path):
         with pytest.raises(ConfigError, match=match) as exc:
             load_config(str(f), env={})
         assert exc.value.key == "policy.rules"
+    f.write_text("[policy]\nexit_s = -0.5\n")
+    with pytest.raises(ConfigError, match="must be between 0 and 3600 s") as exc:
+        load_config(str(f), env={})
+    assert exc.value.key == "policy.exit_s"

@@ -1,17 +1,22 @@
 """Watchers on fake /proc trees (parsing edge cases) and on the real /proc of this machine."""
 
+import errno
 import os
+import select
+import subprocess
+import sys
 import time
 
 import pytest
 
 from agent.watchers.cpu import CpuWatcher, parse_stat
 from agent.watchers.gpu import GpuWatcher
-from agent.watchers.psi import PsiTriggers, PsiWatcher, parse_pressure
+from agent.watchers.psi import PsiTriggers, PsiWatcher, _refusal, parse_pressure
 from agent.watchers.softirq import SoftirqWatcher, quantile
 from agent.watchers.softirqs_proc import parse_softirqs
 from agent.watchers.softnet import SoftnetWatcher, parse_softnet
 from tests.agent_helpers import scrape
+from turbonode import caps
 
 
 def write(root, rel, text):
@@ -109,6 +114,46 @@ def test_missing_psi_is_a_reported_state(tmp_path):
     assert w.sample(0) == {} and not w.ok and "without PSI" in w.error
     trig = PsiTriggers(str(tmp_path))
     assert trig.fds == {} and "cpu" in trig.error
+
+
+def fake_caps(root, cap_eff: int):
+    write(root, "self/status", f"Name:\tpython3\nCapInh:\t0000000000000000\nCapEff:\t{cap_eff:016x}\n")
+
+
+@pytest.mark.parametrize(
+    "cap_eff,spec,why",
+    [
+        (0x000001FFFFFFFFFF, b"some 100000 1000000\0", None),  # CAP_SYS_RESOURCE: 1 s windows
+        (0x000001FFFEFFFFFF, b"some 200000 2000000\0", "no CAP_SYS_RESOURCE"),  # this VM's root: 2 s only
+        (None, b"some 100000 1000000\0", None),  # unknown: 1 s first (2 s had the kernel refused it)
+    ],
+)
+def test_psi_trigger_window_follows_cap_sys_resource(tmp_path, cap_eff, spec, why):
+    if cap_eff is not None:
+        fake_caps(tmp_path, cap_eff)
+    for res in ("cpu", "memory", "io"):
+        write(tmp_path, f"pressure/{res}", "")
+    trig = PsiTriggers(str(tmp_path), stall_us_per_s=100_000)
+    w = PsiWatcher(str(tmp_path), trig)
+    try:
+        assert sorted(trig.fds.values()) == ["cpu", "io", "memory"] and trig.error is None
+        assert (tmp_path / "pressure/cpu").read_bytes() == spec  # what the kernel would have been asked
+        assert set(w.wake_fds().values()) == {select.POLLPRI}
+        window = w.summary()["triggers"]["window"]
+        assert window.startswith(f"{int(spec[:-1].split()[2]) / 1e6:g} s")
+        assert (why in window) if why else "(" not in window
+    finally:
+        w.close()
+    assert trig.fds == {}
+
+
+def test_psi_trigger_refusals_say_why():
+    einval = OSError(errno.EINVAL, "Invalid argument")
+    assert "1 s window needs CAP_SYS_RESOURCE" in _refusal(einval, 1_000_000, False)
+    assert "before 5.2" in _refusal(einval, 2_000_000, False)
+    assert "before 5.2" in _refusal(einval, 1_000_000, True)
+    assert "psi=0" in _refusal(OSError(errno.EOPNOTSUPP, "Operation not supported"), 2_000_000, True)
+    assert _refusal(PermissionError(errno.EACCES, "Permission denied"), 2_000_000, True) == "Permission denied"
 
 
 # ---- softirqs ---------------------------------------------------------------------------
@@ -212,6 +257,54 @@ def test_real_proc_stat_softnet_and_psi():
         trig.close()
 
 
+def _real_psi_skip_reason() -> str | None:
+    if not os.path.isdir("/proc/pressure"):
+        return "this kernel has no PSI"
+    try:
+        os.close(os.open("/proc/pressure/cpu", os.O_RDWR))
+    except OSError as exc:
+        return f"/proc/pressure/cpu not writable here: {exc.strerror}"
+    return None
+
+
+@pytest.mark.skipif(_real_psi_skip_reason() is not None, reason=_real_psi_skip_reason() or "")
+def test_real_psi_trigger_window_and_retry(tmp_path):
+    # Claim CAP_SYS_RESOURCE in a fake status, in front of the real pressure file: where this process
+    # truly lacks it (root in a container, this VM) the kernel refuses the 1 s window with EINVAL and
+    # the 2 s one is armed; where it has it, the 1 s one is.
+    fake_caps(tmp_path, 0x000001FFFFFFFFFF)
+    (tmp_path / "pressure").mkdir()
+    (tmp_path / "pressure" / "cpu").symlink_to("/proc/pressure/cpu")
+    trig = PsiTriggers(str(tmp_path), resources=("cpu",))
+    try:
+        assert trig.error is None and list(trig.fds.values()) == ["cpu"]
+        held = (caps.effective() or 0) >> caps.CAP_SYS_RESOURCE & 1
+        assert trig.window_us == (1_000_000 if held else 2_000_000)
+        assert held or "the kernel refused 1 s" in trig.describe()["window"]
+    finally:
+        trig.close()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(_real_psi_skip_reason() is not None, reason=_real_psi_skip_reason() or "")
+def test_real_psi_trigger_fires_under_cpu_pressure():
+    trig = PsiTriggers(resources=("cpu",))  # the real /proc and this process's real capabilities
+    assert trig.error is None, trig.error
+    poller = select.poll()
+    for fd, mask in PsiWatcher(triggers=trig).wake_fds().items():
+        poller.register(fd, mask)
+    spin = "import time\nend = time.monotonic() + 8\nwhile time.monotonic() < end: pass"
+    hogs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() + 1)]  # bounded: 8 s
+    try:  # more runnable tasks than CPUs: some task always waits, well over 10 % of any window
+        fired = poller.poll(3 * trig.window_us // 1000)
+    finally:
+        for p in hogs:
+            p.kill()
+            p.wait()
+        trig.close()
+    assert fired and fired[0][1] & select.POLLPRI
+
+
 def _nvml_skip_reason():
     try:
         import pynvml
@@ -245,30 +338,36 @@ GOOD_STATUS = {"gc": {"last_seq": 1, "pauses": []}, "tiers": {"turbo": {"oldest_
 @pytest.mark.parametrize(
     "status, error",
     [
-        ([], "the worker's status is not an object"),
-        ({"tiers": "all of them"}, "AttributeError: 'str' object has no attribute 'get'"),
-        ({"tiers": {"turbo": {"oldest_wait_s": "soon"}}}, "signal turbo_wait_s is not a finite number: 'soon'"),
+        ([], "the worker's status answer is malformed: not an object: '[]'"),
+        ({"tiers": "all of them"}, "malformed: 'str' object has no attribute 'get'"),
+        ({"tiers": {"turbo": {"oldest_wait_s": "soon"}}}, "tiers.turbo.oldest_wait_s is not a number: 'soon'"),
+        ({"tiers": {"turbo": {"oldest_wait_s": float("nan")}}}, "signal turbo_wait_s is not a finite number: nan"),
         ({"gc": {"last_seq": 2, "pauses": [{"seq": 2}]}}, "KeyError: 'pause_s'"),
     ],
-    ids=["list", "tiers-a-string", "wait-a-string", "pause-without-duration"],
+    ids=["list", "tiers-a-string", "wait-a-string", "wait-nan", "pause-without-duration"],
 )
 def test_a_malformed_worker_status_fails_the_watcher_not_its_caller(tmp_path, status, error):
-    """Whatever exception reading a source raises, sample() reports the watcher as failed,
-    names the error, and recovers when the source does."""
+    """Whatever a worker answers, the watcher (or the thread that feeds it) reports the watcher
+    as failed, names the error, and recovers when the source does. This worker has no `events`
+    (an older one): the feed polls its status."""
     from agent.watchers.worker import WorkerWatcher
-    from turbonode.jsonrpc import ControlClient
+    from agent.watchers.worker_feed import WorkerFeed
+    from bench.node import wait_for
     from turbonode.rpc_server import UnixRpcServer
 
     answer = {"status": GOOD_STATUS}
     path = str(tmp_path / "worker.sock")
     server = UnixRpcServer(path, {"status": lambda since_gc_seq=None: answer["status"]}).start()
+    w = WorkerWatcher(WorkerFeed(path))
+    news = lambda: w.due(0) and (w.sample(0) or True)  # noqa: E731  (the next sample with news)
     try:
-        w = WorkerWatcher(ControlClient(path, timeout=2.0))
-        assert w.sample(0.0) and w.ok
+        assert wait_for(lambda: news() and w.ok, 10), w.error
         answer["status"] = status
-        assert w.sample(1.0) == {} and not w.ok and error in w.error, w.error
+        assert wait_for(lambda: news() and not w.ok, 10)
+        assert error in w.error, w.error
         assert w.status_view()["worker"] == {"state": "absent", "error": w.error}
         answer["status"] = GOOD_STATUS
-        assert w.sample(2.0) and w.ok and w.error is None
+        assert wait_for(lambda: news() and w.ok, 10) and w.error is None
     finally:
+        w.close()
         server.close()

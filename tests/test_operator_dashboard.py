@@ -93,7 +93,7 @@ worker_socket = "{directory}/worker.sock"
 metrics = "127.0.0.1:{port}"
 sample_period = 0.1
 [policy]
-enter_samples = 1
+enter_s = 0
 min_change_interval = 0.3
 rules = {{ cpu_load = {{ enter = 0.001, exit = 0.0005 }} }}
 """)

@@ -7,6 +7,7 @@ import json
 import os
 import socket
 import stat
+import threading
 import time
 
 import pytest
@@ -81,6 +82,58 @@ def test_status_reports_gc_pauses_since_the_last_call_or_a_sequence(control):
     assert client.call("status")["gc"]["pauses"] == []  # nothing new since the previous call
     again = client.call("status", since_gc_seq=first["last_seq"] - 2)["gc"]["pauses"]
     assert [p["seq"] for p in again] == [first["last_seq"] - 1, first["last_seq"]]
+
+
+def test_events_answers_at_the_first_long_pause_and_the_server_goes_on(control):
+    _, _, path = control
+    client = ControlClient(path, timeout=20)
+    cursor = client.call("status")["gc"]["last_seq"]
+    answer: dict = {}
+    waiter = threading.Thread(
+        target=lambda: answer.update(client.call("events", since_gc_seq=cursor, gc_pause_s=0.0, timeout_s=10))
+    )
+    waiter.start()
+    assert ControlClient(path).call("ping")["pong"]  # a held call takes one thread, not the server
+    gc.collect()
+    waiter.join(15)
+    assert answer["event"] == "gc_pause"
+    assert answer["gc"]["pauses"] and all(p["seq"] > cursor for p in answer["gc"]["pauses"])
+    assert set(answer["tiers"]) == {"turbo", "fast", "other", "relax"}
+
+
+def test_events_times_out_quietly_and_answers_a_stale_cursor_at_once(control):
+    _, monitor, path = control
+    client = ControlClient(path)
+    quiet = client.call("events", gc_pause_s=3600.0, turbo_wait_s=None, timeout_s=0.05)
+    assert quiet["event"] is None and quiet["gc"]["last_seq"] == monitor.last_seq
+    # a cursor from an earlier worker (further on than this one's pauses) gets an answer at once
+    stale = client.call("events", since_gc_seq=monitor.last_seq + 1000, gc_pause_s=0.0, timeout_s=10)
+    assert stale["event"] is None and stale["gc"]["last_seq"] < monitor.last_seq + 1000
+
+
+def test_events_answers_when_the_oldest_turbo_job_waits_too_long(control):
+    engine, _, path = control
+    engine.submit(req("turbo"))  # the engine thread is not running: the job stays queued
+    answer = ControlClient(path, timeout=20).call("events", gc_pause_s=None, turbo_wait_s=0.2, timeout_s=10)
+    assert answer["event"] == "turbo_wait" and answer["tiers"]["turbo"]["oldest_wait_s"] > 0.2
+
+
+@pytest.mark.parametrize(
+    "params,match",
+    [
+        ({"timeout_s": 11}, "timeout_s must be between 0 and 10"),
+        ({"timeout_s": None}, "timeout_s must be between"),
+        ({"gc_pause_s": "5ms"}, "gc_pause_s must be a number"),
+        ({"turbo_wait_s": -1}, "turbo_wait_s must be a number"),
+        ({"since_gc_seq": 1.5}, "since_gc_seq must be an integer"),
+        ({"colour": "red"}, "unexpected keyword"),
+    ],
+)
+def test_bad_events_params_are_invalid_params(control, params, match):
+    _, _, path = control
+    with pytest.raises(ControlError, match=match) as info:
+        ControlClient(path).call("events", **params)
+    assert info.value.code == jsonrpc.INVALID_PARAMS
 
 
 def test_throttle_release_and_expiry_over_the_socket(control):

@@ -13,6 +13,7 @@ import os
 
 CAP_NET_ADMIN = 12
 CAP_SYS_ADMIN = 21
+CAP_SYS_RESOURCE = 24  # PSI triggers with windows other than 2 s multiples (agent/watchers/psi.py)
 CAP_PERFMON = 38
 CAP_BPF = 39
 NAMES = {CAP_NET_ADMIN: "CAP_NET_ADMIN", CAP_SYS_ADMIN: "CAP_SYS_ADMIN", CAP_PERFMON: "CAP_PERFMON", CAP_BPF: "CAP_BPF"}

@@ -54,6 +54,7 @@ MAX_DRAIN_TIMEOUT_S = 3600.0
 # minute it reacts to nothing (and time arithmetic overflows long before 1e300).
 SAMPLE_PERIOD_RANGE_S = (0.05, 60.0)
 MAX_MIN_CHANGE_INTERVAL_S = 3600.0  # policy.min_change_interval: beyond an hour the policy is frozen
+MAX_DWELL_S = 3600.0  # a rule's enter_s / exit_s: beyond an hour it never acts
 PSI_WINDOW_US = 1_000_000  # the PSI trigger window (agent/watchers/psi.py): a threshold fits in it
 
 
@@ -247,7 +248,11 @@ class AgentConfig:
     worker_socket: str = opt("/run/turbonode/worker.sock", help="worker control socket to throttle")
     socket: str = opt("/run/turbonode/agent.sock", help="the agent's own status socket")
     metrics: str = opt("0.0.0.0:9465", host_port, "Prometheus metrics address")
-    sample_period: float = opt(0.25, in_range(*SAMPLE_PERIOD_RANGE_S, " s"), "seconds between samples")
+    sample_period: float = opt(
+        0.1,
+        in_range(*SAMPLE_PERIOD_RANGE_S, " s"),
+        "seconds between samples (sources that push are sampled at once too)",
+    )
     throttle_ttl: float = opt(3.0, check_ttl, "seconds a throttle lasts unless renewed")
     procfs: str = opt("/proc", help="procfs root (host /proc in a container)")
     sysfs: str = opt("/sys", help="sysfs root")
@@ -265,8 +270,8 @@ class RuleDefaults:
 
 
 # The policy's rules, one per signal a watcher publishes (docs/agent.md): above `enter` for
-# enter_samples samples a rule is active, below `exit` for exit_samples it is healthy again
-# (hysteresis; each rule's dwell defaults to policy.enter_samples / policy.exit_samples).
+# enter_s seconds a rule is active, below `exit` for exit_s seconds it is healthy again
+# (hysteresis; each rule's dwell defaults to policy.enter_s / policy.exit_s).
 # Adding a rule is one entry here: the config, its example and the agent's policy follow.
 POLICY_RULES: dict[str, RuleDefaults] = {
     "cpu_load": RuleDefaults(0.75, 0.70, fraction, "CPU busy fraction (incl. softirq, steal)"),
@@ -276,7 +281,8 @@ POLICY_RULES: dict[str, RuleDefaults] = {
     "turbo_wait_s": RuleDefaults(0.5, 0.25, positive, "oldest queued turbo job's wait (s)"),
 }
 POLICY_SIGNALS = tuple(POLICY_RULES)
-RULE_KEYS = ("enter", "exit", "enter_samples", "exit_samples")
+RULE_KEYS = ("enter", "exit", "enter_s", "exit_s")
+check_dwell = in_range(0, MAX_DWELL_S, " s")  # enter_s / exit_s, the policy's and each rule's
 
 
 def policy_signals(v: Any) -> None:
@@ -292,7 +298,7 @@ def merged_rules(rules: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, 
 
 
 def policy_rules(v: Any) -> None:
-    """[policy.rules.<signal>]: enter and exit thresholds (exit <= enter), optional own dwell."""
+    """[policy.rules.<signal>]: enter and exit thresholds (exit <= enter), optional own dwell (seconds)."""
     for signal, table in v.items():
         if signal not in POLICY_RULES:
             raise ValueError(f"unknown signal {signal!r} (known: {', '.join(POLICY_SIGNALS)})")
@@ -302,15 +308,12 @@ def policy_rules(v: Any) -> None:
             where = f"{signal}.{k}"
             if k not in RULE_KEYS:
                 raise ValueError(f"{where}: unknown key (known: {', '.join(RULE_KEYS)})")
-            if k in ("enter", "exit"):
-                if isinstance(x, bool) or not isinstance(x, (int, float)):
-                    raise ValueError(f"{where}: expected a number, got {x!r}")
-                try:
-                    POLICY_RULES[signal].check(x)
-                except ValueError as exc:
-                    raise ValueError(f"{where}: {exc}") from None
-            elif isinstance(x, bool) or not isinstance(x, int) or x < 1:
-                raise ValueError(f"{where}: must be a positive integer, got {x!r}")
+            if isinstance(x, bool) or not isinstance(x, (int, float)):
+                raise ValueError(f"{where}: expected a number, got {x!r}")
+            try:
+                (POLICY_RULES[signal].check if k in ("enter", "exit") else check_dwell)(x)
+            except ValueError as exc:
+                raise ValueError(f"{where}: {exc}") from None
     for signal, table in merged_rules(v).items():
         if table["exit"] > table["enter"]:
             raise ValueError(f"{signal}.exit: must not exceed {signal}.enter ({table['enter']}), got {table['exit']}")
@@ -344,8 +347,10 @@ def level_actions(v: Any) -> None:
 
 @dataclass
 class PolicyConfig:
-    enter_samples: int = opt(3, positive, "samples above a rule's enter threshold before escalating (rules' default)")
-    exit_samples: int = opt(12, positive, "samples below a rule's exit threshold before it is healthy (rules' default)")
+    enter_s: float = opt(0.3, check_dwell, "seconds above a rule's enter threshold before escalating (rules' default)")
+    exit_s: float = opt(
+        3.0, check_dwell, "seconds below a rule's exit threshold before it is healthy again (rules' default)"
+    )
     min_change_interval: float = opt(
         1.0, in_range(0, MAX_MIN_CHANGE_INTERVAL_S, " s", lo_open=True), "seconds between two level changes"
     )
@@ -353,12 +358,12 @@ class PolicyConfig:
     psi_trigger_us: int = opt(
         100000,
         in_range(1, PSI_WINDOW_US, " us"),
-        "PSI trigger: stall microseconds per 1 s window that wakes the sampler",
+        "PSI trigger: stall microseconds per second of its window that wake the sampler at once",
     )
     rules: dict[str, dict[str, Any]] = opt(
         merged_rules({}),
         policy_rules,
-        "per signal: enter and exit thresholds; enter_samples/exit_samples override the dwell",
+        "per signal: enter and exit thresholds; enter_s/exit_s override the dwell",
         table_help={signal: d.help for signal, d in POLICY_RULES.items()},
     )
     actions: dict[str, dict[str, Any]] = opt(

@@ -16,6 +16,11 @@ log = logging.getLogger("turbonode.agent")
 
 Signals = dict[str, "float | None"]
 
+# Rates over shorter windows are noise: /proc/stat counts USER_HZ ticks (10 ms), and a sample the
+# loop takes at once on a push may follow the previous one by a millisecond. Rate watchers read
+# no more often than this; in the samples between they have no observation (None).
+MIN_RATE_WINDOW_S = 0.075
+
 
 class Watcher:
     """Subclasses implement read(now) -> (signals, detail) and optionally families()."""
@@ -68,6 +73,14 @@ class Watcher:
     def status_view(self) -> dict[str, Any]:
         """Top-level sections this watcher adds to the agent's status object; none by default."""
         return {}
+
+    def wake_fds(self) -> dict[int, int]:
+        """File descriptors (-> poll events) through which this source pushes news; the daemon
+        polls them and samples at once when one fires. None by default: the source is polled."""
+        return {}
+
+    def woken(self, fd: int) -> None:
+        """One of wake_fds() fired: acknowledge it (e.g. read an eventfd) before the sample."""
 
     def collector_ok(self) -> bool:
         """The `_collector_success` value: by default, whether the last read succeeded."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 
-from .base import Rate, Watcher
+from .base import MIN_RATE_WINDOW_S, Rate, Watcher
 
 COLUMNS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")  # guest* are inside user/nice
 
@@ -38,6 +38,7 @@ def shares(delta: dict[str, float]) -> dict[str, float]:
 
 class CpuWatcher(Watcher):
     name = "cpu"
+    interval = MIN_RATE_WINDOW_S
 
     def __init__(self, procfs: str = "/proc"):
         super().__init__()

@@ -18,7 +18,7 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from turbonode import caps
 from turbonode.errors import TurbonodeError
 
-from .base import Rate, Watcher
+from .base import MIN_RATE_WINDOW_S, Rate, Watcher
 from .softirqs_proc import read_softirqs
 
 # The kernel's softirq vectors in index order (NR_SOFTIRQS of them) and the latency histogram's
@@ -109,6 +109,7 @@ class SoftirqBpf:
 
 class SoftirqWatcher(Watcher):
     name = "softirq"
+    interval = MIN_RATE_WINDOW_S
 
     def __init__(self, procfs: str = "/proc", sysfs: str = "/sys", use_bpf: bool = True):
         super().__init__()

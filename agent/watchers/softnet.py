@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 
-from .base import Rate, Watcher
+from .base import MIN_RATE_WINDOW_S, Rate, Watcher
 
 PROCESSED, DROPPED, TIME_SQUEEZE, CPU_ID = 0, 1, 2, 12
 
@@ -26,6 +26,7 @@ def parse_softnet(text: str) -> dict[int, dict[str, int]]:
 
 class SoftnetWatcher(Watcher):
     name = "softnet"
+    interval = MIN_RATE_WINDOW_S
 
     def __init__(self, procfs: str = "/proc"):
         super().__init__()

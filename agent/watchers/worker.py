@@ -1,52 +1,70 @@
 """The worker's own view over its control socket: GC pauses, per-tier queue wait, step time.
 
-An absent or restarting worker is a failed sample (reported), never an exception upstream.
+Fed by a WorkerFeed thread (agent/watchers/worker_feed.py): the worker pushes GC pauses and turbo
+queue-wait excursions as they happen, through the feed's eventfd (wake_fds), so the agent samples
+at once; the loop itself never blocks on the worker. A sample is taken only when the feed has
+news, so each GC pause is observed once. An absent, stuck or restarting worker is a failed
+sample (reported), never an exception upstream.
 """
 
 from __future__ import annotations
 
-from turbonode.jsonrpc import ControlClient
+import select
+from typing import Any
 
-from .base import Watcher
+from turbonode.errors import ControlError
+
+from .base import Signals, Watcher
+from .worker_feed import WorkerFeed
 
 
 class WorkerWatcher(Watcher):
     name = "worker"
 
-    def __init__(self, client: ControlClient):
+    def __init__(self, feed: WorkerFeed):
         super().__init__()
-        self.client = client
-        self._gc_seq: int | None = None
+        self.feed = feed
+        self._status: dict[str, Any] = {}
+        self._tiers: dict[str, Any] = {}
 
-    def read(self, now):
-        st = self.client.call("status", since_gc_seq=self._gc_seq)
-        if not isinstance(st, dict):
-            raise ValueError(f"the worker's status is not an object: {str(st)[:80]!r}")
-        gc = st.get("gc") or {}
-        last_seq = gc.get("last_seq")
-        if self._gc_seq is None or last_seq is None or last_seq < self._gc_seq:
-            pauses = []  # first contact or a restarted worker: its history is not news
-        else:
-            pauses = [p for p in gc.get("pauses", []) if p.get("seq", 0) > self._gc_seq]
-        self._gc_seq = last_seq
-        tiers = st.get("tiers") or {}
-        turbo = tiers.get("turbo") or {}
-        step = st.get("step_time_s") or {}
+    def due(self, now: float) -> bool:
+        self.feed.start()
+        return self.feed.fresh()
+
+    def read(self, now: float) -> tuple[Signals, dict]:
+        news = self.feed.take()
+        if news.error is not None:
+            raise ControlError(news.error)
+        if news.status is not None:
+            self._status = news.status
+        if news.tiers is not None:
+            self._tiers = news.tiers
+        step = (news.status or {}).get("step_time_s") or {}
         signals = {
-            "gc_pause_s": max((p["pause_s"] for p in pauses), default=None),
-            "turbo_wait_s": turbo.get("oldest_wait_s"),
+            "gc_pause_s": max((p["pause_s"] for p in news.pauses), default=None),
+            "turbo_wait_s": (news.tiers or {}).get("turbo", {}).get("oldest_wait_s"),
             "step_time_p99_s": step.get("p99"),
         }
+        st = self._status
         detail = {
-            "tiers": tiers,
-            "step_time_s": step,
+            "tiers": self._tiers,
+            "step_time_s": st.get("step_time_s"),
             "throttle": st.get("throttle"),
             "max_batch": st.get("max_batch"),
             "backend": st.get("backend"),
-            "gc_pauses": pauses,
+            "gc_pauses": news.pauses,
             "uptime_s": st.get("uptime_s"),
         }
         return signals, detail
+
+    def wake_fds(self) -> dict[int, int]:
+        return {self.feed.efd: select.POLLIN}
+
+    def woken(self, fd: int) -> None:
+        self.feed.ack()
+
+    def summary(self) -> dict:
+        return {**super().summary(), "pushes": self.feed.pushes, "events": self.feed.has_events}
 
     def status_view(self) -> dict:
         if not self.ok:
@@ -62,3 +80,6 @@ class WorkerWatcher(Watcher):
                 "backend": d.get("backend"),
             }
         }
+
+    def close(self) -> None:
+        self.feed.close()

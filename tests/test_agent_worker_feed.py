@@ -1,0 +1,206 @@
+"""The worker's pushes into the agent: the feed thread and the worker watcher against real AF_UNIX
+servers (the small stand-in of tests/agent_helpers.py, and the real control server in front of a
+real engine), and the daemon's sampling loop woken by a GC burst in the worker.
+
+No timed assertions: waits are bounded, and "at once" is shown by a sample period so long
+that only a push can explain a second sample."""
+
+import gc
+import select
+import signal
+import threading
+
+import pytest
+
+from agent.actuator import Actuator
+from agent.daemon import Flags, _run_loop
+from agent.loop import AgentLoop
+from agent.policy import DegradationPolicy, Rule, actions_table
+from agent.watchers.worker import WorkerWatcher
+from agent.watchers.worker_feed import WorkerFeed
+from bench.node import wait_for
+from render.control_server import ControlHandlers, ControlServer
+from render.gc_telemetry import GcMonitor
+from tests.agent_helpers import MiniWorker
+from tests.agent_helpers import mini_worker as worker  # noqa: F401  (fixture)
+from tests.worker_support import make_engine
+from turbonode.config import PolicyConfig
+from turbonode.jsonrpc import ControlClient
+
+WAIT_S = 10  # bound on every wait; a pass takes milliseconds
+
+
+def pushed(ww: WorkerWatcher) -> bool:
+    """Whether the feed's eventfd fired (within WAIT_S); acknowledges it as the daemon does."""
+    fd = ww.feed.efd
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    if not poller.poll(WAIT_S * 1000):
+        return False
+    ww.woken(fd)
+    return True
+
+
+def sample(ww: WorkerWatcher) -> dict:
+    """The next sample that has news (bounded wait)."""
+    assert wait_for(lambda: ww.due(0), WAIT_S), "the feed brought no news"
+    return ww.sample(0)
+
+
+@pytest.fixture
+def watcher(worker):  # noqa: F811
+    ww = WorkerWatcher(WorkerFeed(worker.client.path, {"gc_pause_s": 0.005, "turbo_wait_s": 0.5, "cpu_load": 0.75}))
+    yield ww
+    ww.close()
+
+
+def test_gc_pauses_are_pushed_once_and_history_is_not_news(worker, watcher):  # noqa: F811
+    worker.gc(0.5)  # before the agent looked
+    first = sample(watcher)
+    assert watcher.ok and first["gc_pause_s"] is None and first["step_time_p99_s"] == 0.05
+    worker.gc(0.002)  # short: no push, reported with the next periodic answer
+    assert sample(watcher)["gc_pause_s"] == 0.002
+    worker.gc(0.007)
+    worker.gc(0.009)
+    assert pushed(watcher)
+    sig = watcher.sample(0)
+    assert sig["gc_pause_s"] == 0.009 and watcher.detail["gc_pauses"][-1]["seq"] == 4
+    assert watcher.feed.pushes >= 1
+    assert sample(watcher)["gc_pause_s"] is None  # nothing new since: the next answer says so
+
+
+def test_turbo_wait_excursion_is_pushed_once(worker, watcher):  # noqa: F811
+    sample(watcher)
+    worker.set_turbo_wait(0.8)
+    assert pushed(watcher)
+    assert watcher.sample(0)["turbo_wait_s"] == 0.8
+    before = watcher.feed.pushes
+    for _ in range(3):  # the excursion goes on: reported every period, not pushed again
+        assert sample(watcher)["turbo_wait_s"] == 0.8
+    assert watcher.feed.pushes == before
+    worker.set_turbo_wait(0.1)
+    assert wait_for(lambda: watcher.due(0) and watcher.sample(0)["turbo_wait_s"] == 0.1, WAIT_S)
+    worker.set_turbo_wait(0.9)  # a new excursion is news again
+    assert pushed(watcher)
+
+
+def test_absent_worker_is_a_state_then_recovers(tmp_path):
+    path = str(tmp_path / "late.sock")
+    ww = WorkerWatcher(WorkerFeed(path, {"gc_pause_s": 0.005}))
+    try:
+        assert sample(ww) == {} and not ww.ok and "does not exist" in ww.error
+        assert ww.status_view()["worker"]["state"] == "absent"
+        late = MiniWorker()
+        srv = late.serve(path)
+        try:
+            assert wait_for(lambda: ww.due(0) and ww.sample(0) and ww.ok, WAIT_S), ww.error
+            assert ww.status_view()["worker"]["state"] == "ok"
+        finally:
+            srv.close()
+    finally:
+        ww.close()
+
+
+def test_restarted_worker_resyncs_without_stale_news(tmp_path):
+    path = str(tmp_path / "w.sock")
+    old = MiniWorker()
+    srv = old.serve(path)
+    ww = WorkerWatcher(WorkerFeed(path, {"gc_pause_s": 0.005}))
+    try:
+        sample(ww)
+        for _ in range(5):
+            old.gc(0.02)
+        assert pushed(ww) and ww.sample(0)["gc_pause_s"] == 0.02
+        srv.close()  # the worker dies...
+        assert wait_for(lambda: ww.due(0) and (ww.sample(0) or True) and not ww.ok, WAIT_S)
+        new = MiniWorker()  # ...and a new one starts: its counter starts again
+        new.gc(0.3)
+        srv = new.serve(path)
+        assert wait_for(lambda: ww.due(0) and (ww.sample(0) or True) and ww.ok, WAIT_S), ww.error
+        assert ww.signals["gc_pause_s"] is None  # the new worker's past is not news
+        new.gc(0.04)
+        assert pushed(ww) and ww.sample(0)["gc_pause_s"] == 0.04
+    finally:
+        srv.close()
+        ww.close()
+
+
+def test_worker_without_events_is_polled(tmp_path):
+    path = str(tmp_path / "old.sock")
+    old = MiniWorker(with_events=False)
+    srv = old.serve(path)
+    ww = WorkerWatcher(WorkerFeed(path, {"gc_pause_s": 0.005}))
+    try:
+        sample(ww)
+        old.gc(0.05)
+        assert wait_for(lambda: ww.due(0) and ww.sample(0).get("gc_pause_s") == 0.05, WAIT_S)
+        assert ww.ok and ww.summary()["events"] is False and ww.feed.pushes == 0
+    finally:
+        srv.close()
+        ww.close()
+
+
+# ---- the real control server and the daemon's loop -----------------------------------------------
+
+
+@pytest.fixture
+def real_worker(tmp_path):
+    """The worker's real control server in front of a real engine (not started: jobs stay queued),
+    with the real GC monitor installed in this process."""
+    engine = make_engine()
+    monitor = GcMonitor().install()
+    path = str(tmp_path / "worker.sock")
+    server = ControlServer(path, ControlHandlers(engine, monitor)).start()
+    try:
+        yield engine, path
+    finally:
+        server.close()
+        monitor.uninstall()
+
+
+def gc_burst(objects: int = 200_000) -> None:
+    """Cyclic garbage, then a full collection: a pause of milliseconds."""
+    junk = []
+    for _ in range(objects // 2):
+        a, b = {}, {}
+        a["b"], b["a"] = b, a
+        junk.append(a)
+    del junk
+    gc.collect()
+
+
+def test_gc_burst_in_the_worker_is_sampled_at_once_and_throttles(real_worker):
+    engine, path = real_worker
+    gc_rule = Rule("gc_pause_s", 0.0001, 0.00005, enter_s=0)  # any real full collection is long enough
+    policy = DegradationPolicy((gc_rule,))
+    ww = WorkerWatcher(WorkerFeed(path, {"gc_pause_s": gc_rule.enter}))
+    actuator = Actuator(ControlClient(path, timeout=2.0), ttl_s=30.0)
+    period = 3600.0  # no tick after the first one during the test: any later sample is a push
+    loop = AgentLoop([ww], policy, actions_table(PolicyConfig()), actuator, period)
+    flags = Flags()
+    seen: dict = {}
+
+    def fault_then_stop():
+        try:
+            seen["ready"] = wait_for(ww.feed.fresh, WAIT_S)  # the worker answered the feed: it has a cursor
+            gc_burst()
+            seen["throttle"] = wait_for(engine.throttle.current, WAIT_S)
+            seen["status"] = loop.status()
+        finally:
+            flags.stop = True
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # wakes the loop's poll
+
+    helper = threading.Thread(target=fault_then_stop)
+    helper.start()
+    try:
+        _run_loop(loop, flags, period, "watching a test worker")
+    finally:
+        helper.join(WAIT_S)
+        ww.close()
+    assert seen["ready"], ww.feed.take().error
+    t = seen["throttle"]
+    assert t is not None, seen.get("status")
+    assert "gc_pause_s" in t.reason
+    st = seen["status"]
+    assert st["last_change"]["reasons"][0]["signal"] == "gc_pause_s"
+    assert st["watchers"]["worker"]["pushes"] >= 1
