@@ -8,9 +8,12 @@ tiny model) serves its control socket. Faults, each bounded in time:
   netrx  UDP flood (iperf3, 2 streams, unlimited rate) across the sandbox veth
   cpu    stress-ng on every CPU
   gc     cyclic garbage inside the worker process (bench/garbage.py, started by SIGUSR1)
-Detection is measured by polling the worker's own `status` every 10 ms until its throttle
-appears. Then a noisy but healthy load runs for --healthy-minutes while level changes are
-counted, and the agent's CPU (% of one core) and RSS are measured at the default period.
+Detection is the time from fault onset to the moment the worker recorded the throttle (its
+`expires_at - ttl_s`, on the same wall clock as the onset); the bench finds the throttle by
+polling the worker's `status` every 10 ms, and also reports when that poll first saw it (which
+adds the poll's own latency: tens of ms while the worker's threads stall behind GC pauses).
+Then a noisy but healthy load runs for --healthy-minutes while level changes are counted, and
+the agent's CPU (% of one core) and RSS are measured.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.node import Node, call, wait_for  # noqa: E402
+from turbonode.config import AgentConfig  # noqa: E402
 
 FAULT_S = 4  # every fault stops by itself after this long
 DETECT_TIMEOUT_S = 4
@@ -83,7 +87,7 @@ FAULTS = {"netrx": fault_netrx, "cpu": fault_cpu, "gc": fault_gc}
 
 
 def measure(node: Node, name: str, repeats: int) -> dict:
-    times, causes, recoveries = [], [], []
+    times, seen, causes, recoveries = [], [], [], []
     for _ in range(repeats):
         if not wait_for(node.settled, RECOVER_TIMEOUT_S, 0.2):
             # Something else (another process on a shared machine) keeps the node degraded:
@@ -91,14 +95,14 @@ def measure(node: Node, name: str, repeats: int) -> dict:
             st = call(node.agent_rpc, "status") or {}
             causes.append("not settled: " + ",".join(r["signal"] for r in st.get("active", [])))
             times.append(None)
+            seen.append(None)
             continue
         start = FAULTS[name]
-        wall0 = time.time()
         if name == "netrx":  # iperf3's server must be up first: onset is the client's start
             procs = start(node)
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
         else:
-            t0 = time.monotonic()
+            t0, wall0 = time.monotonic(), time.time()
             procs = start(node)
         hit = wait_for(node.throttle, DETECT_TIMEOUT_S)
         t1 = time.monotonic()
@@ -112,7 +116,9 @@ def measure(node: Node, name: str, repeats: int) -> dict:
             or {}
         )
         causes.append(",".join(r["signal"] for r in change.get("reasons", [])) if hit else "none")
-        times.append(t1 - t0 if hit else None)
+        # when the worker set it; a renewal before the first poll saw it only makes this later
+        times.append(hit["expires_at"] - hit["ttl_s"] - wall0 if hit else None)
+        seen.append(t1 - t0 if hit else None)
         for p in procs:
             try:
                 p.wait(timeout=FAULT_S + 5)
@@ -125,6 +131,7 @@ def measure(node: Node, name: str, repeats: int) -> dict:
         if wait_for(node.settled, RECOVER_TIMEOUT_S, 0.1):
             recoveries.append(time.monotonic() - t_end)
     got = [t for t in times if t is not None]
+    polled = [t for t in seen if t is not None]
     return {
         "fault": name,
         "runs": repeats,
@@ -132,6 +139,8 @@ def measure(node: Node, name: str, repeats: int) -> dict:
         "p50_s": statistics.median(got) if got else None,
         "max_s": max(got) if got else None,
         "times_s": times,
+        "seen_p50_s": statistics.median(polled) if polled else None,
+        "seen_times_s": seen,
         "causes": causes,
         "recovery_p50_s": statistics.median(recoveries) if recoveries else None,
     }
@@ -211,7 +220,8 @@ def main() -> int:
     ap.add_argument("--faults", default="netrx,cpu,gc")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--healthy-minutes", type=float, default=1.0)
-    ap.add_argument("--period", type=float, default=0.25, help="agent sample period (default 0.25 s)")
+    period = AgentConfig().sample_period
+    ap.add_argument("--period", type=float, default=period, help=f"agent sample period (default {period:g} s)")
     ap.add_argument("--json", dest="json_out", help="also write the results here")
     ap.add_argument("--logs", help="keep the agent's and worker's logs in this directory")
     args = ap.parse_args()
@@ -233,18 +243,20 @@ def main() -> int:
     ):
         results = [measure(node, f, args.repeats) for f in faults]
         calm = healthy(node, args.healthy_minutes) if args.healthy_minutes > 0 else None
+        watchers = (call(node.agent_rpc, "status") or {}).get("watchers", {})
         if not wait_for(node.settled, RECOVER_TIMEOUT_S, 0.2):
             print("node did not return to normal at the end", file=sys.stderr)
     print(
         f"\ndetection: fault onset -> throttle applied at the worker (period {args.period} s, "
         f"{args.repeats} runs each, target <= 1 s)"
     )
-    print(f"{'fault':<7} {'detected':>8} {'p50':>8} {'max':>8} {'recovery p50':>13}  signal(s)")
+    print(f"{'fault':<7} {'detected':>8} {'p50':>8} {'max':>8} {'seen p50':>9} {'recovery p50':>13}  signal(s)")
     for r in results:
         print(
             f"{r['fault']:<7} {r['detected']:>4}/{r['runs']:<3} {fmt(r['p50_s']):>8} {fmt(r['max_s']):>8} "
-            f"{fmt(r['recovery_p50_s']):>13}  {'; '.join(sorted(set(r['causes'])))}"
+            f"{fmt(r['seen_p50_s']):>9} {fmt(r['recovery_p50_s']):>13}  {'; '.join(sorted(set(r['causes'])))}"
         )
+        print(f"{'':<7} times: {', '.join(fmt(t) for t in r['times_s'])}")
     if calm:
         why = f" (escalations: {', '.join(calm['escalations_by'])})" if calm["escalations_by"] else ""
         print(
@@ -252,8 +264,14 @@ def main() -> int:
             f"agent CPU {calm['agent_cpu_pct_of_core']:.2f} % of one core (target <= 2 %), "
             f"RSS {calm['agent_rss_mib']:.0f} MiB"
         )
+    triggers = watchers.get("psi", {}).get("triggers") or {}
+    print(
+        f"PSI triggers: armed on {triggers.get('armed')}, window {triggers.get('window')}, "
+        f"error {triggers.get('error')}; worker pushes: {watchers.get('worker', {}).get('pushes')}"
+    )
     if args.json_out:
-        Path(args.json_out).write_text(json.dumps({"detection": results, "healthy": calm}, indent=2))
+        out = {"detection": results, "healthy": calm, "watchers": watchers}
+        Path(args.json_out).write_text(json.dumps(out, indent=2))
     return 0
 
 
