@@ -89,6 +89,9 @@ class WorkerFeed:
         self._stop.set()
         if self._thread is not None:
             self._thread.join(self.client.timeout + 1)
+            if self._thread.is_alive():  # stuck in a call past its timeout: leave it the fd it may write
+                log.warning("worker feed did not stop within %.1f s", self.client.timeout + 1)
+                return
         os.close(self.efd)
 
     # ---- the thread ---------------------------------------------------------------------
