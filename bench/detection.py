@@ -36,11 +36,15 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.node import Node, call, wait_for  # noqa: E402
-from turbonode.config import AgentConfig  # noqa: E402
+from turbonode.config import AgentConfig, PolicyConfig  # noqa: E402
 
 FAULT_S = 4  # every fault stops by itself after this long
 DETECT_TIMEOUT_S = 4
 RECOVER_TIMEOUT_S = 60
+# The policy holds each level for min_change_interval, also after a recovery step: a fault is
+# started only once the node has been at normal for longer, so that detection is timed from a
+# steady healthy node and not from that hold.
+STEADY_S = PolicyConfig().min_change_interval + 0.5
 
 
 # ---- faults: each returns the processes to stop (all bounded by FAULT_S anyway) -------------
@@ -86,10 +90,18 @@ def stop_gc(node: Node) -> None:
 FAULTS = {"netrx": fault_netrx, "cpu": fault_cpu, "gc": fault_gc}
 
 
+def steady(node: Node) -> bool:
+    """Settled, and the agent's last level change at least STEADY_S ago."""
+    if not node.settled():
+        return False
+    last = (call(node.agent_rpc, "status") or {}).get("last_change")
+    return last is None or time.time() - last["at"] >= STEADY_S
+
+
 def measure(node: Node, name: str, repeats: int) -> dict:
     times, seen, causes, recoveries = [], [], [], []
     for _ in range(repeats):
-        if not wait_for(node.settled, RECOVER_TIMEOUT_S, 0.2):
+        if not wait_for(lambda: steady(node), RECOVER_TIMEOUT_S, 0.2):
             # Something else (another process on a shared machine) keeps the node degraded:
             # a throttle already in place would read as instant detection, so skip the run.
             st = call(node.agent_rpc, "status") or {}
