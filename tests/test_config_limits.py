@@ -42,7 +42,7 @@ def refused(tmp_path: Path, text: str | bytes, env: dict[str, str] | None = None
     [
         # what the daemons could not run
         ("[agent]\nthrottle_ttl = 7200\n", "agent.throttle_ttl", "3600"),
-        ("[agent]\nthrottle_ttl = 0.3\n", "agent.throttle_ttl", "twice agent.sample_period"),
+        ("[agent]\nsample_period = 0.25\nthrottle_ttl = 0.3\n", "agent.throttle_ttl", "twice agent.sample_period"),
         ("[agent]\nsample_period = nan\n", "agent.sample_period", "between 0.05 and 60 s, got nan"),
         ("[agent]\nsample_period = inf\n", "agent.sample_period", "between 0.05 and 60 s, got inf"),
         ("[agent]\nsample_period = 1e300\n", "agent.sample_period", "0.05 and 60"),
