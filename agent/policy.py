@@ -48,6 +48,7 @@ class Rule:
     exit: float
     enter_samples: int | None = None
     exit_samples: int | None = None
+    levers: tuple[str, ...] = ()  # engaged while the rule is active (agent/levers/)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class Decision:
     level: int
     previous: int
     reasons: tuple[Reason, ...]  # why the level is what it is (active rules, or recovery evidence)
+    levers: tuple[tuple[str, Reason], ...] = ()  # each lever an active rule engages, with that rule's reason
 
     @property
     def changed(self) -> bool:
@@ -141,7 +143,17 @@ class DegradationPolicy:
                 if self.level == previous
                 else tuple(Reason(r.signal, self._state[r.signal].value, r.exit, "below exit") for r in self.rules)
             )
-        return Decision(now, self.level, previous, reasons)
+        return Decision(now, self.level, previous, reasons, self._levers())
+
+    def _levers(self) -> tuple[tuple[str, Reason], ...]:
+        """The levers of the active rules, each once, with the first such rule's reason (rule
+        order): a lever follows its rules' hysteresis, not the level's steps."""
+        out: dict[str, Reason] = {}
+        for rule in self.rules:
+            if self._state[rule.signal].active:
+                for lever in rule.levers:
+                    out.setdefault(lever, self._active_reason(rule))
+        return tuple(out.items())
 
     def _active_reason(self, rule: Rule) -> Reason:
         value = self._state[rule.signal].value
@@ -193,7 +205,7 @@ def rules_from_config(cfg: PolicyConfig) -> tuple[Rule, ...]:
     except ValueError as exc:
         raise ConfigError("policy.rules", str(exc)) from None
     return tuple(
-        Rule(signal, t["enter"], t["exit"], t.get("enter_samples"), t.get("exit_samples"))
+        Rule(signal, t["enter"], t["exit"], t.get("enter_samples"), t.get("exit_samples"), tuple(t.get("levers", ())))
         for signal, t in cfg.rules.items()
         if signal not in cfg.disabled
     )

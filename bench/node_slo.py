@@ -3,12 +3,13 @@
     flock /tmp/turbonode-bench.lock .venv/bin/python bench/node_slo.py [--cells none,cpu] [--requests 100]
         [--json FILE]
 
-The sandbox node and client as `turboctl demo` builds them (agent/demo.py: two network
+The sandbox node and client as `turboctl demo` builds them (sandbox/node.py: two network
 namespaces joined by veth, the node's side shaped to the link rate, the real worker on the
-tiny model serving HTTP inside the node namespace). As under systemd, the worker runs in a
-cgroup of its own, and batch work a user starts runs in a `batch` cgroup beside it. From the
-client namespace, turbo requests arrive open-loop (Poisson, `--rate` per second, `--requests`
-per cell) while closed-loop fast and relax clients keep the worker busy (bench/slo_load.py).
+tiny model serving HTTP inside the node namespace; as under systemd, the worker runs in a
+cgroup of its own and batch work in a `batch` cgroup beside it). From the client namespace,
+turbo requests arrive open-loop (Poisson, `--rate` per second, `--requests` per cell) while
+closed-loop fast and relax clients keep the worker busy (sandbox/loadgen.py). The demo is
+the short form of this benchmark: one cell (cpu + bulk), the same load and the same summary.
 
 Each cell adds one fault (or all of them), bounded in time and inside the namespaces:
   none        no fault
@@ -29,56 +30,55 @@ turbonode, turbo p99 <= 2x the turbo p99 of the `none` cell (the idle reference)
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
 import signal
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from agent.demo import WORKER_PORT, DemoNode, DemoSettings, _AgentWatch, _stop, preflight  # noqa: E402
-from turbonode.cgroups import CgroupError, CpuHierarchy  # noqa: E402
-from turbonode.errors import ControlError, TurbonodeError  # noqa: E402
+from sandbox import faults  # noqa: E402
+from sandbox.demo import DemoSettings, preflight  # noqa: E402
+from sandbox.loadgen import Outcome, summarize  # noqa: E402
+from sandbox.node import AgentWatch, DemoNode  # noqa: E402
+from turbonode.errors import ControlError  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
+from turbonode.tiers import PROTECTED_TIER  # noqa: E402
 
 CELLS = ("none", "cpu", "cpu-batch", "softirq", "bulk", "relax-flood", "gc", "all")
 MODES = ("plain", "turbonode")
+FIRST_PACKET = ("listener", "reflect", "off")  # the worker's handshake_tier, tcp_reflect_tos, neither
 REFERENCE_CELL = "none"
 TARGET_RATIO = 2.0
 BACKGROUND = {"fast": 1, "relax": 2}
-FLOOD_CLIENTS = 36  # relax-flood: closed-loop relax clients on top of the background
-BULK_FLOWS = 4
-UDP_STREAMS = 2
+FLOOD_CLIENTS = 36  # relax-flood: closed-loop relax clients on top of the background (>= 32 queued)
 GC_REARM_S = 5.0  # bench/garbage.py stops a burst after MAX_BURST_S (10 s)
 WARMUP_S = 3.0  # the fault runs this long before the first request
 SETTLE_TIMEOUT_S = 60.0
-BULK_PORT, UDP_PORT = 5301, 5302
 # The worker as `turboctl worker run`, with bench/garbage.py's thread installed in its process
-# (idle until SIGUSR1) and, for experiments, its torch intra-op threads pinned by --worker-threads.
+# (idle until SIGUSR1: the gc fault).
 WORKER_PY = (
-    "import sys; sys.argv[0] = 'turboctl'; from bench.garbage import Garbage; Garbage().install()\n"
-    "{threads}from agent.cli import main; main()"
+    "import sys; sys.argv[0] = 'turboctl'; from bench.garbage import Garbage; Garbage().install(); "
+    "from turboctl import main; main()"
 )
-THREADS_PY = "import torch, render.daemon as d; d.torch_threads = lambda: (torch.set_num_threads({n}), {n})[1]\n"
 
 
 @dataclass
 class Knobs:
     """How the node is set up besides the mode: what experiments vary."""
 
-    worker_threads: int = 0  # 0: the worker's own choice
-    omp_wait_policy: str = ""  # '' leaves the environment alone
-    reflect_tos: bool = False  # net.ipv4.tcp_reflect_tos=1 in the node namespace
+    worker_threads: int = 0  # worker.intra_op_threads (0: the worker's default)
+    omp_wait_policy: str = ""  # '' leaves the worker's default (render/cpu_threads.py)
+    first_packet: str = "listener"  # FIRST_PACKET
     nodelay: bool = True  # the client's TCP_NODELAY
+    agent_toml: str = ""  # more agent configuration, e.g. a [policy.rules.cpu_load] table
 
 
 @dataclass
@@ -90,118 +90,39 @@ class Fault:
     threads: list = field(default_factory=list)
     on_stop: list = field(default_factory=list)
 
-    def stop(self) -> None:
+    def stop(self, node: DemoNode) -> None:
         self.stop_event.set()
         for th in self.threads:
             th.join(10)
         for proc in reversed(self.procs):
-            _stop(proc)
+            node.release(proc)
         for fn in self.on_stop:
             fn()
 
 
 class SloNode(DemoNode):
-    """The demo's node, with the worker in a cgroup of its own and a batch cgroup beside it."""
+    """The demo's node with bench/garbage.py in the worker (for the gc fault)."""
 
     def __init__(self, settings: DemoSettings, knobs: Knobs, log=print):
         super().__init__(settings, log)
         self.knobs = knobs
-        self.hierarchy = CpuHierarchy.find()
-        tag = self.sandbox.server
-        self.worker_cgroup, self.batch_cgroup = f"/{tag}-worker", f"/{tag}-batch"
-        self._cgroups: list[str] = []
 
     def start(self) -> SloNode:
-        for cg in (self.worker_cgroup, self.batch_cgroup):
-            self.hierarchy.create(cg)
-            self._cgroups.append(cg)
         super().start()
-        if self.knobs.reflect_tos:
+        if self.knobs.first_packet == "reflect":
             self.sandbox.run(self.sandbox.server, "sysctl", "-qw", "net.ipv4.tcp_reflect_tos=1")
         return self
-
-    def close(self) -> None:
-        try:
-            super().close()
-        finally:
-            while self._cgroups:
-                with contextlib.suppress(CgroupError):
-                    self.hierarchy.remove(self._cgroups.pop())
 
     def _turboctl(self, *args: str) -> list[str]:
         if args[:1] != ("worker",):
             return super()._turboctl(*args)
-        threads = THREADS_PY.format(n=self.knobs.worker_threads) if self.knobs.worker_threads else ""
         env = [f"OMP_WAIT_POLICY={self.knobs.omp_wait_policy}"] if self.knobs.omp_wait_policy else []
-        return ["env", *env, sys.executable, "-c", WORKER_PY.format(threads=threads), *args]
-
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        if name == "worker":  # into its cgroup before `ip netns exec`, which hides /sys/fs/cgroup
-            argv = in_cgroup(self.hierarchy.procs_file(self.worker_cgroup), *argv)
-        return super()._spawn(name, argv)
-
-    # ---- faults -------------------------------------------------------------------------
+        return ["env", *env, sys.executable, "-c", WORKER_PY, *args]
 
     def start_fault(self, cell: str, seconds: float) -> Fault:
-        sb, fault = self.sandbox, Fault()
-        ncpu, t = str(os.cpu_count() or 1), str(int(seconds) + 1)
+        fault = Fault()
         names = CELLS[1:-1] if cell == "all" else (cell,)
-        if "cpu" in names:
-            fault.procs.append(self._spawn("stress-ng", ["stress-ng", "--cpu", ncpu, "--timeout", f"{t}s", "--quiet"]))
-        if "cpu-batch" in names:
-            fault.procs.append(
-                self._spawn(
-                    "stress-ng-batch",
-                    in_cgroup(
-                        self.hierarchy.procs_file(self.batch_cgroup),
-                        "nice",
-                        "-n",
-                        "19",
-                        "stress-ng",
-                        "--cpu",
-                        ncpu,
-                        "--timeout",
-                        f"{t}s",
-                        "--quiet",
-                    ),
-                )
-            )
-        if "softirq" in names:
-            fault.procs.append(self._spawn("udp-server", sb.cmd(sb.server, "iperf3", "-s", "-p", str(UDP_PORT))))
-            time.sleep(0.5)
-            fault.procs.append(
-                self._spawn(
-                    "udp-flood",
-                    sb.cmd(
-                        sb.client,
-                        "iperf3",
-                        "-c",
-                        sb.server_ip,
-                        "-p",
-                        str(UDP_PORT),
-                        "-u",
-                        "-b",
-                        "0",
-                        "-l",
-                        "64",
-                        "-P",
-                        str(UDP_STREAMS),
-                        "-t",
-                        t,
-                    ),
-                )
-            )
-        if "bulk" in names:
-            fault.procs.append(self._spawn("bulk-server", sb.cmd(sb.client, "iperf3", "-s", "-p", str(BULK_PORT))))
-            time.sleep(0.5)
-            fault.procs.append(
-                self._spawn(
-                    "bulk",
-                    sb.cmd(
-                        sb.server, "iperf3", "-c", sb.client_ip, "-p", str(BULK_PORT), "-P", str(BULK_FLOWS), "-t", t
-                    ),
-                )
-            )
+        fault.procs += faults.start(self, tuple(n for n in names if n in faults.FAULTS), seconds)
         if "gc" in names:
 
             def rearm() -> None:
@@ -214,8 +135,6 @@ class SloNode(DemoNode):
             fault.on_stop.append(lambda: self.worker.send_signal(signal.SIGUSR2))
         return fault
 
-    # ---- one cell in one mode ------------------------------------------------------------
-
     def run_cell(self, cell: str, mode: str, requests: int, rate: float) -> dict:
         self.wait_idle()
         agent = watch = None
@@ -227,47 +146,20 @@ class SloNode(DemoNode):
         fault = self.start_fault(cell, seconds) if cell != "none" else Fault()
         try:
             time.sleep(WARMUP_S if cell != "none" else 0)
-            watch = _AgentWatch(self.agent_rpc) if agent else None
+            watch = AgentWatch(self.agent_rpc) if agent else None
             clients = dict(BACKGROUND)
             if cell in ("relax-flood", "all"):
                 clients["relax"] += FLOOD_CLIENTS
-            t0 = time.monotonic()
-            outcomes = self.load(requests, rate, clients)
-            wall = time.monotonic() - t0
+            outcomes, wall = self.load(clients, requests, rate, self.knobs.nodelay)
         finally:
             if watch:
                 watch.stop()
-            fault.stop()
+            fault.stop(self)
             if agent:
-                self._release(agent)
+                self.release(agent)
             else:
                 self.remove_fifo()
         return summarize_cell(outcomes, wall, watch.summary() if watch else None)
-
-    def load(self, requests: int, rate: float, clients: dict[str, int]) -> list[dict]:
-        sb = self.sandbox
-        argv = [
-            sys.executable,
-            str(ROOT / "bench" / "slo_load.py"),
-            f"http://{sb.server_ip}:{WORKER_PORT}",
-            "--rate",
-            str(rate),
-            "--probes",
-            str(requests),
-            "--size",
-            str(self.s.size),
-            "--timeout",
-            "60",
-        ]
-        argv += [f"--clients={t}={n}" for t, n in clients.items()]
-        if not self.knobs.nodelay:
-            argv.append("--no-nodelay")
-        res = subprocess.run(
-            sb.cmd(sb.client, *argv), env=self.env, capture_output=True, text=True, timeout=requests / rate * 3 + 120
-        )
-        if res.returncode != 0:
-            raise TurbonodeError(f"the load generator failed: {res.stderr.strip()[-2000:]}")
-        return json.loads(res.stdout)
 
     def wait_idle(self) -> None:
         """Let the previous cell's leftover jobs finish (or be cancelled) before the next starts."""
@@ -283,46 +175,21 @@ class SloNode(DemoNode):
         self.log("warning: the worker did not drain before the next cell")
 
 
-def in_cgroup(procs_file: str, *argv: str) -> list[str]:
-    """argv that first moves itself into the cgroup (its children follow), then execs."""
-    return ["sh", "-c", f'echo $$ > {procs_file} && exec "$@"', "sh", *argv]
-
-
 # ---- figures -----------------------------------------------------------------------------
 
 
-def summarize_cell(outcomes: list[dict], wall: float, agent: dict | None) -> dict:
-    probes = [o for o in outcomes if o["kind"] == "probe"]
-    ok = [o for o in probes if o["status"] == 200]
-    lat = [o["latency_s"] for o in ok]
-    connect = [o["connect_s"] for o in ok if o["connect_s"] is not None]
-    inside = [o["elapsed_s"] for o in ok if o["elapsed_s"] is not None]
-    lower = {}
-    for tier in ("fast", "relax"):
-        mine = [o for o in outcomes if o["kind"] == "background" and o["tier"] == tier]
-        lower[tier] = {
-            "ok": sum(o["status"] == 200 for o in mine),
-            "refused": sum(o["status"] != 200 for o in mine),
-            "images_per_s": sum(o["status"] == 200 for o in mine) / wall if wall > 0 else 0.0,
+def summarize_cell(outcomes: list[Outcome], wall: float, agent: dict | None) -> dict:
+    """The demo's per-tier summary (sandbox.loadgen.summarize) plus, for turbo, where the time went."""
+    tiers = summarize(outcomes, wall)
+    turbo = [o for o in outcomes if o.tier == PROTECTED_TIER and o.status == 200]
+    tiers.setdefault(PROTECTED_TIER, {}).update(
+        {
+            "connect_p50_s": percentile([o.connect_s for o in turbo if o.connect_s is not None], 50),
+            "worker_p50_s": percentile([o.elapsed_s for o in turbo if o.elapsed_s is not None], 50),
+            "worker_p99_s": percentile([o.elapsed_s for o in turbo if o.elapsed_s is not None], 99),
         }
-    return {
-        "turbo": {
-            "n": len(ok),
-            "sent": len(probes),
-            "failed": len(probes) - len(ok),
-            "p50_s": percentile(lat, 50),
-            "p99_s": percentile(lat, 99),
-            "max_s": max(lat, default=None),
-            "connect_p50_s": percentile(connect, 50),
-            "connect_p99_s": percentile(connect, 99),
-            "worker_p50_s": percentile(inside, 50),
-            "worker_p99_s": percentile(inside, 99),
-        },
-        "lower": lower,
-        "wall_s": wall,
-        "agent": agent,
-        "outcomes": outcomes,
-    }
+    )
+    return {"tiers": tiers, "wall_s": wall, "agent": agent, "outcomes": [asdict(o) for o in outcomes]}
 
 
 def _ms(v) -> str:
@@ -331,7 +198,7 @@ def _ms(v) -> str:
 
 def report(result: dict) -> str:
     cells, modes = result["cells"], result["modes"]
-    ref = cells.get(REFERENCE_CELL, {}).get("turbonode", {}).get("turbo", {}).get("p99_s")
+    ref = cells.get(REFERENCE_CELL, {}).get("turbonode", {}).get("tiers", {}).get(PROTECTED_TIER, {}).get("p99_s")
     head = f"{'n':>4} {'p50':>6} {'p99':>6} {'max':>6} {'conn99':>6} {'fast/s':>6} {'relax/s':>7}"
     lines = [
         "turbo latency in ms (send to last byte, from the client namespace); lower tiers in images/s",
@@ -346,19 +213,20 @@ def report(result: dict) -> str:
             if r is None:
                 row += "  " + " " * len(head)
                 continue
-            t, lo = r["turbo"], r["lower"]
-            rates = f"{lo['fast']['images_per_s']:>6.2f} {lo['relax']['images_per_s']:>7.2f}"
+            t = r["tiers"].get(PROTECTED_TIER, {})
+            rates = " ".join(
+                f"{(r['tiers'].get(tier) or {}).get('images_per_s') or 0:>{w}.2f}"
+                for tier, w in (("fast", 6), ("relax", 7))
+            )
             row += (
-                f"  {t['n']:>4} {_ms(t['p50_s']):>6} {_ms(t['p99_s']):>6} {_ms(t['max_s']):>6} "
-                f"{_ms(t['connect_p99_s']):>6} {rates}"
+                f"  {t.get('ok', 0):>4} {_ms(t.get('p50_s')):>6} {_ms(t.get('p99_s')):>6} {_ms(t.get('max_s')):>6} "
+                f"{_ms(t.get('connect_p99_s')):>6} {rates}"
             )
         tn = by_mode.get("turbonode")
-        ratio = tn["turbo"]["p99_s"] / ref if tn and ref and tn["turbo"]["p99_s"] is not None else None
+        p99 = tn and tn["tiers"].get(PROTECTED_TIER, {}).get("p99_s")
+        ratio = p99 / ref if p99 and ref else None
         row += f"  {ratio:>7.2f}" if ratio is not None else f"  {'-':>7}"
-        agent = (tn or {}).get("agent") or {}
-        if agent:
-            row += f"  {agent['max_level']}" + (f" ({', '.join(agent['reasons'])})" if agent["reasons"] else "")
-            row += f", throttled {agent['throttled_share']:.0%}"
+        row += f"  {describe_agent(tn['agent'])}" if tn and tn.get("agent") else ""
         lines.append(row)
         if ratio is not None:
             verdicts.append((cell, ratio))
@@ -377,6 +245,15 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def describe_agent(agent: dict) -> str:
+    text = f"{agent['max_level']}" + (f" ({', '.join(agent['reasons'])})" if agent["reasons"] else "")
+    text += f", throttled {agent['throttled_share']:.0%}"
+    levers = agent.get("levers") or {}
+    if levers:
+        text += ", levers " + ", ".join(f"{name} {share:.0%}" for name, share in sorted(levers.items()))
+    return text
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, from {', '.join(CELLS)}")
@@ -384,10 +261,17 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=100, help="turbo requests per cell and mode")
     ap.add_argument("--rate", type=float, default=1.0, help="turbo arrivals per second (Poisson)")
     ap.add_argument("--link", default="20mbit", help="the node's link rate, shaped in both modes")
-    ap.add_argument("--worker-threads", type=int, default=0, help="torch intra-op threads (0: the worker's choice)")
+    ap.add_argument("--worker-threads", type=int, default=0, help="worker.intra_op_threads (0: its default)")
     ap.add_argument("--omp-wait-policy", default="", choices=("", "ACTIVE", "PASSIVE"))
-    ap.add_argument("--reflect-tos", action="store_true", help="net.ipv4.tcp_reflect_tos=1 in the node namespace")
+    ap.add_argument(
+        "--first-packet",
+        default="listener",
+        choices=FIRST_PACKET,
+        help="how a connection's first packets are marked: the worker's listening socket (its default), "
+        "net.ipv4.tcp_reflect_tos=1 in the node namespace, or not at all",
+    )
     ap.add_argument("--no-nodelay", action="store_true", help="the client leaves Nagle on")
+    ap.add_argument("--agent-toml", help="a TOML file of more agent configuration (e.g. [policy.rules.cpu_load])")
     ap.add_argument("--json", help="write every figure (and every request's outcome) here")
     ap.add_argument("--keep-logs", help="copy the node's logs (worker, agent, faults) to this directory")
     args = ap.parse_args()
@@ -401,8 +285,17 @@ def main() -> int:
     preflight()
     for sig in (signal.SIGTERM, signal.SIGINT):  # unwind through the `with`: everything is removed
         signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
-    knobs = Knobs(args.worker_threads, args.omp_wait_policy, args.reflect_tos, not args.no_nodelay)
-    settings = DemoSettings(rate=args.link)
+    knobs = Knobs(
+        args.worker_threads,
+        args.omp_wait_policy,
+        args.first_packet,
+        not args.no_nodelay,
+        Path(args.agent_toml).read_text() if args.agent_toml else "",
+    )
+    worker: dict = {"handshake_tier": PROTECTED_TIER if knobs.first_packet == "listener" else ""}
+    if knobs.worker_threads:
+        worker["intra_op_threads"] = knobs.worker_threads
+    settings = DemoSettings(rate=args.link, worker_config=worker, extra_toml=knobs.agent_toml)
     result: dict = {
         "cells": {},
         "modes": modes,
@@ -424,8 +317,8 @@ def main() -> int:
                     log(f"cell {cell}, {mode}: {args.requests} turbo requests at {args.rate:g}/s")
                     r = node.run_cell(cell, mode, args.requests, args.rate)
                     result["cells"].setdefault(cell, {})[mode] = r
-                    t = r["turbo"]
-                    log(f"  turbo n={t['n']} p50={_ms(t['p50_s'])} p99={_ms(t['p99_s'])} max={_ms(t['max_s'])} ms")
+                    t = r["tiers"].get(PROTECTED_TIER, {})
+                    log(f"  turbo n={t.get('ok')} p50={_ms(t.get('p50_s'))} p99={_ms(t.get('p99_s'))} ms")
         finally:
             result["loadavg_after"] = os.getloadavg()
             if args.json:  # also what a failed or interrupted run measured so far

@@ -23,6 +23,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import faults
 from .node import DemoError, DemoNode
 
 NEEDS = ("ip", "tc", "iperf3", "stress-ng")
@@ -33,10 +34,12 @@ class DemoSettings:
     rate: str = "20mbit"  # the node's link, shaped in both phases
     duration: float = 20.0  # seconds of load per phase
     size: int = 256  # image size in pixels: big enough that the link matters
-    clients: dict = field(default_factory=lambda: {"turbo": 1, "fast": 1, "other": 1, "relax": 2})
-    bulk_flows: int = 4
+    turbo_rate: float = 1.0  # open-loop turbo requests per second (Poisson), as bench/node_slo.py sends them
+    clients: dict = field(default_factory=lambda: {"fast": 1, "other": 1, "relax": 2})  # closed loop
     stress: bool = True  # the fault: stress-ng on every CPU during the load
     keep_logs: bool = False  # keep the daemons' logs (and the node's config) after the demo
+    worker_config: dict = field(default_factory=dict)  # more [worker] keys (turbonode.config.WorkerConfig)
+    extra_toml: str = ""  # more tables for the node's configuration file, e.g. [policy]
 
 
 def preflight() -> None:
@@ -54,7 +57,7 @@ def run_demo(settings: DemoSettings, log: Callable[[str], object] = print) -> di
     with DemoNode(settings, log) as node:
         log(
             f"phase 1/2: without turbonode (FIFO at {settings.rate}, no agent), {settings.duration:g} s of load "
-            f"+ {settings.bulk_flows} bulk flows" + (" + stress-ng on every CPU" if settings.stress else "")
+            f"+ {faults.BULK_FLOWS} bulk flows" + (" + stress-ng on every CPU" if settings.stress else "")
         )
         node.plain_fifo()
         without = node.run_load(watch_agent=False)

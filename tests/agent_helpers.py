@@ -2,6 +2,7 @@
 JSON-RPC methods) on a real AF_UNIX socket, for tests that must not depend on a diffusion
 model; and a scrape of one collector through a fresh registry."""
 
+import os
 import time
 
 import pytest
@@ -38,17 +39,31 @@ class MiniWorker:
             "uptime_s": 1.0,
         }
 
-    def throttle(self, reason, ttl_s, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=(), unready_tiers=()):
+    def throttle(
+        self,
+        reason,
+        ttl_s,
+        max_batch=None,
+        paused_tiers=(),
+        step_caps=None,
+        shed_tiers=(),
+        unready_tiers=(),
+        intra_op_threads=None,
+    ):
         if "turbo" in list(paused_tiers) + list(shed_tiers) + list(step_caps or {}):
             raise RpcError(INVALID_PARAMS, "turbo is never throttled")
         self.calls.append(("throttle", reason))
         self.throttle_state = {
             "max_batch": max_batch,
             "paused_tiers": list(paused_tiers),
+            "intra_op_threads": intra_op_threads,
             "reason": reason,
             "expires": time.monotonic() + ttl_s,
         }
         return {"ok": True}
+
+    def ping(self):
+        return {"pong": True, "pid": os.getpid()}  # this test process: what `levers.worker_cgroup = "auto"` finds
 
     def release(self, reason=""):
         self.calls.append(("release", reason))
@@ -61,7 +76,7 @@ class MiniWorker:
     def serve(self, path: str) -> UnixRpcServer:
         self.client = ControlClient(path, timeout=1.0)
         return UnixRpcServer(
-            path, {"status": self.status, "throttle": self.throttle, "release": self.release, "ping": lambda: "pong"}
+            path, {"status": self.status, "throttle": self.throttle, "release": self.release, "ping": self.ping}
         ).start()
 
 

@@ -10,9 +10,12 @@ at idle speed. Writes go through the KnobJournal: reversible, restored after a c
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from turbonode.cgroups import V2_WEIGHT_MAX, V2_WEIGHT_MIN, CpuHierarchy
+from turbonode.cgroups import V2_WEIGHT_MAX, V2_WEIGHT_MIN, CgroupError, CpuHierarchy, slice_path
+from turbonode.config import LeversConfig
 
 from .journal import KnobJournal
 
@@ -51,4 +54,49 @@ class CpuShareLever:
         """Undo what engage wrote; the problems, one line each."""
         problems = [p for p in (self.journal.undo(path) for path in reversed(self.engaged)) if p]
         self.engaged.clear()
+        return problems
+
+
+def worker_cgroup(setting: str, hierarchy: CpuHierarchy, worker_pid: Callable[[], int], procfs: str) -> str | None:
+    """The cgroup `levers.worker_cgroup` names: 'auto' is the worker process's own; '' is none.
+    The root cgroup has no weight to raise: None."""
+    if not setting:
+        return None
+    cgroup = hierarchy.of_pid(worker_pid(), procfs) if setting == "auto" else slice_path(setting)
+    return None if cgroup == "/" else cgroup
+
+
+class CpuShare:
+    """The `cpu_share` lever as the agent runs it: resolves the cgroups when engaged (the worker
+    may have restarted meanwhile), writes through the journal, undoes what it wrote."""
+
+    name = "cpu_share"
+
+    def __init__(self, cfg: LeversConfig, journal: KnobJournal, worker_pid: Callable[[], int], procfs: str):
+        self.cfg, self.journal, self.worker_pid, self.procfs = cfg, journal, worker_pid, procfs
+        self.lever: CpuShareLever | None = None
+
+    def engage(self) -> dict[str, Any]:
+        hierarchy = CpuHierarchy.find(self.cfg.cgroup_root)
+        worker = worker_cgroup(self.cfg.worker_cgroup, hierarchy, self.worker_pid, self.procfs)
+        if worker is None and not self.cfg.best_effort_cgroups:
+            raise CgroupError(
+                "nothing to weigh: the worker's cgroup is the root or unset (levers.worker_cgroup) "
+                "and no levers.best_effort_cgroups are configured"
+            )
+        self.lever = CpuShareLever(
+            hierarchy,
+            self.journal,
+            worker,
+            tuple(self.cfg.best_effort_cgroups),
+            self.cfg.worker_cpu_weight,
+            self.cfg.best_effort_cpu_weight,
+            self.cfg.best_effort_cpus or None,
+        )
+        self.lever.engage()
+        return {"cgroup_version": hierarchy.version, "worker_cgroup": worker, "best_effort": self.lever.best_effort}
+
+    def release(self) -> list[str]:
+        problems = self.lever.release() if self.lever is not None else []
+        self.lever = None
         return problems
