@@ -20,6 +20,7 @@ Each cell adds one fault (or all of them), bounded in time and inside the namesp
   relax-flood 36 more closed-loop relax clients (>= 32 relax jobs queued)
   gc          cyclic garbage in the worker process (bench/garbage.py), re-armed every 5 s
   all         every fault above at once
+  all-but-gc  every fault but gc at once
 and runs twice, side by side: `plain` (one FIFO shaped to the link rate, no agent) and
 `turbonode` (the agent started for the cell: eBPF classifier under the HTB tiers, watching and
 acting). Per cell and mode: turbo p50/p99/max with n, connect p99 (the handshake: where the
@@ -52,7 +53,9 @@ from turbonode.errors import ControlError  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
 from turbonode.tiers import PROTECTED_TIER  # noqa: E402
 
-CELLS = ("none", "cpu", "cpu-batch", "softirq", "bulk", "relax-flood", "gc", "all")
+SINGLE = ("cpu", "cpu-batch", "softirq", "bulk", "relax-flood", "gc")
+COMBINED = {"all": SINGLE, "all-but-gc": SINGLE[:-1]}
+CELLS = ("none", *SINGLE, *COMBINED)
 MODES = ("plain", "turbonode")
 FIRST_PACKET = ("listener", "reflect", "off")  # the worker's handshake_tier, tcp_reflect_tos, neither
 REFERENCE_CELL = "none"
@@ -121,7 +124,7 @@ class SloNode(DemoNode):
 
     def start_fault(self, cell: str, seconds: float) -> Fault:
         fault = Fault()
-        names = CELLS[1:-1] if cell == "all" else (cell,)
+        names = COMBINED.get(cell, (cell,))
         fault.procs += faults.start(self, tuple(n for n in names if n in faults.FAULTS), seconds)
         if "gc" in names:
 
@@ -148,7 +151,7 @@ class SloNode(DemoNode):
             time.sleep(WARMUP_S if cell != "none" else 0)
             watch = AgentWatch(self.agent_rpc) if agent else None
             clients = dict(BACKGROUND)
-            if cell in ("relax-flood", "all"):
+            if "relax-flood" in COMBINED.get(cell, (cell,)):
                 clients["relax"] += FLOOD_CLIENTS
             outcomes, wall = self.load(clients, requests, rate, self.knobs.nodelay)
         finally:

@@ -1,18 +1,22 @@
 """`turboctl demo`: a sandbox node under mixed-tier load and a CPU fault, without and with turbonode.
 
-Two network namespaces joined by veth (sandbox/netns.py) are the node and its client. The real
-worker (tiny model) serves HTTP inside the node namespace, so its replies leave through the
-node's shaped interface. Each phase runs the same load for the same time: closed-loop image
-requests of every tier from the client namespace (sandbox.loadgen), bulk iperf3 flows from the
-node to the client, and stress-ng on every CPU as the fault.
+The short form of bench/node_slo.py (one of its cells: the CPU hog and bulk egress at once),
+on the same node and with the same load and summary. Two network namespaces joined by veth
+(sandbox/netns.py) are the node and its client. The real worker (tiny model) serves HTTP
+inside the node namespace, in a cgroup of its own, so its replies leave through the node's
+shaped interface. Each phase runs the same load: turbo requests arriving open-loop (Poisson,
+one a second) and closed-loop clients of the other tiers from the client namespace
+(sandbox.loadgen), bulk iperf3 flows from the node to the client, and stress-ng on every CPU
+as the fault (sandbox/faults.py).
 
   without: the interface is a plain FIFO shaped to the same rate (HTB root, one class, pfifo),
            no agent;
   with:    the agent applies turbonode's QoS (eBPF classifier under the HTB tier tree), watches
-           the node and throttles the worker's lower tiers while it is degraded.
+           the node, throttles the worker's lower tiers while it is degraded and engages the
+           levers of the rules that fire (the worker's CPU weight, its intra-op threads).
 
 Everything is bounded in time and torn down on exit, also on Ctrl-C: processes by PID, the
-namespaces (and with them the qdiscs), the temporary directory (sandbox/node.py).
+namespaces (and with them the qdiscs), the cgroups, the temporary directory (sandbox/node.py).
 """
 
 from __future__ import annotations

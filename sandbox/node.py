@@ -256,6 +256,7 @@ class AgentWatch:
         self.levels: list[int] = []
         self.throttles: list[dict] = []
         self.reasons: set[str] = set()
+        self.levers: dict[str, int] = {}  # lever -> polls it was engaged at
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -268,9 +269,13 @@ class AgentWatch:
                 continue
             self.levels.append(st.get("level_index", 0))
             self.reasons |= {r["signal"] for r in st.get("active", [])}
-            applied = (st.get("actions") or {}).get("applied") or {}
-            if applied.get("throttle"):
-                self.throttles.append(applied["throttle"])
+            actions = st.get("actions") or {}
+            throttle = actions.get("worker_throttle") or (actions.get("applied") or {}).get("throttle")
+            if throttle:
+                self.throttles.append(throttle)
+            for name, lever in (actions.get("levers") or {}).items():
+                if isinstance(lever, dict) and "engaged" in lever:
+                    self.levers[name] = self.levers.get(name, 0) + bool(lever["engaged"])
 
     def stop(self) -> None:
         self._stop.set()
@@ -283,6 +288,7 @@ class AgentWatch:
             "reasons": sorted(self.reasons),
             "throttled_share": len(self.throttles) / len(self.levels) if self.levels else 0.0,
             "last_throttle": self.throttles[-1] if self.throttles else None,
+            "levers": {name: n / len(self.levels) for name, n in self.levers.items()} if self.levels else {},
         }
 
 
