@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import signal
 import urllib.request
-import uuid
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,7 @@ from agent.levers import Levers
 from bench.node import wait_for
 from tests.agent_helpers import mini_worker as worker  # noqa: F401  (fixture)
 from tests.test_agent_daemon import FakeProc, start_agent, stop
-from tests.test_levers_cgroup import fake_v1, real_hierarchy
+from tests.test_levers_cgroup import fake_v1, real_cgroups  # noqa: F401  (fixture)
 from turbonode.cgroups import CpuHierarchy
 from turbonode.config import LeversConfig
 
@@ -28,25 +27,9 @@ def read(path: str) -> str:
     return Path(path).read_text().strip()
 
 
-@pytest.fixture
-def cgroups():
-    h = real_hierarchy()
-    tag = uuid.uuid4().hex[:8]
-    names = (f"/tn-test-{tag}-worker", f"/tn-test-{tag}-batch")
-    made = []
-    try:
-        for name in names:
-            h.create(name)
-            made.append(name)
-        yield h, names
-    finally:
-        for name in made:
-            h.remove(name)
-
-
 @pytest.mark.slow
-def test_agent_engages_reports_releases_and_restores_after_kill_9(tmp_path, worker, cgroups):  # noqa: F811
-    h, (worker_cg, batch_cg) = cgroups
+def test_agent_engages_reports_releases_and_restores_after_kill_9(tmp_path, worker, real_cgroups):  # noqa: F811
+    h, (worker_cg, batch_cg) = real_cgroups
     files = [h.weight_file(worker_cg)[0], h.weight_file(batch_cg)[0], *(f for f, _ in h.quota_writes(batch_cg, 1))]
     original = [read(f) for f in files]
     proc_root = tmp_path / "proc"
