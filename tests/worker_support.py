@@ -52,9 +52,7 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve(
-    engine: Engine | None = None, api_settings: dict | None = None, handshake_tier: str = "turbo", **settings
-):
+def serve(engine: Engine | None = None, api_settings: dict | None = None, handshake_tier: str = "turbo", **settings):
     """The real aiohttp app on 127.0.0.1:<ephemeral> in a background thread, engine thread running."""
     from aiohttp import web
 
