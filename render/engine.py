@@ -147,7 +147,12 @@ class Engine:
         # while draining, paused work runs too: shutdown must not wait on a throttle
         paused = t.paused_tiers if t is not None and self.jobs.accepting else frozenset()
         return batching.Limits(
-            max_batch, paused, self.settings.min_share, dict(self.step_cost), self.settings.co_batch_slack
+            max_batch,
+            paused,
+            self.settings.min_share,
+            dict(self.step_cost),
+            self.settings.co_batch_slack,
+            turbo_max_batch=self.settings.max_batch,  # turbo's own batch is never throttled
         )
 
     def threads_wanted(self) -> int:
@@ -328,6 +333,7 @@ class Engine:
             limits.max_batch,
             percentile(self.step_times, 50),
             self.decode_s_per_image,
+            limits.turbo_max_batch,
         )
         self._decode([by_key[k] for k in keys])
         return True

@@ -38,6 +38,7 @@ def test_agent_engages_reports_releases_and_restores_after_kill_9(tmp_path, work
     toml = (
         f'procfs = "{proc_root}"\n[policy]\nexit_samples = 4\nmin_change_interval = 0.5\n'
         'disabled = ["netrx_cpu_share", "netrx_latency_p99_s"]\n'
+        '[node]\nname = "tn-lv"\n'
         f'[levers]\nworker_cgroup = "{worker_cg}"\nbest_effort_cgroups = ["{batch_cg}"]\nbest_effort_cpus = 0.5\n'
     )
     engaged = [h.weight_value(10000), h.weight_value(1), *(v for _, v in h.quota_writes(batch_cg, 0.5))]
@@ -55,8 +56,8 @@ def test_agent_engages_reports_releases_and_restores_after_kill_9(tmp_path, work
         assert levers["cpu_share"]["worker_cgroup"] == worker_cg and set(levers["changed"]) == set(files)
         assert wait_for(lambda: (worker.throttle_state or {}).get("intra_op_threads") == 1, 3)
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert 'turbonode_lever_engaged{lever="cpu_share"} 1.0' in text
-        assert 'turbonode_throttle_actions_total{action="cpu_share_engage",reason="cpu_load"} 1.0' in text
+        assert 'turbonode_lever_engaged{lever="cpu_share",node="tn-lv"} 1.0' in text
+        assert 'turbonode_throttle_actions_total{action="cpu_share_engage",node="tn-lv",reason="cpu_load"} 1.0' in text
         fake.busy = 0.2  # recovery: released, the files as they were
         assert wait_for(lambda: not status()["cpu_share"]["engaged"], 10), status()
         assert [read(f) for f in files] == original and status()["changed"] == {}
