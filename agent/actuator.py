@@ -1,6 +1,8 @@
-"""Enforces the policy's actions: the worker throttle (renewed before its TTL runs out) and
-the relax class's HTB ceil. Idempotent per sample; I/O failures are reported, retried on
-the next sample, and never raise into the loop. In dry-run it only logs what it would do.
+"""Enforces the policy's actions: the worker throttle (renewed before its TTL runs out), the
+relax class's HTB ceil, and the levers the active rules engage (agent/levers/; a lever's
+throttle fields ride on the worker throttle). Idempotent per sample; I/O failures are
+reported, retried on the next sample, and never raise into the loop. In dry-run it only logs
+what it would do.
 
 An operator's hold on the worker (`turboctl throttle --hold`) is respected: the worker refuses
 our throttle and release with THROTTLE_HELD, and we keep our hands off (asking again every
@@ -18,7 +20,8 @@ from turbonode.errors import ControlError, TurbonodeError
 from turbonode.jsonrpc import ControlClient
 from turbonode.throttle_params import THROTTLE_HELD
 
-from .policy import Actions
+from .levers import THREADS, Levers
+from .policy import Actions, Reason
 
 log = logging.getLogger("turbonode.agent")
 
@@ -40,6 +43,7 @@ class Actuator:
     relax_rate_bps: int = 0  # relax's guaranteed rate (kept when the ceil moves)
     relax_ceil_bps: int = 0  # relax's configured ceil (restored at normal)
     link_bps: int = 0
+    levers: Levers | None = None
     counts: Counter = field(default_factory=Counter)  # (action, signal) -> n
     applied: Actions = field(default_factory=Actions)
     worker_error: str | None = None
@@ -50,13 +54,28 @@ class Actuator:
     _sent_at: float = 0.0
     _ceil_done: int | None = None
 
-    def apply(self, actions: Actions, reason: str, signal: str, now: float) -> None:
-        """Make the world match `actions`; `reason` goes to the worker, `signal` labels metrics."""
+    def apply(
+        self, actions: Actions, reason: str, signal: str, now: float, levers: tuple[tuple[str, Reason], ...] = ()
+    ) -> None:
+        """Make the world match `actions` and `levers` (lever -> the rule's reason); `reason` goes
+        to the worker, `signal` labels metrics (and the release of levers nobody wants)."""
         if actions != self.applied:
             log.info("%s%s (%s)", "dry-run: would apply " if self.dry_run else "apply ", actions, reason)
         self.applied = actions
+        throttle = actions.throttle
+        if self.levers is not None:
+            wanted = dict(levers)
+            done = self.levers.reconcile(
+                {name: str(r) for name, r in wanted.items()}, {name: r.signal for name, r in wanted.items()}, signal
+            )
+            self.counts.update(done)
+            extra = self.levers.throttle_fields()
+            if extra:
+                if throttle is None:  # the lever alone: the worker hears its rule's reason
+                    reason = str(wanted[THREADS])
+                throttle = {**(throttle or {}), **extra}
         if self.worker is not None:
-            self._worker(self.worker, actions.throttle, reason, signal, now)
+            self._worker(self.worker, throttle, reason, signal, now)
         self._ceil(actions, signal)
 
     def _worker(self, worker: ControlClient, want: dict | None, reason: str, signal: str, now: float) -> None:
@@ -128,9 +147,11 @@ class Actuator:
     def state(self) -> dict:
         return {
             "applied": {"relax_ceil_pct": self.applied.relax_ceil_pct, "throttle": self.applied.throttle},
+            "worker_throttle": self._sent,  # as sent: the level's throttle and the levers' fields
             "dry_run": self.dry_run,
             "worker_error": self.worker_error,
             "worker_hold": self.worker_hold,
             "datapath_error": self.datapath_error,
             "relax_ceil_bps": self._ceil_done,
+            "levers": self.levers.status() if self.levers is not None else {},
         }

@@ -33,6 +33,7 @@ from turbonode.tiers import tier
 
 from . import metrics
 from .actuator import Actuator
+from .levers import LEVER_STATE_FILE, Levers
 from .loop import AgentLoop
 from .mounts import ensure_mounts
 from .ownership import owned
@@ -119,6 +120,8 @@ def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
     ]
     link = parse_rate(cfg.qos.rate)
     relax = tier("relax")
+    state = cfg.levers.state_file or os.path.join(os.path.dirname(a.socket), LEVER_STATE_FILE)
+    levers = Levers(cfg.levers, state, lambda: int(client.call("ping")["pid"]), a.procfs, a.dry_run)
     actuator = Actuator(
         client,
         a.throttle_ttl,
@@ -127,6 +130,7 @@ def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
         relax_rate_bps=link * cfg.qos.rate_pct.get("relax", relax.rate_pct) // 100,
         relax_ceil_bps=link * cfg.qos.ceil_pct.get("relax", relax.ceil_pct) // 100,
         link_bps=link,
+        levers=levers,
     )
     if datapath is not None:
         from .watchers.htb import HtbWatcher
@@ -148,6 +152,8 @@ def run(cfg: Config, flags: Flags | None = None) -> int:
         if datapath is not None:
             apply_datapath(datapath, cfg)
         loop = build_loop(cfg, datapath)
+        if loop.actuator.levers is not None:  # before any change of ours: what a killed agent left
+            loop.actuator.levers.restore_leftovers()
         for w in loop.watchers:
             stack.callback(w.close)
         stack.callback(_shutdown, loop, cfg, datapath)

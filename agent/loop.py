@@ -54,7 +54,7 @@ class AgentLoop:
         up = last is not None and last.level > last.previous
         cause = last.reasons[0].signal if last is not None and up else "recovery"  # metrics label
         reason = last.describe() if last is not None else "normal"
-        self.actuator.apply(self.actions[decision.level], reason, cause, now)
+        self.actuator.apply(self.actions[decision.level], reason, cause, now, decision.levers)
         self._publish(decision)
         return decision
 
@@ -88,5 +88,6 @@ class AgentLoop:
         with self._lock:
             return dict(self._snapshot)
 
-    def metrics_state(self) -> tuple[int, dict]:
-        return self.policy.level, dict(self.actuator.counts)
+    def metrics_state(self) -> tuple[int, dict, dict[str, bool]]:
+        levers = self.actuator.levers
+        return self.policy.level, dict(self.actuator.counts), levers.engaged() if levers is not None else {}

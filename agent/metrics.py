@@ -36,13 +36,14 @@ class WatcherCollector:
 
 
 class PolicyCollector:
-    """Degradation level and throttle actions; `state` returns (level index, actuator counts)."""
+    """Degradation level, actions and levers; `state` returns (level index, actuator counts,
+    lever -> engaged)."""
 
-    def __init__(self, state: Callable[[], tuple[int, dict]]):
+    def __init__(self, state: Callable[[], tuple[int, dict, dict[str, bool]]]):
         self.state = state
 
     def collect(self):
-        level, counts = self.state()
+        level, counts, levers = self.state()
         g = GaugeMetricFamily(
             "turbonode_degradation_level", f"Degradation level: {', '.join(f'{i} {n}' for i, n in enumerate(LEVELS))}"
         )
@@ -56,6 +57,12 @@ class PolicyCollector:
         for (action, reason), n in sorted(counts.items()):
             c.add_metric([action, reason], n)
         yield c
+        engaged = GaugeMetricFamily(
+            "turbonode_lever_engaged", "1 while the policy has the lever engaged (agent/levers/)", labels=["lever"]
+        )
+        for name, on in sorted(levers.items()):
+            engaged.add_metric([name], 1.0 if on else 0.0)
+        yield engaged
 
     def describe(self):
         return []

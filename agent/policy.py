@@ -59,6 +59,7 @@ class Rule:
     exit: float
     enter_s: float | None = None
     exit_s: float | None = None
+    levers: tuple[str, ...] = ()  # engaged while the rule is active (agent/levers/)
 
 
 @dataclass(frozen=True)
@@ -81,6 +82,7 @@ class Decision:
     level: int
     previous: int
     reasons: tuple[Reason, ...]  # why the level is what it is (active rules, or recovery evidence)
+    levers: tuple[tuple[str, Reason], ...] = ()  # each lever an active rule engages, with that rule's reason
 
     @property
     def changed(self) -> bool:
@@ -160,7 +162,17 @@ class DegradationPolicy:
                 if self.level == previous
                 else tuple(Reason(r.signal, self._state[r.signal].value, r.exit, "below exit") for r in self.rules)
             )
-        return Decision(now, self.level, previous, reasons)
+        return Decision(now, self.level, previous, reasons, self._levers())
+
+    def _levers(self) -> tuple[tuple[str, Reason], ...]:
+        """The levers of the active rules, each once, with the first such rule's reason (rule
+        order): a lever follows its rules' hysteresis, not the level's steps."""
+        out: dict[str, Reason] = {}
+        for rule in self.rules:
+            if self._state[rule.signal].active:
+                for lever in rule.levers:
+                    out.setdefault(lever, self._active_reason(rule))
+        return tuple(out.items())
 
     def _active_reason(self, rule: Rule) -> Reason:
         value = self._state[rule.signal].value
@@ -221,7 +233,7 @@ def rules_from_config(cfg: PolicyConfig) -> tuple[Rule, ...]:
     except ValueError as exc:
         raise ConfigError("policy.rules", str(exc)) from None
     return tuple(
-        Rule(signal, t["enter"], t["exit"], t.get("enter_s"), t.get("exit_s"))
+        Rule(signal, t["enter"], t["exit"], t.get("enter_s"), t.get("exit_s"), tuple(t.get("levers", ())))
         for signal, t in cfg.rules.items()
         if signal not in cfg.disabled
     )

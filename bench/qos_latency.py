@@ -36,9 +36,13 @@ from turbonode.rates import format_rate, parse_rate  # noqa: E402
 EF_TOS = "0xb8"
 RR_SIZE = 256 * 1024
 RTT = re.compile(r"time=([\d.]+) ms")
-# Guaranteed shares that put turbo first: the tier table's defaults guarantee 'other' 20 %,
-# which HTB serves before turbo may borrow, so a turbo transfer cannot get more than 80 %.
-TURBO_FIRST = {"turbo": 91, "fast": 4, "other": 3, "relax": 2}
+# The tier table's shares before turbo-first became the default (docs/design.md): HTB serves
+# 'other' its guaranteed 20 % before turbo may borrow, so a turbo transfer got at most 80 %.
+EARLIER_SHARES = {"turbo": 40, "fast": 30, "other": 20, "relax": 10}
+# Targets at the defaults (issue 9): a 256 KiB EF transfer's p99 within 1.15x of line-rate
+# time while the bulk flows keep at least 90 % of the link.
+TARGET_RR_P99 = 1.15
+TARGET_BULK_SHARE = 0.90
 
 
 def pct(values: list[float], p: float) -> float | None:
@@ -145,7 +149,7 @@ SETUPS = {
     "fifo": setup_fifo,
     "u32": setup_u32,
     "turbonode": turbonode_setup(None),
-    "turbonode-turbo-first": turbonode_setup(TURBO_FIRST),
+    "turbonode-40/30/20/10": turbonode_setup(EARLIER_SHARES),
 }
 
 
@@ -367,6 +371,21 @@ def report(results: dict, rate: int) -> str:
     return "\n".join([head, *lines])
 
 
+def targets(r: dict, rate: int) -> str:
+    """The defaults against the targets: 256 KiB EF p99 / line-rate time, bulk's share of the link."""
+    rr = _ratio(r["loaded_rr"]["p99_ms"], RR_SIZE * 8 / rate * 1000)
+    share = r["bulk_share"]
+
+    def verdict(ok: bool) -> str:  # a value missing (no transfers) is not a pass
+        return "met" if ok else "NOT met"
+
+    return (
+        f"turbonode at its defaults: 256K EF p99 / line-rate {fmt(rr, '.2f')} (target <= {TARGET_RR_P99}: "
+        f"{verdict(rr is not None and rr <= TARGET_RR_P99)}); bulk share of link {fmt(share, '.2f')} "
+        f"(target >= {TARGET_BULK_SHARE}: {verdict(share is not None and share >= TARGET_BULK_SHARE)})"
+    )
+
+
 def cost_report(c: dict) -> str:
     lines = ["classifier cost per packet (ns/run)    classifier     no-op  difference"]
     d = _diff(c["classifier_real_ns"], c["noop_real_ns"])
@@ -416,6 +435,8 @@ def main(argv=None) -> int:
         print(f"[{time.monotonic() - started:5.1f}s] classifier cost done", file=sys.stderr, flush=True)
     print(report(results, args.rate))
     print(cost_report(cost))
+    if "turbonode" in results:
+        print(targets(results["turbonode"], args.rate))
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"setups": results, "classifier_cost": cost}, f, indent=1)

@@ -57,6 +57,10 @@ class Limits:
     min_share: float = 0.0
     step_cost: Mapping[tuple[Shape, int], float] = field(default_factory=dict)  # (shape, UNet rows) -> seconds
     co_batch_slack: float = CO_BATCH_SLACK
+    # Turbo's own samples batch up to this (the configured max_batch) even when a throttle lowers
+    # max_batch: the throttle holds back lower tiers, never turbo (its backlog under a GC storm
+    # or a CPU hog drains only by batching); None: max_batch.
+    turbo_max_batch: int | None = None
 
 
 def estimate_cost(rows: int, table: Mapping[int, float]) -> float | None:
@@ -159,6 +163,9 @@ def _step_priority(cands: list[Candidate], limits: Limits, credits: dict[str, fl
         _fill(own, chosen, own[0].shape, capacity)
     else:
         chosen = [ordered[0]]
+        if chosen[0].tier == PROTECTED_TIER:  # turbo first, up to its own cap; the others within max_batch
+            turbo = [c for c in ordered if c.tier == PROTECTED_TIER]
+            _fill(turbo, chosen, chosen[0].shape, max(capacity, limits.turbo_max_batch or capacity))
         _fill(ordered, chosen, ordered[0].shape, capacity, _cheap_for_turbo(limits))
     granted = {t: sum(c.tier == t for c in chosen) for t in waiting_tiers}
     left_waiting = {t for t in waiting_tiers if granted[t] < sum(c.tier == t for c in ordered)}
@@ -221,9 +228,14 @@ def should_decode(
 
 
 def decode_chunk(
-    finished: Iterable[Finished], max_batch: int, step_budget_s: float | None, decode_s_per_image: float | None
+    finished: Iterable[Finished],
+    max_batch: int,
+    step_budget_s: float | None,
+    decode_s_per_image: float | None,
+    turbo_max_batch: int | None = None,
 ) -> tuple[Hashable, ...]:
-    """Keys of the next decode batch: best tier first, one shape, at most max_batch.
+    """Keys of the next decode batch: best tier first, one shape, at most max_batch
+    (turbo's images: at most turbo_max_batch, as in compose_batch).
 
     A decode cannot be interrupted, so below the top tier a chunk is kept to about one
     step's time (a turbo job that arrives meanwhile then waits no longer than a step).
@@ -235,6 +247,7 @@ def decode_chunk(
     limit = max_batch
     if head.tier == PROTECTED_TIER:  # turbo's decode is not slowed by lower tiers' images
         ordered = [f for f in ordered if f.tier == PROTECTED_TIER]
+        limit = max(max_batch, turbo_max_batch or max_batch)
     elif step_budget_s and decode_s_per_image:
         limit = max(1, min(max_batch, int(step_budget_s / decode_s_per_image)))
     same = [f for f in ordered if f.shape == head.shape]

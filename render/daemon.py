@@ -18,6 +18,7 @@ import asyncio
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +30,7 @@ from turbonode.errors import TurbonodeError
 from turbonode.exposition import daemon_registry
 from turbonode.jsonrpc import SERVER_ERROR, RpcError
 
+from .cpu_threads import WAIT_POLICY_ENV, available_cpus, default_threads, wait_policy_default
 from .readiness import ENGINE_STALL_S
 
 if TYPE_CHECKING:  # torch: imported when the worker loads, not when this module does
@@ -50,11 +52,12 @@ def loading(what: str) -> None:
     sdnotify.notify(f"STATUS={what}")
 
 
-def torch_threads() -> int:
-    """One intra-op thread per CPU this process may run on: the engine is the only torch user."""
+def torch_threads(configured: int) -> int:
+    """The intra-op threads to run (configured, or the default for the CPUs this worker may use),
+    set for the loading thread too; the engine thread sets its own (render/engine.py)."""
     import torch
 
-    n = max(1, len(os.sched_getaffinity(0)))
+    n = configured or default_threads(available_cpus())
     torch.set_num_threads(n)
     return n
 
@@ -112,7 +115,10 @@ class Worker:
         cfg = self.cfg
         started = time.monotonic()
         loading(f"loading model {cfg.model}")
-        torch_threads()
+        threads = torch_threads(cfg.intra_op_threads)
+        log.info(
+            "torch intra-op threads %d, OpenMP wait policy %s", threads, os.environ.get(WAIT_POLICY_ENV, "default")
+        )
         family = load_model(cfg.model)
         log.info(
             "model %s loaded in %.1f s (%s family, %s)",
@@ -121,7 +127,10 @@ class Worker:
             family.name,
             family.fingerprint,
         )
-        settings = EngineSettings.from_config(cfg, **({"policy": self.policy} if self.policy is not None else {}))
+        overrides: dict = {"intra_op_threads": threads}
+        if self.policy is not None:
+            overrides["policy"] = self.policy
+        settings = EngineSettings.from_config(cfg, **overrides)
         settings.tier_defaults(family)  # a sampler the family cannot use fails here, before a backend is built
         started = time.monotonic()
         # tensorrt: a first start exports ONNX and builds engines (minutes; progress in the log)
@@ -175,6 +184,7 @@ class Worker:
         from aiohttp import web
 
         from .control_server import ControlHandlers, ControlServer
+        from .http_api import listening_socket
 
         started = time.monotonic()
         loop = asyncio.get_running_loop()
@@ -185,7 +195,7 @@ class Worker:
         await runner.setup()
         host, port = split_host_port(self.cfg.listen)
         try:
-            await web.TCPSite(runner, host, port).start()
+            await web.SockSite(runner, listening_socket(host, port, self.cfg.handshake_tier)).start()
         except OSError as exc:
             await self._shutdown(runner)
             raise ListenError(f"cannot listen on {self.cfg.listen}: {exc.strerror or exc}") from None
@@ -270,5 +280,7 @@ class Worker:
 def run(cfg: WorkerConfig, on_ready: Callable[[str], None] | None = None, policy=None, node: str = "") -> int:
     """Serve a worker from a WorkerConfig until a signal; returns the exit status. `node` names the
     node in the metrics' `node` label ('' = the hostname)."""
+    if "torch" not in sys.modules:  # OpenMP reads its wait policy once, when torch loads it
+        wait_policy_default()
     worker = Worker(cfg, policy, node)
     return asyncio.run(worker.serve(on_ready))

@@ -60,6 +60,7 @@ class EngineSettings:
     min_share: float = _DEFAULTS.min_share
     policy: batching.BatchPolicy = batching.BatchPolicy.STEP_PRIORITY
     co_batch_slack: float = batching.CO_BATCH_SLACK
+    intra_op_threads: int = 0  # torch threads the engine runs (render/cpu_threads.py); 0: leave torch's
 
     @classmethod
     def from_config(cls, cfg: WorkerConfig, **overrides: Any) -> EngineSettings:
@@ -125,6 +126,7 @@ class Engine:
         self.decode_s_per_image: float | None = None
         self.step_cost: dict[tuple, float] = {}  # (shape, denoiser rows) -> smoothed step seconds
         self.steps_total = 0
+        self.intra_op_threads = 0  # what the engine thread last set (0: not set yet)
         self.heartbeat = clock()
 
     @property
@@ -145,8 +147,30 @@ class Engine:
         # while draining, paused work runs too: shutdown must not wait on a throttle
         paused = t.paused_tiers if t is not None and self.jobs.accepting else frozenset()
         return batching.Limits(
-            max_batch, paused, self.settings.min_share, dict(self.step_cost), self.settings.co_batch_slack
+            max_batch,
+            paused,
+            self.settings.min_share,
+            dict(self.step_cost),
+            self.settings.co_batch_slack,
+            turbo_max_batch=self.settings.max_batch,  # turbo's own batch is never throttled
         )
+
+    def threads_wanted(self) -> int:
+        """The configured threads, or fewer while a throttle asks for fewer (never more)."""
+        base = self.settings.intra_op_threads
+        t = self.throttle.current()
+        if t is None or t.intra_op_threads is None or not base:
+            return base
+        return min(base, t.intra_op_threads)
+
+    def _apply_threads(self) -> None:
+        want = self.threads_wanted()
+        if want and want != self.intra_op_threads:
+            # OpenMP's thread count is per calling thread: set it in the thread that runs the stages
+            torch.set_num_threads(want)
+            if self.intra_op_threads:
+                log.info("intra-op threads %d -> %d", self.intra_op_threads, want)
+            self.intra_op_threads = want
 
     def steps_for(self, tier: str, requested: int) -> int:
         t = self.throttle.current()
@@ -274,6 +298,7 @@ class Engine:
     def run_once(self) -> bool:
         """One step boundary; True when it did some work."""
         self.heartbeat = self.clock()
+        self._apply_threads()
         with self.jobs.lock:
             limits = self.limits()
             live = [j for j in self.jobs.live() if j.tier not in limits.paused]
@@ -308,6 +333,7 @@ class Engine:
             limits.max_batch,
             percentile(self.step_times, 50),
             self.decode_s_per_image,
+            limits.turbo_max_batch,
         )
         self._decode([by_key[k] for k in keys])
         return True
@@ -393,6 +419,7 @@ class Engine:
                 "p99": percentile(steps, 99),
             },
             "max_batch": self.limits().max_batch,
+            "intra_op_threads": {"current": self.intra_op_threads, "configured": self.settings.intra_op_threads},
             "steps_total": self.steps_total,
             "accepting": self.jobs.accepting,
         }

@@ -242,6 +242,28 @@ def mark_socket(sock, tier: str) -> bool:
     return True
 
 
+def listening_socket(host: str, port: int, tier: str) -> socket.socket:
+    """A bound, listening TCP socket carrying `tier`'s DSCP ('' leaves it unmarked). The kernel sends
+    a SYN-ACK with the listener's TOS and an accepted socket inherits it, so a connection's
+    handshake and first packets (the ACKs of the request) leave in that tier's class before any
+    request has named its own; each request then re-marks its socket (mark_socket)."""
+    family, kind, proto, _, addr = socket.getaddrinfo(
+        host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+    )[0]
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if tier:
+            mark_socket(sock, tier)
+        sock.bind(addr)
+        sock.listen(socket.SOMAXCONN)
+        sock.setblocking(False)
+    except OSError:
+        sock.close()
+        raise
+    return sock
+
+
 def _mark(request: web.Request, tier: str) -> None:
     if request.transport is not None:
         mark_socket(request.transport.get_extra_info("socket"), tier)
@@ -450,7 +472,7 @@ class Api:
             body = parse_json_body(await request.read(), request.charset)
         except BadRequest as exc:
             tally.tier = _tier_of(None, header_tier)
-            return Answer("invalid", _error(exc.message, exc.status, exc.param))
+            return _invalid(request, exc)
         tally.tier = _tier_of(body, header_tier)
         if self.engine is None or self.defaults is None:
             r = self.readiness()
@@ -458,7 +480,7 @@ class Api:
         try:
             job_request, run_async = parse_generation(body, header_tier, self.defaults)
         except BadRequest as exc:
-            return Answer("invalid", _error(exc.message, exc.status, exc.param))
+            return _invalid(request, exc)
         tier = tally.tier = job_request.tier
         _mark(request, tier)
         if self.refuse_unready:
@@ -569,3 +591,9 @@ def _error(message: str, status: int, param: str | None = None, code: str | None
     kind = "invalid_request_error" if status < 500 else "server_error"
     headers = r.retry_after_header() if r is not None else {}
     return web.json_response(error_body(message, kind, param, code), status=status, headers=headers)
+
+
+def _invalid(request: web.Request, exc: BadRequest) -> Answer:
+    # no valid request, no tier: the answer leaves as default traffic, not in the handshake's class
+    _mark(request, DEFAULT_TIER)
+    return Answer("invalid", _error(exc.message, exc.status, exc.param))

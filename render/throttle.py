@@ -51,6 +51,7 @@ class Throttle(ThrottleLimits):
             "step_caps": dict(self.step_caps),
             "shed_tiers": sorted(self.shed_tiers),
             "unready_tiers": sorted(self.unready_tiers),
+            "intra_op_threads": self.intra_op_threads,
             "reason": self.reason,
             "ttl_s": self.ttl_s,
             "expires_at": self.set_at_wall + self.ttl_s,
@@ -66,6 +67,7 @@ def make_throttle(
     step_caps=None,
     shed_tiers=(),
     unready_tiers=(),
+    intra_op_threads=None,
     reason="",
     ttl_s=None,
     hold=False,
@@ -73,7 +75,7 @@ def make_throttle(
     now_wall: float,
 ) -> Throttle:
     """Validate the `throttle` call's parameters; ValueError names the bad one."""
-    limits = check_throttle(max_batch, paused_tiers, step_caps, shed_tiers, unready_tiers)
+    limits = check_throttle(max_batch, paused_tiers, step_caps, shed_tiers, unready_tiers, intra_op_threads)
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError("reason must be a non-empty string (it is logged and shown in status)")
     if not isinstance(hold, bool):
@@ -88,6 +90,7 @@ def make_throttle(
         limits.step_caps,
         limits.shed_tiers,
         limits.unready_tiers,
+        limits.intra_op_threads,
         reason.strip(),
         ttl_s,
         now,

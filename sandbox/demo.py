@@ -1,18 +1,22 @@
 """`turboctl demo`: a sandbox node under mixed-tier load and a CPU fault, without and with turbonode.
 
-Two network namespaces joined by veth (sandbox/netns.py) are the node and its client. The real
-worker (tiny model) serves HTTP inside the node namespace, so its replies leave through the
-node's shaped interface. Each phase runs the same load for the same time: closed-loop image
-requests of every tier from the client namespace (sandbox.loadgen), bulk iperf3 flows from the
-node to the client, and stress-ng on every CPU as the fault.
+The short form of bench/node_slo.py (one of its cells: the CPU hog and bulk egress at once),
+on the same node and with the same load and summary. Two network namespaces joined by veth
+(sandbox/netns.py) are the node and its client. The real worker (tiny model) serves HTTP
+inside the node namespace, in a cgroup of its own, so its replies leave through the node's
+shaped interface. Each phase runs the same load: turbo requests arriving open-loop (Poisson,
+one a second) and closed-loop clients of the other tiers from the client namespace
+(sandbox.loadgen), bulk iperf3 flows from the node to the client, and stress-ng on every CPU
+as the fault (sandbox/faults.py).
 
   without: the interface is a plain FIFO shaped to the same rate (HTB root, one class, pfifo),
            no agent;
   with:    the agent applies turbonode's QoS (eBPF classifier under the HTB tier tree), watches
-           the node and throttles the worker's lower tiers while it is degraded.
+           the node, throttles the worker's lower tiers while it is degraded and engages the
+           levers of the rules that fire (the worker's CPU weight, its intra-op threads).
 
 Everything is bounded in time and torn down on exit, also on Ctrl-C: processes by PID, the
-namespaces (and with them the qdiscs), the temporary directory (sandbox/node.py).
+namespaces (and with them the qdiscs), the cgroups, the temporary directory (sandbox/node.py).
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import shutil
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from . import faults
 from .node import DemoError, DemoNode
 
 NEEDS = ("ip", "tc", "iperf3", "stress-ng")
@@ -33,10 +38,12 @@ class DemoSettings:
     rate: str = "20mbit"  # the node's link, shaped in both phases
     duration: float = 20.0  # seconds of load per phase
     size: int = 256  # image size in pixels: big enough that the link matters
-    clients: dict = field(default_factory=lambda: {"turbo": 1, "fast": 1, "other": 1, "relax": 2})
-    bulk_flows: int = 4
+    turbo_rate: float = 1.0  # open-loop turbo requests per second (Poisson), as bench/node_slo.py sends them
+    clients: dict = field(default_factory=lambda: {"fast": 1, "other": 1, "relax": 2})  # closed loop
     stress: bool = True  # the fault: stress-ng on every CPU during the load
     keep_logs: bool = False  # keep the daemons' logs (and the node's config) after the demo
+    worker_config: dict = field(default_factory=dict)  # more [worker] keys (turbonode.config.WorkerConfig)
+    extra_toml: str = ""  # more tables for the node's configuration file, e.g. [policy]
 
 
 def preflight() -> None:
@@ -54,7 +61,7 @@ def run_demo(settings: DemoSettings, log: Callable[[str], object] = print) -> di
     with DemoNode(settings, log) as node:
         log(
             f"phase 1/2: without turbonode (FIFO at {settings.rate}, no agent), {settings.duration:g} s of load "
-            f"+ {settings.bulk_flows} bulk flows" + (" + stress-ng on every CPU" if settings.stress else "")
+            f"+ {faults.BULK_FLOWS} bulk flows" + (" + stress-ng on every CPU" if settings.stress else "")
         )
         node.plain_fifo()
         without = node.run_load(watch_agent=False)

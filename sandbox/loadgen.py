@@ -1,9 +1,16 @@
 """Tiered image-request load against a worker's HTTP API, for the demo and benchmarks.
 
-Closed loop: each client sends one request, waits for the answer, sends the next, until the
-deadline. Each request names its tier (body and X-Turbonode-Tier header) and its socket carries
-the tier's DSCP, like a real client's. The demo runs it inside the client network namespace
-(`python -m sandbox.loadgen URL --clients turbo=1 ...`), which prints the results as JSON.
+Closed-loop clients (`--clients TIER=N`): each sends one request, waits for the answer, sends
+the next; a refused one (429/503) waits for its Retry-After, as an honest client does. With
+`--probes N`, N requests of one tier (turbo) also arrive open-loop (Poisson, `--rate` per
+second): each at its own time whatever the others are doing, so a slow node cannot slow the
+arrivals down and hide its tail; the closed-loop clients then run until the last probe is
+answered, else for `--duration`. Each request names its tier (body and X-Turbonode-Tier
+header), and its socket carries the tier's DSCP before it connects (the SYN too) and keeps
+TCP_NODELAY, like a real client's. Per request: connect, first byte, last byte, and the
+worker's own queue wait and submit-to-finish time from its answer. The demo and
+bench/node_slo.py run it inside the client network namespace (`python -m sandbox.loadgen URL
+--clients fast=1 --probes 100 ...`), which prints the outcomes as JSON.
 """
 
 from __future__ import annotations
@@ -11,6 +18,7 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
+import random
 import socket
 import sys
 import threading
@@ -19,9 +27,10 @@ from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
 from turbonode.stats import percentile
-from turbonode.tiers import TIER_NAMES, tos_byte
+from turbonode.tiers import PROTECTED_TIER, TIER_NAMES, tos_byte
 
 PATH = "/v1/images/generations"
+BACKOFF_S = 0.2  # a refused request waits this long, or its Retry-After if longer, before the next
 
 
 @dataclass
@@ -30,25 +39,52 @@ class Outcome:
     status: int  # HTTP status; 0 when no answer came (connection error, timeout)
     latency: float  # seconds from sending the request to the end of the answer
     error: str = ""
+    kind: str = "closed"  # "closed" (a closed-loop client's) or "probe" (open-loop)
+    sent_at: float = 0.0  # seconds since the load started
+    connect_s: float | None = None  # TCP handshake, as the client saw it
+    first_byte_s: float | None = None
+    queue_wait_s: float | None = None  # the worker's: submit -> first step
+    elapsed_s: float | None = None  # the worker's: submit -> finished
+    retry_after_s: float | None = None  # a refusal's Retry-After
 
 
-class _TosConnection(http.client.HTTPConnection):
-    """An HTTP connection whose socket is marked with a TOS byte before it connects."""
+class TierConnection(http.client.HTTPConnection):
+    """An HTTP connection whose socket carries a TOS byte from its SYN on, and TCP_NODELAY:
+    http.client sends the headers and the body in two writes, and Nagle would hold the body
+    until the first is acknowledged (a delayed ACK)."""
 
-    def __init__(self, host, port, tos: int, timeout: float):
+    def __init__(self, host: str, port: int, tos: int, timeout: float, nodelay: bool = True):
         super().__init__(host, port, timeout=timeout)
-        self.tos = tos
+        self.tos, self.nodelay = tos, nodelay
 
-    def connect(self):
-        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, self.tos)
-        self.sock.settimeout(self.timeout)
-        self.sock.connect((self.host, self.port))
+    def connect(self) -> None:
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        try:
+            sock.setsockopt(socket.IPPROTO_IP, socket.IP_TOS, self.tos)
+            if self.nodelay:
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.settimeout(self.timeout)
+            sock.connect((self.host, self.port))
+        except BaseException:
+            sock.close()
+            raise
+        self.sock = sock
 
 
-def request_image(url: str, tier: str, size: int = 64, steps: int | None = None, timeout: float = 60) -> Outcome:
+def request_image(
+    url: str,
+    tier: str,
+    size: int = 64,
+    steps: int | None = None,
+    timeout: float = 60,
+    *,
+    kind: str = "closed",
+    started: float | None = None,
+    nodelay: bool = True,
+) -> Outcome:
+    """One request; `started` (monotonic) is when the load began, for Outcome.sent_at."""
     parts = urlsplit(url)
-    body = {
+    body: dict = {
         "prompt": f"a {tier} tier test image",
         "n": 1,
         "size": f"{size}x{size}",
@@ -57,65 +93,123 @@ def request_image(url: str, tier: str, size: int = 64, steps: int | None = None,
     }
     if steps:
         body["steps"] = steps
-    conn = _TosConnection(parts.hostname, parts.port or 80, tos_byte(tier), timeout)
+    sent_at = 0.0 if started is None else round(time.monotonic() - started, 4)
+    out = Outcome(tier, 0, 0.0, kind=kind, sent_at=sent_at)
+    conn = TierConnection(parts.hostname or "", parts.port or 80, tos_byte(tier), timeout, nodelay)
     start = time.perf_counter()
     try:
+        conn.connect()
+        out.connect_s = time.perf_counter() - start
         conn.request("POST", PATH, json.dumps(body), {"Content-Type": "application/json", "X-Turbonode-Tier": tier})
         resp = conn.getresponse()
+        out.first_byte_s = time.perf_counter() - start
         payload = resp.read()
-        error = "" if resp.status == 200 else payload[:200].decode(errors="replace")
-        return Outcome(tier, resp.status, time.perf_counter() - start, error)
-    except OSError as exc:
-        return Outcome(tier, 0, time.perf_counter() - start, str(exc))
+        out.status = resp.status
+        if resp.status == 200:
+            info = json.loads(payload).get("turbonode") or {}
+            out.queue_wait_s, out.elapsed_s = info.get("queue_wait_s"), info.get("elapsed_s")
+        else:
+            out.error = payload[:200].decode(errors="replace")
+            retry = resp.getheader("Retry-After") or ""
+            out.retry_after_s = float(retry) if retry.isdigit() else None
+    except (OSError, ValueError, http.client.HTTPException) as exc:
+        out.error = f"{type(exc).__name__}: {exc}"
     finally:
+        out.latency = time.perf_counter() - start
         conn.close()
+    return out
 
 
 def run_load(
     url: str,
     clients: dict[str, int],
-    duration: float,
+    duration: float = 10.0,
     size: int = 64,
     steps: dict[str, int] | None = None,
     timeout: float = 60,
+    *,
+    probes: int = 0,
+    rate: float = 1.0,
+    nodelay: bool = True,
+    seed: int | None = None,
 ) -> list[Outcome]:
-    """`clients[tier]` closed-loop clients per tier for `duration` seconds; every outcome."""
-    deadline = time.monotonic() + duration
+    """`clients[tier]` closed-loop clients, plus `probes` open-loop turbo requests at `rate` per
+    second; until the last probe is answered, or for `duration` seconds without probes."""
+    started = time.monotonic()
     outcomes: list[Outcome] = []
     lock = threading.Lock()
+    done = threading.Event()
+    steps = steps or {}
 
-    def client(tier: str):
-        while time.monotonic() < deadline:
-            out = request_image(url, tier, size, (steps or {}).get(tier), timeout)
-            with lock:
-                outcomes.append(out)
-            if out.status != 200:
-                time.sleep(0.2)  # 429/503/errors: back off instead of spinning
+    def record(out: Outcome) -> None:
+        with lock:
+            outcomes.append(out)
+
+    def client(tier: str) -> None:
+        while not done.is_set():
+            out = request_image(url, tier, size, steps.get(tier), timeout, started=started, nodelay=nodelay)
+            if done.is_set() and probes:
+                return  # cut short by the end of the probes: says nothing about the tier
+            record(out)
+            if out.status != 200:  # 429/503/errors: back off as told, instead of spinning
+                done.wait(max(BACKOFF_S, out.retry_after_s or 0.0))
+
+    def probe() -> None:
+        record(
+            request_image(
+                url,
+                PROTECTED_TIER,
+                size,
+                steps.get(PROTECTED_TIER),
+                timeout,
+                kind="probe",
+                started=started,
+                nodelay=nodelay,
+            )
+        )
 
     threads = [threading.Thread(target=client, args=(t,), daemon=True) for t, n in clients.items() for _ in range(n)]
     for th in threads:
         th.start()
+    if probes:
+        rng, due, arrivals = random.Random(seed), started, []
+        for _ in range(probes):
+            due += rng.expovariate(rate)
+            time.sleep(max(0.0, due - time.monotonic()))
+            arrivals.append(threading.Thread(target=probe, daemon=True))
+            arrivals[-1].start()
+        for th in arrivals:
+            th.join(timeout + 5)
+    else:
+        done.wait(duration)
+    done.set()
     for th in threads:
-        th.join(duration + timeout + 5)
-    return outcomes
+        th.join(timeout + 5)
+    with lock:
+        return sorted(outcomes, key=lambda o: o.sent_at)
 
 
-def summarize(outcomes: list[Outcome]) -> dict[str, dict]:
-    """Per tier: requests, ok, rejected (429/503), failed, p50/p99 latency of the ok ones."""
+def summarize(outcomes: list[Outcome], wall_s: float | None = None) -> dict[str, dict]:
+    """Per tier: requests, ok, rejected (429/503), failed, p50/p99/max latency of the ok ones,
+    the handshake's p99 and, over `wall_s` seconds, images per second."""
     out = {}
     for tier in TIER_NAMES:
         mine = [o for o in outcomes if o.tier == tier]
         if not mine:
             continue
-        ok = [o.latency for o in mine if o.status == 200]
+        ok = [o for o in mine if o.status == 200]
+        latency = [o.latency for o in ok]
         rejected = sum(o.status in (429, 503) for o in mine)
         out[tier] = {
             "requests": len(mine),
             "ok": len(ok),
             "rejected": rejected,
             "failed": len(mine) - len(ok) - rejected,
-            "p50_s": percentile(ok, 50),
-            "p99_s": percentile(ok, 99),
+            "p50_s": percentile(latency, 50),
+            "p99_s": percentile(latency, 99),
+            "max_s": max(latency, default=None),
+            "connect_p99_s": percentile([o.connect_s for o in ok if o.connect_s is not None], 99),
+            "images_per_s": len(ok) / wall_s if wall_s else None,
         }
     return out
 
@@ -141,7 +235,8 @@ def _at_least(lo: float, kind: type = float):
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Send tiered image requests to URL for DURATION seconds; print every outcome as JSON."""
+    """Send tiered image requests to URL (closed-loop clients, open-loop probes); print every
+    outcome as JSON."""
     parser = argparse.ArgumentParser(prog="python -m sandbox.loadgen", description=main.__doc__)
     parser.add_argument("url")
     parser.add_argument(
@@ -155,8 +250,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--duration", type=_at_least(0.1), default=10.0, help="seconds (default 10)")
     parser.add_argument("--size", type=_at_least(8, int), default=64, help="image size in pixels (default 64)")
     parser.add_argument("--timeout", type=_at_least(0.1), default=60.0, help="seconds per request (default 60)")
+    parser.add_argument("--probes", type=_at_least(0, int), default=0, help=f"open-loop {PROTECTED_TIER} requests")
+    parser.add_argument("--rate", type=_at_least(0.01), default=1.0, help="probe arrivals per second (default 1)")
+    parser.add_argument("--no-nodelay", action="store_true", help="leave Nagle on (to measure what it costs)")
+    parser.add_argument("--seed", type=int, help="seed of the probes' arrival times")
     args = parser.parse_args(argv)
-    outcomes = run_load(args.url, dict(args.clients), args.duration, args.size, timeout=args.timeout)
+    outcomes = run_load(
+        args.url,
+        dict(args.clients),
+        args.duration,
+        args.size,
+        timeout=args.timeout,
+        probes=args.probes,
+        rate=args.rate,
+        nodelay=not args.no_nodelay,
+        seed=args.seed,
+    )
     print(json.dumps([asdict(o) for o in outcomes]))
     return 0
 

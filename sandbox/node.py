@@ -19,12 +19,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from turbonode.cgroups import CgroupError, CpuHierarchy
 from turbonode.config import WorkerConfig, split_host_port
+from turbonode.config_example import toml_value
 from turbonode.errors import ControlError, TurbonodeError
 from turbonode.jsonrpc import ControlClient
 from turbonode.levels import LEVELS
 from turbonode.rates import parse_rate
 
+from . import faults
 from .loadgen import Outcome, summarize
 from .netns import Sandbox
 
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from .demo import DemoSettings
 
 WORKER_PORT = split_host_port(WorkerConfig().listen)[1]
+REQUEST_TIMEOUT_S = 30
 
 
 class DemoError(TurbonodeError):
@@ -50,25 +54,43 @@ class DemoNode:
         self.procs: list[subprocess.Popen] = []
         self.env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]), "PYTHONUNBUFFERED": "1"}
         self.config = self.tmp / "turbonode.toml"
+        # As under systemd, the worker runs in a cgroup of its own, and users' batch work in a
+        # cgroup beside it: what the agent's cpu_share lever weighs against each other.
+        try:
+            self.cgroups: CpuHierarchy | None = CpuHierarchy.find()
+        except CgroupError as exc:
+            self.cgroups = None
+            log(f"no cgroup CPU controller ({exc}): the worker shares its cgroup; cpu_share has nothing to favour")
+        self.worker_cgroup = f"/{self.sandbox.server}-worker"
+        self.batch_cgroup = f"/{self.sandbox.server}-batch"
+        self._made: list[str] = []
 
     # ---- lifecycle -------------------------------------------------------------------
 
     def start(self) -> DemoNode:
         sb = self.sandbox.create()
+        if self.cgroups is not None:
+            for cg in (self.worker_cgroup, self.batch_cgroup):
+                self.cgroups.create(cg)
+                self._made.append(cg)
+        worker = "".join(f"{k} = {toml_value(v)}\n" for k, v in self.s.worker_config.items())
         self.config.write_text(
             f'[qos]\ndev = "{sb.dev}"\nnetns = "{sb.server}"\nrate = "{self.s.rate}"\nkeep_on_stop = false\n'
             f'[worker]\nlisten = "0.0.0.0:{WORKER_PORT}"\ncontrol_socket = "{self.tmp}/worker.sock"\n'
             f'model = "tiny"\ndevice = "cpu"\nsize = {self.s.size}\nmax_batch = 4\ndrain_timeout = 2.0\n'
             # fewer steps than the defaults: more requests per phase, so p99 means something
-            "steps = { turbo = 2, fast = 4, other = 6, relax = 8 }\n"
+            f"steps = {{ turbo = 2, fast = 4, other = 6, relax = 8 }}\n{worker}"
             f'[agent]\nsocket = "{self.tmp}/agent.sock"\nworker_socket = "{self.tmp}/worker.sock"\n'
             f'metrics = "127.0.0.1:0"\nsample_period = 0.25\n'
+            "[levers]\n"
+            + (f'best_effort_cgroups = ["{self.batch_cgroup}"]\n' if self.cgroups is not None else "")
+            + self.s.extra_toml
         )
         self.log(
             f"node: netns {sb.server} ({sb.server_ip}, {sb.dev} shaped to {self.s.rate}); "
             f"client: netns {sb.client} ({sb.client_ip})" + (f"; logs in {self.tmp} (kept)" if self.s.keep_logs else "")
         )
-        self.worker = self._spawn(
+        self.worker = self.spawn(
             "worker", sb.cmd(sb.server, *self._turboctl("worker", "run", "--config", str(self.config)))
         )
         self.worker_rpc = ControlClient(f"{self.tmp}/worker.sock", timeout=2.0)
@@ -81,6 +103,11 @@ class DemoNode:
             _stop(proc)
         self.procs.clear()
         self.sandbox.delete()  # takes the veth pair and every qdisc on it along
+        while self._made and self.cgroups is not None:
+            try:
+                self.cgroups.remove(self._made.pop())
+            except CgroupError as exc:
+                self.log(f"warning: {exc}")
         if self.s.keep_logs:
             self.log(f"logs kept in {self.tmp}")
         else:
@@ -101,7 +128,16 @@ class DemoNode:
     def _turboctl(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "turboctl", *args]
 
-    def _spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def in_cgroup(self, cgroup: str, argv: list[str]) -> list[str]:
+        """argv that first moves itself into `cgroup` (its children follow), then execs; as it is
+        without a cgroup controller. Outermost: `ip netns exec` remounts /sys without the cgroups."""
+        if self.cgroups is None:
+            return argv
+        return ["sh", "-c", f'echo $$ > {self.cgroups.procs_file(cgroup)} && exec "$@"', "sh", *argv]
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        if name == "worker":
+            argv = self.in_cgroup(self.worker_cgroup, argv)
         with open(self.tmp / f"{name}.log", "a") as out:
             proc = subprocess.Popen(
                 argv,
@@ -167,7 +203,7 @@ class DemoNode:
         self.sandbox.run(self.sandbox.server, "tc", "qdisc", "del", "dev", self.sandbox.dev, "root")
 
     def start_agent(self) -> subprocess.Popen:
-        agent = self._spawn("agent", self._turboctl("-v", "agent", "run", "--config", str(self.config)))
+        agent = self.spawn("agent", self._turboctl("-v", "agent", "run", "--config", str(self.config)))
         self.agent_rpc = ControlClient(f"{self.tmp}/agent.sock", timeout=2.0, peer="agent")
         self._wait(agent, lambda: self.agent_rpc.call("status"), 120, "agent")
         return agent
@@ -175,52 +211,44 @@ class DemoNode:
     # ---- one phase -----------------------------------------------------------------------
 
     def run_load(self, watch_agent: bool) -> dict:
-        """Bulk flows, the fault and the tiered requests, together, for `duration` seconds."""
-        sb, d = self.sandbox, self.s.duration
-        started = [self._spawn("iperf3-server", sb.cmd(sb.client, "iperf3", "-s", "-1"))]
-        time.sleep(0.5)
-        started.append(
-            self._spawn(
-                "iperf3",
-                sb.cmd(sb.server, "iperf3", "-c", sb.client_ip, "-P", str(self.s.bulk_flows), "-t", str(int(d) + 3)),
-            )
-        )
-        if self.s.stress:
-            started.append(
-                self._spawn(
-                    "stress-ng",
-                    ["stress-ng", "--cpu", str(os.cpu_count() or 1), "--timeout", f"{int(d) + 2}s", "--quiet"],
-                )
-            )
-        watcher = _AgentWatch(self.agent_rpc) if watch_agent else None
+        """The faults and the tiered requests together: open-loop turbo probes for about
+        `duration` seconds, closed-loop clients of the other tiers until the last is answered."""
+        d = self.s.duration
+        started = faults.start(self, ("bulk", "cpu") if self.s.stress else ("bulk",), d + 30)
+        watcher = AgentWatch(self.agent_rpc) if watch_agent else None
         try:
-            argv = [
-                sys.executable,
-                "-m",
-                "sandbox.loadgen",
-                f"http://{sb.server_ip}:{WORKER_PORT}",
-                "--duration",
-                str(d),
-                "--size",
-                str(self.s.size),
-                "--timeout",
-                "30",
-            ]
-            for tier, n in self.s.clients.items():
-                argv += ["--clients", f"{tier}={n}"]
-            res = subprocess.run(sb.cmd(sb.client, *argv), env=self.env, capture_output=True, text=True, timeout=d + 60)
-            if res.returncode != 0:
-                raise DemoError(f"the load generator failed: {res.stderr.strip()[-2000:]}")
-            outcomes = [Outcome(**o) for o in json.loads(res.stdout)]
+            outcomes, wall = self.load(self.s.clients, max(1, round(d * self.s.turbo_rate)), self.s.turbo_rate)
         finally:
             if watcher:
                 watcher.stop()
             for proc in started:
                 self.release(proc)
-        return {"tiers": summarize(outcomes), "agent": watcher.summary() if watcher else None}
+        return {"tiers": summarize(outcomes, wall), "agent": watcher.summary() if watcher else None}
+
+    def load(
+        self, clients: dict[str, int], probes: int, rate: float, nodelay: bool = True
+    ) -> tuple[list[Outcome], float]:
+        """sandbox.loadgen from the client namespace: every outcome, and the seconds it ran."""
+        sb = self.sandbox
+        argv = [sys.executable, "-m", "sandbox.loadgen", f"http://{sb.server_ip}:{WORKER_PORT}"]
+        argv += ["--size", str(self.s.size), "--timeout", str(REQUEST_TIMEOUT_S), "--probes", str(probes)]
+        argv += ["--rate", str(rate), *(f"--clients={t}={n}" for t, n in clients.items())]
+        if not nodelay:
+            argv.append("--no-nodelay")
+        t0 = time.monotonic()
+        res = subprocess.run(
+            sb.cmd(sb.client, *argv),
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=probes / rate * 3 + REQUEST_TIMEOUT_S * 2,
+        )
+        if res.returncode != 0:
+            raise DemoError(f"the load generator failed: {res.stderr.strip()[-2000:]}")
+        return [Outcome(**o) for o in json.loads(res.stdout)], time.monotonic() - t0
 
 
-class _AgentWatch:
+class AgentWatch:
     """Polls the agent's status during a phase: the highest level and the throttles it applied."""
 
     def __init__(self, rpc: ControlClient):
@@ -228,6 +256,7 @@ class _AgentWatch:
         self.levels: list[int] = []
         self.throttles: list[dict] = []
         self.reasons: set[str] = set()
+        self.levers: dict[str, int] = {}  # lever -> polls it was engaged at
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -240,9 +269,13 @@ class _AgentWatch:
                 continue
             self.levels.append(st.get("level_index", 0))
             self.reasons |= {r["signal"] for r in st.get("active", [])}
-            applied = (st.get("actions") or {}).get("applied") or {}
-            if applied.get("throttle"):
-                self.throttles.append(applied["throttle"])
+            actions = st.get("actions") or {}
+            throttle = actions.get("worker_throttle") or (actions.get("applied") or {}).get("throttle")
+            if throttle:
+                self.throttles.append(throttle)
+            for name, lever in (actions.get("levers") or {}).items():
+                if isinstance(lever, dict) and "engaged" in lever:
+                    self.levers[name] = self.levers.get(name, 0) + bool(lever["engaged"])
 
     def stop(self) -> None:
         self._stop.set()
@@ -255,6 +288,7 @@ class _AgentWatch:
             "reasons": sorted(self.reasons),
             "throttled_share": len(self.throttles) / len(self.levels) if self.levels else 0.0,
             "last_throttle": self.throttles[-1] if self.throttles else None,
+            "levers": {name: n / len(self.levels) for name, n in self.levers.items()} if self.levels else {},
         }
 
 

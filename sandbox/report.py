@@ -12,30 +12,37 @@ def _ms(v: float | None) -> str:
 
 
 def comparison(result: dict) -> str:
-    """The full demo's per-tier comparison, without and with turbonode side by side."""
-    head = f"{'ok/sent':>8} {'refused':>7} {'p50 ms':>7} {'p99 ms':>7}"
-    lines = [f"{'':6}  {'without turbonode':^31}  {'with turbonode':^31}", f"{'tier':6}  {head}  {head}"]
+    """The full demo's per-tier comparison, without and with turbonode side by side: the figures
+    bench/node_slo.py reports per cell (sandbox.loadgen.summarize)."""
+    head = f"{'ok/sent':>8} {'refused':>7} {'p50 ms':>7} {'p99 ms':>7} {'max ms':>7} {'img/s':>5}"
+    width = len(head)
+    lines = [f"{'':6}  {'without turbonode':^{width}}  {'with turbonode':^{width}}", f"{'tier':6}  {head}  {head}"]
     a, b = result["without"]["tiers"], result["with"]["tiers"]
-    empty = {"ok": 0, "requests": 0, "rejected": 0, "failed": 0, "p50_s": None, "p99_s": None}
+    empty = {"ok": 0, "requests": 0, "rejected": 0, "failed": 0, "p50_s": None, "p99_s": None, "max_s": None}
     for tier in [t for t in TIER_NAMES if t in a or t in b]:
-        cells = [
-            f"{s['ok']:>3}/{s['requests']:<4} {s['rejected'] + s['failed']:>7} {_ms(s['p50_s']):>7} "
-            f"{_ms(s['p99_s']):>7}"
-            for s in (a.get(tier, empty), b.get(tier, empty))
-        ]
+        cells = []
+        for s in (a.get(tier, empty), b.get(tier, empty)):
+            rate = s.get("images_per_s")
+            cells.append(
+                f"{s['ok']:>3}/{s['requests']:<4} {s['rejected'] + s['failed']:>7} {_ms(s['p50_s']):>7} "
+                f"{_ms(s['p99_s']):>7} {_ms(s.get('max_s')):>7} {'-' if rate is None else f'{rate:.2f}':>5}"
+            )
         lines.append(f"{tier:6}  {cells[0]}  {cells[1]}")
     agent = result["with"].get("agent") or {}
     if agent:
+        levers = agent.get("levers") or {}
         lines.append("")
         lines.append(
             f"agent: highest level {agent['max_level']}"
             + (f" ({', '.join(agent['reasons'])})" if agent["reasons"] else "")
             + f", worker throttled {agent['throttled_share']:.0%} of the time"
+            + (f", levers engaged: {', '.join(f'{n} {v:.0%}' for n, v in sorted(levers.items()))}" if levers else "")
             + (f", last throttle {agent['last_throttle']}" if agent["last_throttle"] else "")
         )
     lines.append(
-        "Latency: per image request, send to last byte, seen from the client namespace. "
-        "Refused: 429/503 answers (a shed or paused tier) and errors."
+        "Latency: per image request, send to last byte, seen from the client namespace; turbo requests "
+        "arrive open-loop (Poisson), the other tiers' clients are closed-loop. Refused: 429/503 answers "
+        "(a shed or paused tier) and errors."
     )
     return "\n".join(lines)
 

@@ -2,6 +2,7 @@
 JSON-RPC methods) on a real AF_UNIX socket, for tests that must not depend on a diffusion
 model; and a scrape of one collector through a fresh registry."""
 
+import os
 import threading
 import time
 
@@ -62,17 +63,31 @@ class MiniWorker:
                     event = None
                 return {"event": event, "gc": {"last_seq": self._last_seq(), "pauses": new}, "tiers": self._tiers()}
 
-    def throttle(self, reason, ttl_s, max_batch=None, paused_tiers=(), step_caps=None, shed_tiers=(), unready_tiers=()):
+    def throttle(
+        self,
+        reason,
+        ttl_s,
+        max_batch=None,
+        paused_tiers=(),
+        step_caps=None,
+        shed_tiers=(),
+        unready_tiers=(),
+        intra_op_threads=None,
+    ):
         if "turbo" in list(paused_tiers) + list(shed_tiers) + list(step_caps or {}):
             raise RpcError(INVALID_PARAMS, "turbo is never throttled")
         self.calls.append(("throttle", reason))
         self.throttle_state = {
             "max_batch": max_batch,
             "paused_tiers": list(paused_tiers),
+            "intra_op_threads": intra_op_threads,
             "reason": reason,
             "expires": time.monotonic() + ttl_s,
         }
         return {"ok": True}
+
+    def ping(self):
+        return {"pong": True, "pid": os.getpid()}  # this test process: what `levers.worker_cgroup = "auto"` finds
 
     def release(self, reason=""):
         self.calls.append(("release", reason))
@@ -91,7 +106,7 @@ class MiniWorker:
 
     def serve(self, path: str) -> UnixRpcServer:
         self.client = ControlClient(path, timeout=1.0)
-        methods = {"status": self.status, "throttle": self.throttle, "release": self.release, "ping": lambda: "pong"}
+        methods = {"status": self.status, "throttle": self.throttle, "release": self.release, "ping": self.ping}
         if self.with_events:
             methods["events"] = self.events
         return UnixRpcServer(path, methods).start()

@@ -28,6 +28,12 @@ SNAPSHOT = {
     "actions": {
         "applied": {"relax_ceil_pct": 25, "throttle": {"max_batch": 2, "paused_tiers": ["relax"]}},
         "dry_run": False,
+        "levers": {
+            "cpu_share": {"engaged": True, "reason": "netrx_cpu_share=0.41 > 0.25", "error": None},
+            "worker_threads": {"engaged": False, "reason": "", "error": None},
+            "changed": {},
+            "restore_problems": [],
+        },
     },
     "qos": {
         "turbo": {
@@ -70,6 +76,7 @@ def test_status_table_shows_level_why_qos_worker(tmp_path):
     assert "level:    degraded" in text
     assert "pressured -> degraded" in text and "netrx_cpu_share=0.41 > 0.25" in text
     assert "relax ceil 25 %" in text
+    assert "levers:   cpu_share engaged (netrx_cpu_share=0.41 > 0.25); worker_threads off" in text
     assert "gpu: NVML unavailable: no driver" in text
     assert "/proc/softirqs fallback" in text
     relax = next(line for line in text.splitlines() if line.startswith("relax"))

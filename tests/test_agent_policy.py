@@ -251,3 +251,54 @@ def test_each_rule_owns_its_thresholds_and_dwell(tmp_path):
     with pytest.raises(ConfigError, match="must be between 0 and 3600 s") as exc:
         load_config(str(f), env={})
     assert exc.value.key == "policy.exit_s"
+
+
+def engaged(decisions):
+    """The levers engaged at each sample."""
+    return [sorted(name for name, _ in d.levers) for d in decisions]
+
+
+def test_the_lever_per_signal_follows_its_rule_with_a_fake_clock():
+    """Each rule engages its own levers after its enter dwell and releases them after its exit
+    dwell (counted, as every run, from the level's last change); a lever two active rules
+    want is held until both have recovered, with the first rule's reason."""
+    cpu = Rule("cpu_load", 0.75, 0.70, levers=("cpu_share", "worker_threads"))
+    netrx = Rule("netrx_cpu_share", 0.25, 0.10, levers=("cpu_share",))
+    gc = Rule("gc_pause_s", 0.005, 0.001)
+    p = DegradationPolicy((cpu, netrx, gc), enter_s=3 * PERIOD, exit_s=4 * PERIOD, min_change_interval=100)
+    clock = iter(i * PERIOD for i in range(1000))
+    p.update({}, next(clock))  # a first sample: each later one covers one period
+
+    def feed(n, **signals):
+        return [p.update(signals, next(clock)) for _ in range(n)]
+
+    d = feed(2, cpu_load=0.95, netrx_cpu_share=0.01, gc_pause_s=None)
+    assert engaged(d) == [[], []]  # not yet: the rule's enter dwell is three periods
+    d = feed(1, cpu_load=0.95, netrx_cpu_share=0.01, gc_pause_s=None)
+    assert engaged(d) == [["cpu_share", "worker_threads"]]
+    assert str(dict(d[0].levers)["cpu_share"]) == "cpu_load=0.95 > 0.75"
+    d = feed(3, cpu_load=0.95, netrx_cpu_share=0.5, gc_pause_s=0.05)  # a GC rule engages no lever
+    assert engaged(d)[-1] == ["cpu_share", "worker_threads"]
+    d = feed(4, cpu_load=0.2, netrx_cpu_share=0.5, gc_pause_s=None)  # CPU recovered, softirq still on
+    assert engaged(d)[-1] == ["cpu_share"]
+    assert str(dict(d[-1].levers)["cpu_share"]) == "netrx_cpu_share=0.5 > 0.25"
+    d = feed(3, cpu_load=0.2, netrx_cpu_share=0.01, gc_pause_s=None)
+    assert engaged(d)[-1] == ["cpu_share"]  # held: the exit dwell is four periods
+    d = feed(1, cpu_load=0.2, netrx_cpu_share=0.01, gc_pause_s=None)
+    assert engaged(d) == [[]] and d[0].level == 1  # released; the level steps down on its own schedule
+
+
+def test_the_hysteresis_band_holds_a_lever_and_config_names_levers(tmp_path):
+    p = DegradationPolicy((Rule("cpu_load", 0.75, 0.70, exit_s=2 * PERIOD, levers=("cpu_share",)),), enter_s=0)
+    assert engaged(run(p, [0.9, 0.72, 0.72, 0.72, 0.6, 0.6])) == [["cpu_share"]] * 5 + [[]]
+    cfg = PolicyConfig()
+    rules = {r.signal: r for r in policy_from_config(cfg).rules}
+    assert rules["cpu_load"].levers == ("cpu_share", "worker_threads")
+    assert rules["netrx_cpu_share"].levers == ("cpu_share",) and rules["gc_pause_s"].levers == ()
+    f = tmp_path / "t.toml"
+    f.write_text('[policy.rules.cpu_load]\nlevers = ["worker_threads"]\n[policy.rules.turbo_wait_s]\nlevers = []\n')
+    rules = {r.signal: r for r in policy_from_config(load_config(str(f), env={}).policy).rules}
+    assert rules["cpu_load"].levers == ("worker_threads",) and rules["cpu_load"].enter == 0.75
+    f.write_text('[policy.rules.cpu_load]\nlevers = ["overclock"]\n')
+    with pytest.raises(ConfigError, match="cpu_load.levers: expected a list of levers from cpu_share, worker_threads"):
+        load_config(str(f), env={})

@@ -20,14 +20,16 @@ def test_demo_shapes_mixed_traffic_and_cleans_up():
     rows = {line.split()[0]: line.split() for line in out.splitlines() if line.strip()}
     for tier in ("turbo", "fast", "other", "relax"):
         assert rows[tier][1] == f"1:{ {'turbo': 10, 'fast': 20, 'other': 30, 'relax': 40}[tier] }"
-        assert int(rows[tier][3]) > 100, f"{tier} classified almost nothing: {rows[tier]}"
-    # Every tier got traffic through and the borrowing tiers stayed above their guarantee.
+        # bytes, not packets: the counters see GSO super-packets of up to 64 KiB
+        assert int(rows[tier][4]) > 100_000, f"{tier} classified almost nothing: {rows[tier]}"
+    # Every tier got traffic through: turbo its paced 20 %, each greedy lower tier at least its
+    # guarantee (turbo first: 5/3/2 %; fast, the highest-priority borrower, takes what is left).
     shares = {
         line.split()[0]: float(line.split()[1])
         for line in out.splitlines()
         if line.startswith("  ") and "Mbit/s" in line
     }
-    assert shares["relax"] >= 5 and shares["other"] >= 10 and shares["turbo"] >= 15
+    assert shares["turbo"] >= 15 and shares["fast"] >= 4 and shares["other"] >= 2.4 and shares["relax"] >= 1.6
     # Its own namespaces are gone (other tests may be creating theirs meanwhile).
     created = re.search(r"netns (\S+) \(\S+\) <-> netns (\S+);", out).groups()
     listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout.split()

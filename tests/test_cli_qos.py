@@ -39,7 +39,7 @@ def test_qos_commands_end_to_end(sandbox, target, tmp_path):
     assert res.exit_code == 0, res.output
     lines = {line.split()[0]: line.split() for line in res.output.splitlines() if line}
     assert lines["tier"][:5] == ["tier", "class", "dscp", "packets", "bytes"]
-    assert lines["turbo"][1:4] == ["1:10", "46", "3"] and lines["turbo"][-2:] == ["40mbit", "100mbit"]
+    assert lines["turbo"][1:4] == ["1:10", "46", "3"] and lines["turbo"][-2:] == ["90mbit", "100mbit"]
     assert lines["fast"][2] == "34,36,38" and lines["relax"][2] == "1,8"
 
     view = json.loads(run("show", *target, "--json").output)

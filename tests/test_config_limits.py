@@ -55,8 +55,8 @@ def refused(tmp_path: Path, text: str | bytes, env: dict[str, str] | None = None
         ("[policy.rules.turbo_wait_s]\nenter = inf\n", "policy.rules", "turbo_wait_s.enter: must be a finite"),
         ("[policy.rules.gc_pause_s]\nenter = nan\n", "policy.rules", "gc_pause_s.enter: must be a finite number"),
         ("[policy]\npsi_trigger_us = 2000000\n", "policy.psi_trigger_us", "1000000"),
-        ("[qos.rate_pct]\nturbo = 90\n", "qos.rate_pct", "add up to 150 %"),
-        ("[qos.ceil_pct]\nrelax = 5\n", "qos.ceil_pct", "relax: 5 % is below its rate_pct (10 %)"),
+        ("[qos.rate_pct]\nfast = 45\n", "qos.rate_pct", "add up to 140 %"),
+        ("[qos.ceil_pct]\nrelax = 1\n", "qos.ceil_pct", "relax: 1 % is below its rate_pct (2 %)"),
         ("[qos.ceil_pct]\nrelax = 500\n", "qos.ceil_pct", "relax: must be a percent 1..100"),
         ("[qos.rate_pct]\nrelax = 0\n", "qos.rate_pct", "relax: must be a percent 1..100"),
         ("[qos]\nleaf_limit = 4294967296\n", "qos.leaf_limit", f"1 and {MAX_LEAF_LIMIT}"),
@@ -117,7 +117,7 @@ def test_limits_are_the_ones_the_daemons_enforce(tmp_path):
     build_tree(
         1_000_000, rate_pct=cfg.qos.rate_pct, ceil_pct=cfg.qos.ceil_pct, leaf_limit=cfg.qos.leaf_limit
     )  # accepted by both
-    for bad in ({"rate_pct": {"turbo": 90}}, {"ceil_pct": {"relax": 500}}, {"leaf_limit": MAX_LEAF_LIMIT + 1}):
+    for bad in ({"rate_pct": {"fast": 45}}, {"ceil_pct": {"relax": 500}}, {"leaf_limit": MAX_LEAF_LIMIT + 1}):
         with pytest.raises(ValueError):
             build_tree(1_000_000, **bad)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="64kbit"):

@@ -218,7 +218,7 @@ def test_plan_says_what_apply_would_change_and_changes_nothing(sandbox, make):
     before = sorted(tc(sandbox, "class", "show").splitlines())
     assert dp.plan(rate_bps=RATE) == [
         "delete class 1:50 (not in the tree)",
-        "set class 1:40 (relax) to rate 10mbit ceil 100mbit",
+        "set class 1:40 (relax) to rate 2mbit ceil 100mbit",
     ]
     assert sorted(tc(sandbox, "class", "show").splitlines()) == before
 

@@ -21,10 +21,10 @@ def test_default_tree_follows_the_tier_table():
     root, *tiers = tree.classes
     assert (root.handle, root.parent, root.rate_bps, root.ceil_bps) == (ROOT_CLASS, ROOT_HANDLE, 10**8, 10**8)
     assert [(c.tier, fmt_handle(c.handle), c.prio, c.rate_bps, c.ceil_bps) for c in tiers] == [
-        ("turbo", "1:10", 0, 40_000_000, 100_000_000),
-        ("fast", "1:20", 1, 30_000_000, 100_000_000),
-        ("other", "1:30", 2, 20_000_000, 100_000_000),
-        ("relax", "1:40", 3, 10_000_000, 100_000_000),
+        ("turbo", "1:10", 0, 90_000_000, 100_000_000),  # turbo first (docs/design.md, tiers)
+        ("fast", "1:20", 1, 5_000_000, 100_000_000),
+        ("other", "1:30", 2, 3_000_000, 100_000_000),
+        ("relax", "1:40", 3, 2_000_000, 100_000_000),
     ]
     assert all(c.parent == ROOT_CLASS for c in tiers)
     assert tree.default_minor == 0x30
@@ -56,10 +56,10 @@ def test_overrides_and_their_errors():
     tree = build_tree(10**8, rate_pct={"turbo": 85, "fast": 5, "other": 5, "relax": 5}, ceil_pct={"relax": 50})
     assert tree.tier_class("turbo").rate_bps == 85_000_000
     assert tree.tier_class("relax").ceil_bps == 50_000_000
-    with pytest.raises(ValueError, match="rate_pct: guaranteed shares add up to 110 %"):
-        build_tree(10**8, rate_pct={"turbo": 50})
-    with pytest.raises(ValueError, match=r"ceil_pct: relax: 5 % is below its rate_pct \(10 %\)"):
-        build_tree(10**8, ceil_pct={"relax": 5})
+    with pytest.raises(ValueError, match="rate_pct: guaranteed shares add up to 120 %"):
+        build_tree(10**8, rate_pct={"fast": 25})
+    with pytest.raises(ValueError, match=r"ceil_pct: relax: 1 % is below its rate_pct \(2 %\)"):
+        build_tree(10**8, ceil_pct={"relax": 1})
     with pytest.raises(ValueError, match="unknown tier 'gold'"):
         build_tree(10**8, rate_pct={"gold": 1})
     with pytest.raises(ValueError, match="link rate 0bit is out of range: must be between 64kbit and 10tbit"):

@@ -22,6 +22,7 @@ from daemon_harness import daemon_env, start, turboctl_argv
 from sandbox import demo, report
 from turboctl import demo_cmd as demo_cli
 from turboctl import main
+from turbonode.cgroups import CgroupError, CpuHierarchy
 
 RESULT = {
     "without": {
@@ -38,6 +39,7 @@ RESULT = {
             "reasons": ["cpu_load"],
             "throttled_share": 0.5,
             "last_throttle": {"max_batch": 1},
+            "levers": {"cpu_share": 0.5, "worker_threads": 0.25},
         },
     },
 }
@@ -46,10 +48,11 @@ RESULT = {
 def test_report_is_side_by_side():
     lines = report.comparison(RESULT).splitlines()
     turbo = next(line for line in lines if line.startswith("turbo"))
-    assert re.search(r"2/2\s+0\s+8300\s+10100\s+5/5\s+0\s+3900\s+5800$", turbo), turbo
+    assert re.search(r"2/2\s+0\s+8300\s+10100\s+-\s+-\s+5/5\s+0\s+3900\s+5800\s+-\s+-$", turbo), turbo
     relax = next(line for line in lines if line.startswith("relax"))
-    assert re.search(r"0/0\s+0\s+-\s+-\s+0/2\s+2\s+-\s+-$", relax), relax
+    assert re.search(r"0/0\s+0\s+-\s+-\s+-\s+-\s+0/2\s+2\s+-\s+-\s+-\s+-$", relax), relax
     assert any("highest level critical (cpu_load)" in line and "50% of the time" in line for line in lines)
+    assert any("levers engaged: cpu_share 50%, worker_threads 25%" in line for line in lines)
 
 
 def test_preflight_names_what_is_missing(monkeypatch):
@@ -88,7 +91,7 @@ def test_demo_runs_both_phases_and_cleans_up():
     assert result["without"]["agent"] is None and result["with"]["agent"]["max_level"]
     server, client, tmp = re.search(r"netns (\S+) .*netns (\S+) .*logs in (\S+) \(kept\)", res.stderr).groups()
     try:
-        assert not ({server, client} & _netns()) and not _leftovers(tmp)
+        assert not ({server, client} & _netns()) and not _leftovers(tmp) and not _cgroups(server)
         # --keep-logs: the path it printed exists, with both daemons' logs
         assert f"logs kept in {tmp}" in res.stderr
         assert "serving" in Path(tmp, "worker.log").read_text() and Path(tmp, "agent.log").stat().st_size
@@ -98,6 +101,15 @@ def test_demo_runs_both_phases_and_cleans_up():
 
 def _demo_dirs(server: str) -> list[str]:
     return glob.glob(os.path.join(tempfile.gettempdir(), f"turbonode-demo-{server}-*"))
+
+
+def _cgroups(tag: str) -> list[str]:
+    """The sandbox node's cgroups (the worker's, the batch one) still there."""
+    try:
+        h = CpuHierarchy.find()
+    except CgroupError:
+        return []
+    return [d for d in os.listdir(h.mount) if d.startswith(tag)]
 
 
 @needs_bcc
@@ -118,6 +130,7 @@ def test_demo_interrupted_removes_everything(sig):
             proc.kill()
     assert "interrupted" in out.text
     assert not ({server, client} & _netns()) and not os.path.exists(tmp) and not _leftovers(tmp)
+    assert not _cgroups(server)
 
 
 def test_sigterm_interrupts_only_the_demo_process():

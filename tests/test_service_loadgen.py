@@ -53,10 +53,12 @@ def test_request_marks_tier_in_body_header_and_tos(server):
         "tier": "turbo",
         "steps": 3,
     }
-    conn = loadgen._TosConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), 0xB8, 5)
+    conn = loadgen.TierConnection("127.0.0.1", int(url.rsplit(":", 1)[1]), 0xB8, 5)
     conn.connect()
     assert conn.sock.getsockopt(socket.IPPROTO_IP, socket.IP_TOS) == 0xB8
+    assert conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) == 1  # headers and body: no Nagle wait
     conn.close()
+    assert out.connect_s is not None and out.first_byte_s is not None and out.kind == "closed"
 
 
 def test_run_load_and_summary(server):
@@ -71,6 +73,20 @@ def test_run_load_and_summary(server):
     assert summary["relax"]["rejected"] == summary["relax"]["requests"] >= 1 and summary["relax"]["p50_s"] is None
     dead = loadgen.request_image("http://127.0.0.1:1", "fast", timeout=2)
     assert dead.status == 0 and dead.error
+
+
+def test_open_loop_probes_and_honest_backoff(server):
+    """Probes arrive at their own Poisson times (turbo); the closed-loop relax client, refused
+    with 429, backs off instead of spinning; images/s over the run's wall time."""
+    url, seen = server
+    outcomes = loadgen.run_load(url, {"relax": 1}, probes=8, rate=20.0, seed=3)
+    probes = [o for o in outcomes if o.kind == "probe"]
+    assert len(probes) == 8 and {o.tier for o in probes} == {"turbo"} and all(o.status == 200 for o in probes)
+    assert [o.sent_at for o in probes] == sorted(o.sent_at for o in probes)
+    relax = [o for o in outcomes if o.tier == "relax"]
+    assert 1 <= len(relax) <= 1 + probes[-1].sent_at / loadgen.BACKOFF_S + 1
+    summary = loadgen.summarize(outcomes, wall_s=2.0)
+    assert summary["turbo"]["images_per_s"] == 4.0 and summary["turbo"]["max_s"] >= summary["turbo"]["p99_s"]
 
 
 def test_percentile():

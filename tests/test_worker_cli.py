@@ -60,6 +60,8 @@ def test_ping_status_throttle_release(control_path):
             "other=5",
             "--shed",
             "fast",
+            "--threads",
+            "1",
             "--reason",
             "cli test",
             "--ttl",
@@ -69,7 +71,7 @@ def test_ping_status_throttle_release(control_path):
         obj=obj,
     )
     assert r.exit_code == 0, r.output
-    assert json.loads(r.output)["step_caps"] == {"other": 5}
+    assert json.loads(r.output)["step_caps"] == {"other": 5} and json.loads(r.output)["intra_op_threads"] == 1
     r = runner.invoke(main, ["worker", "status", "--socket", control_path])  # --socket instead of obj
     assert r.exit_code == 0 and "throttle: cli test" in r.output and "relax" in r.output
     r = runner.invoke(main, ["worker", "status", "--json"], obj=obj)

@@ -11,6 +11,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from render.control_server import ControlHandlers, ControlServer
 from render.gc_telemetry import GcMonitor
@@ -162,6 +163,41 @@ def test_throttle_release_and_expiry_over_the_socket(control):
     assert client.call("status")["throttle"] is None and engine.limits().max_batch == 4
 
 
+def test_intra_op_threads_in_the_throttle_lower_the_engines_threads_until_it_expires(tmp_path):
+    """The engine sets torch's thread count in its own thread (OpenMP's count is per thread), to
+    the throttle's `intra_op_threads` while it lasts, never above what the worker was configured
+    with, and back when the throttle expires; status shows both."""
+    in_engine: list[int] = []  # torch's thread count, read in the engine thread at each step
+    engine = make_engine(intra_op_threads=2, on_event=lambda e: in_engine.append(torch.get_num_threads()))
+    monitor = GcMonitor().install()
+    path = str(tmp_path / "worker.sock")
+    server = ControlServer(path, ControlHandlers(engine, monitor)).start()
+    engine.start()
+    client = ControlClient(path)
+
+    def one_job() -> int:
+        in_engine.clear()
+        engine.submit(req("turbo", steps=1)).future.result(60)
+        assert len(set(in_engine)) == 1
+        return in_engine[0]
+
+    try:
+        assert one_job() == 2
+        out = client.call("throttle", intra_op_threads=1, reason="cpu contended", ttl_s=1)
+        assert out["intra_op_threads"] == 1 and out["paused_tiers"] == []  # it limits no tier
+        assert one_job() == 1
+        assert client.call("status")["intra_op_threads"] == {"current": 1, "configured": 2}
+        client.call("throttle", intra_op_threads=8, reason="more than configured", ttl_s=1)
+        assert one_job() == 2  # never above the configured count
+        client.call("throttle", intra_op_threads=1, reason="short", ttl_s=0.2)
+        time.sleep(0.3)  # not renewed: expired, back to the configured count
+        assert one_job() == 2 and client.call("status")["throttle"] is None
+    finally:
+        engine.stop()
+        server.close()
+        monitor.uninstall()
+
+
 def test_an_operator_hold_refuses_the_agents_throttle_and_release(control):
     """A hold (`hold: true`) is changed only by another hold or a release with `hold: true`; the
     agent's calls get THROTTLE_HELD with the hold in the error's data. It still expires."""
@@ -200,6 +236,7 @@ def test_an_operator_hold_refuses_the_agents_throttle_and_release(control):
         ({"reason": "x"}, "ttl_s"),
         ({"ttl_s": 1}, "reason"),
         ({"max_batch": "two", "reason": "x", "ttl_s": 1}, "max_batch"),
+        ({"intra_op_threads": 0, "reason": "x", "ttl_s": 1}, "intra_op_threads must be a positive integer"),
         ({"reason": "x", "ttl_s": 1, "colour": "red"}, "unexpected keyword"),
     ],
 )

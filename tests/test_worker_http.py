@@ -245,6 +245,23 @@ def test_response_socket_carries_the_tier_dscp(server):
     conn.close()
 
 
+@pytest.mark.skipif(shutil.which("ss") is None, reason="iproute2 'ss' not installed")
+def test_a_connection_starts_in_the_handshake_tier_and_a_bad_request_leaves_as_other(server):
+    """Before any request names its tier the connection carries the listener's DSCP (turbo, the
+    worker's default handshake_tier); an answer to a request without a valid tier goes as other."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
+        me = sock.getsockname()[1]
+        deadline = time.monotonic() + 10
+        while _tos_of_connection(server.port, me) is None and time.monotonic() < deadline:
+            time.sleep(0.05)  # accepted: the server's end exists
+        assert _tos_of_connection(server.port, me) == tos_byte("turbo")
+        body = b"{not json"
+        head = f"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Length: {len(body)}\r\n\r\n"
+        sock.sendall(head.encode() + body)
+        assert sock.recv(65536).startswith(b"HTTP/1.1 400")
+        assert _tos_of_connection(server.port, me) == tos_byte("other")
+
+
 def test_mark_socket_ipv4_and_ipv6():
     for family, addr, level, opt in (
         (socket.AF_INET, "127.0.0.1", socket.IPPROTO_IP, socket.IP_TOS),

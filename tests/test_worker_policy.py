@@ -43,6 +43,15 @@ def test_highest_tier_first_then_arrival_order_up_to_max_batch():
     assert compose_batch([], Limits(4)).keys == ()
 
 
+def test_a_throttled_max_batch_holds_back_lower_tiers_never_turbos_own_batch():
+    c = cands(("t1", "turbo", 0), ("t2", "turbo", 1), ("t3", "turbo", 2), ("f1", "fast", 3), ("r1", "relax", 4))
+    assert compose_batch(c, Limits(1, turbo_max_batch=4)).keys == ("t1", "t2", "t3")
+    assert compose_batch(c[:1] + c[3:], Limits(2, turbo_max_batch=4)).keys == ("t1", "f1")
+    assert compose_batch(c[3:], Limits(1, turbo_max_batch=4)).keys == ("f1",)
+    turbo = [Finished(f"t{i}", "turbo", (256, 256), i) for i in range(5)]
+    assert decode_chunk(turbo, 1, None, None, turbo_max_batch=4) == ("t0", "t1", "t2", "t3")
+
+
 def test_only_same_shape_batches_together():
     c = cands(("t1", "turbo", 0, (512, 512)), ("r1", "relax", 1), ("f1", "fast", 2, (512, 512)), ("r2", "relax", 3))
     assert compose_batch(c, Limits(4)).keys == ("t1", "f1")

@@ -10,7 +10,7 @@ import threading
 from render.backends.select import make_backend
 from render.encode_prompt import PromptEncoder
 from render.engine import Engine, EngineSettings
-from render.http_api import Api, RequestDefaults
+from render.http_api import Api, RequestDefaults, listening_socket
 from render.jobs import JobRequest
 from render.metrics import WorkerMetrics
 from tests.family_support import SIZE, family
@@ -52,7 +52,7 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve(engine: Engine | None = None, api_settings: dict | None = None, **settings):
+def serve(engine: Engine | None = None, api_settings: dict | None = None, handshake_tier: str = "turbo", **settings):
     """The real aiohttp app on 127.0.0.1:<ephemeral> in a background thread, engine thread running."""
     from aiohttp import web
 
@@ -69,7 +69,7 @@ def serve(engine: Engine | None = None, api_settings: dict | None = None, **sett
     async def start():
         runner = web.AppRunner(api.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
-        site = web.TCPSite(runner, "127.0.0.1", 0)
+        site = web.SockSite(runner, listening_socket("127.0.0.1", 0, handshake_tier))  # as the daemon listens
         await site.start()
         holder["runner"] = runner
         holder["port"] = runner.addresses[0][1]

@@ -42,7 +42,8 @@ from .qos_cmd import format_table
 )
 def command(qos_only, rate, seconds, size, no_fault, as_json, keep_logs):
     """Build a sandbox node (two network namespaces) and its client, run the worker (tiny model)
-    and a mixed-tier load - image requests of every tier, bulk flows, a stress-ng CPU fault - twice:
+    and a mixed-tier load - open-loop turbo requests and closed-loop clients of the other tiers, bulk
+    flows, a stress-ng CPU fault - twice (the short form of bench/node_slo.py):
     as a plain FIFO node without the agent, then with turbonode; compare what each tier saw.
     Needs root; takes about 2 x SECONDS + 40 s; cleans up after itself, also on Ctrl-C or SIGTERM."""
     if os.geteuid() != 0:

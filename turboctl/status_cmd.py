@@ -52,6 +52,9 @@ def render_agent(st: dict, now: float | None = None) -> list[str]:
         f"{' %' if applied.get('relax_ceil_pct') else ''}, worker throttle {applied.get('throttle') or 'none'}"
         + ("  (dry-run)" if acts.get("dry_run") else "")
     )
+    levers = {name: lever for name, lever in (acts.get("levers") or {}).items() if isinstance(lever, dict)}
+    if levers:
+        out.append("levers:   " + "; ".join(_lever(name, lever) for name, lever in levers.items()))
     hold = acts.get("worker_hold")
     if hold is not None:
         out.append(f"hold:     the operator holds the worker ({hold.get('reason', '?')}): its throttle is left alone")
@@ -190,3 +193,10 @@ def command(path, worker_socket, config_file, as_json):
         click.echo(render(agent, worker))
     if "error" in agent or "error" in worker:
         raise SystemExit(1)
+
+
+def _lever(name: str, lever: dict) -> str:
+    """'cpu_share engaged (cpu_load=0.93 > 0.75)', 'worker_threads off' or 'cpu_share off: <error>'."""
+    if lever.get("engaged"):
+        return f"{name} engaged ({lever.get('reason')})"
+    return f"{name} off" + (f": {lever['error']}" if lever.get("error") else "")

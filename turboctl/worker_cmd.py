@@ -157,6 +157,9 @@ def status(client, as_json):
     multiple=True,
     help="tier the worker reports not ready, so a balancer sends it elsewhere; turbo allowed (repeatable)",
 )
+@click.option(
+    "--threads", type=click.IntRange(min=1), help="torch intra-op threads while it lasts (at most the configured)"
+)
 @click.option("--reason", required=True, help="why (logged, shown in status)")
 @click.option(
     "--hold",
@@ -170,7 +173,7 @@ def status(client, as_json):
     f"with --hold {HOLD_TTL_S:g}]",
 )
 @control_command
-def throttle(client, max_batch, paused, caps, shed, unready, reason, hold, ttl, as_json):
+def throttle(client, max_batch, paused, caps, shed, unready, threads, reason, hold, ttl, as_json):
     """Throttle the worker's lower tiers (turbo cannot be throttled, only reported not ready); it expires
     after --ttl."""
     params = {"hold": True} if hold else {}  # only an operator's hold says so on the wire
@@ -182,6 +185,7 @@ def throttle(client, max_batch, paused, caps, shed, unready, reason, hold, ttl, 
         step_caps=dict(caps),
         shed_tiers=list(shed),
         unready_tiers=list(unready),
+        intra_op_threads=threads,
         reason=reason,
         ttl_s=ttl or (HOLD_TTL_S if hold else THROTTLE_TTL_S),
         **params,

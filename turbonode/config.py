@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from .cgroups import V2_WEIGHT_MAX, V2_WEIGHT_MIN
 from .errors import ConfigError
 from .levels import ACTION_LEVELS
 from .qos_params import ShareError, check_leaf_limit, check_link_rate, check_percent, check_shares
@@ -50,6 +51,8 @@ MIN_PIXELS = 64
 MAX_PIXELS = 2048
 PIXEL_STEP = 8  # SD-family VAEs downsample by 8; a model may need more (the worker checks at start)
 MAX_DRAIN_TIMEOUT_S = 3600.0
+MAX_INTRA_OP_THREADS = 1024
+MAX_CPUS = 4096  # a CPU quota in CPUs (levers.best_effort_cpus)
 # The agent's sampling period: below 50 ms the sampler costs more CPU than it saves; above a
 # minute it reacts to nothing (and time arithmetic overflows long before 1e300).
 SAMPLE_PERIOD_RANGE_S = (0.05, 60.0)
@@ -241,6 +244,17 @@ class WorkerConfig:
         help="answer new work of a tier that is not ready 503 + Retry-After at once (behind a balancer) "
         "instead of queueing it",
     )
+    intra_op_threads: int = opt(
+        0,
+        in_range(0, MAX_INTRA_OP_THREADS),
+        "torch intra-op threads (0: one fewer than the CPUs the worker may use, at least 1)",
+    )
+    handshake_tier: str = opt(
+        "turbo",
+        one_of("", *TIER_NAMES),
+        "tier whose DSCP the listening socket carries: handshakes and first packets leave in its class "
+        "until a request names its tier ('' = unmarked)",
+    )
 
 
 @dataclass
@@ -259,14 +273,22 @@ class AgentConfig:
     dry_run: bool = opt(False, help="log what the policy would do; change nothing")
 
 
+# The levers a rule may engage while it is active (agent/levers/): `cpu_share` favours the
+# worker's cgroup over best-effort cgroups (CPU weight, optional quota); `worker_threads` lowers
+# the worker's torch intra-op threads through its throttle. docs/agent.md, measured in docs/benchmarks.md.
+LEVER_NAMES = ("cpu_share", "worker_threads")
+
+
 @dataclass(frozen=True)
 class RuleDefaults:
-    """A policy rule's default thresholds, the check its values pass, and what its signal is."""
+    """A policy rule's default thresholds, the check its values pass, what its signal is, and the
+    levers it engages while active."""
 
     enter: float
     exit: float
     check: Check
     help: str
+    levers: tuple[str, ...] = ()
 
 
 # The policy's rules, one per signal a watcher publishes (docs/agent.md): above `enter` for
@@ -274,14 +296,18 @@ class RuleDefaults:
 # (hysteresis; each rule's dwell defaults to policy.enter_s / policy.exit_s).
 # Adding a rule is one entry here: the config, its example and the agent's policy follow.
 POLICY_RULES: dict[str, RuleDefaults] = {
-    "cpu_load": RuleDefaults(0.75, 0.70, fraction, "CPU busy fraction (incl. softirq, steal)"),
+    "cpu_load": RuleDefaults(
+        0.75, 0.70, fraction, "CPU busy fraction (incl. softirq, steal)", ("cpu_share", "worker_threads")
+    ),
     "gc_pause_s": RuleDefaults(0.005, 0.001, positive, "longest new worker GC pause (s)"),
-    "netrx_latency_p99_s": RuleDefaults(200e-6, 50e-6, positive, "NET_RX softirq raise-to-run p99 (s)"),
-    "netrx_cpu_share": RuleDefaults(0.25, 0.10, fraction, "busiest CPU's share of time in the NET_RX softirq"),
+    "netrx_latency_p99_s": RuleDefaults(200e-6, 50e-6, positive, "NET_RX softirq raise-to-run p99 (s)", ("cpu_share",)),
+    "netrx_cpu_share": RuleDefaults(
+        0.25, 0.10, fraction, "busiest CPU's share of time in the NET_RX softirq", ("cpu_share",)
+    ),
     "turbo_wait_s": RuleDefaults(0.5, 0.25, positive, "oldest queued turbo job's wait (s)"),
 }
 POLICY_SIGNALS = tuple(POLICY_RULES)
-RULE_KEYS = ("enter", "exit", "enter_s", "exit_s")
+RULE_KEYS = ("enter", "exit", "enter_s", "exit_s", "levers")
 check_dwell = in_range(0, MAX_DWELL_S, " s")  # enter_s / exit_s, the policy's and each rule's
 
 
@@ -294,7 +320,10 @@ def policy_signals(v: Any) -> None:
 def merged_rules(rules: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
     """Every rule's table: the file's keys over the defaults, key by key (naming only `enter`
     keeps the default `exit`)."""
-    return {signal: {"enter": d.enter, "exit": d.exit, **rules.get(signal, {})} for signal, d in POLICY_RULES.items()}
+    return {
+        signal: {"enter": d.enter, "exit": d.exit, "levers": list(d.levers), **rules.get(signal, {})}
+        for signal, d in POLICY_RULES.items()
+    }
 
 
 def policy_rules(v: Any) -> None:
@@ -308,6 +337,10 @@ def policy_rules(v: Any) -> None:
             where = f"{signal}.{k}"
             if k not in RULE_KEYS:
                 raise ValueError(f"{where}: unknown key (known: {', '.join(RULE_KEYS)})")
+            if k == "levers":
+                if not isinstance(x, list) or any(lever not in LEVER_NAMES for lever in x):
+                    raise ValueError(f"{where}: expected a list of levers from {', '.join(LEVER_NAMES)}, got {x!r}")
+                continue
             if isinstance(x, bool) or not isinstance(x, (int, float)):
                 raise ValueError(f"{where}: expected a number, got {x!r}")
             try:
@@ -363,7 +396,7 @@ class PolicyConfig:
     rules: dict[str, dict[str, Any]] = opt(
         merged_rules({}),
         policy_rules,
-        "per signal: enter and exit thresholds; enter_s/exit_s override the dwell",
+        "per signal: enter and exit thresholds; enter_s/exit_s override the dwell; levers it engages while active",
         table_help={signal: d.help for signal, d in POLICY_RULES.items()},
     )
     actions: dict[str, dict[str, Any]] = opt(
@@ -387,6 +420,38 @@ class PolicyConfig:
         self.rules = merged_rules(self.rules)
 
 
+def string_list(v: Any) -> None:
+    if not all(isinstance(x, str) and x for x in v):
+        raise ValueError(f"expected an array of non-empty strings, got {v!r}")
+
+
+CPU_WEIGHT = in_range(V2_WEIGHT_MIN, V2_WEIGHT_MAX)  # cgroup v2 cpu.weight units (turbonode/cgroups.py)
+
+
+@dataclass
+class LeversConfig:
+    state_file: str = opt(
+        "", help="what the levers changed, put back at the next start after a crash ('': beside agent.socket)"
+    )
+    cgroup_root: str = opt("/sys/fs/cgroup", help="cgroup filesystem root (the host's, in a container)")
+    worker_cgroup: str = opt(
+        "auto",
+        help="the worker's cgroup that cpu_share favours: 'auto' (the worker's own, found from its pid), "
+        "a path or systemd slice, '' (leave it alone)",
+    )
+    best_effort_cgroups: list[str] = opt(
+        [], string_list, "cgroups or systemd slices of co-located batch work that cpu_share holds back"
+    )
+    worker_cpu_weight: int = opt(10000, CPU_WEIGHT, "cpu.weight (v2 units) of the worker's cgroup while engaged")
+    best_effort_cpu_weight: int = opt(1, CPU_WEIGHT, "cpu.weight (v2 units) of each best-effort cgroup while engaged")
+    best_effort_cpus: float = opt(
+        0.0, in_range(0, MAX_CPUS), "CPU cap of each best-effort cgroup while engaged (0: none)"
+    )
+    worker_threads: int = opt(
+        1, in_range(1, MAX_INTRA_OP_THREADS), "torch intra-op threads of the worker while worker_threads is engaged"
+    )
+
+
 @dataclass
 class Config:
     node: NodeConfig = field(default_factory=NodeConfig)
@@ -394,6 +459,7 @@ class Config:
     worker: WorkerConfig = field(default_factory=WorkerConfig)
     agent: AgentConfig = field(default_factory=AgentConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    levers: LeversConfig = field(default_factory=LeversConfig)
 
 
 # ---- loading -------------------------------------------------------------------------

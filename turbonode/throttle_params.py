@@ -6,6 +6,8 @@ config accepts is a throttle the worker accepts. The protected tier (turbonode.t
 never be paused, shed or step-capped: protecting it is why the throttle exists. It may be
 *unready*: `unready_tiers` throttles nothing, it makes the worker report those tiers not
 ready (GET /readyz?tier=T) so that a balancer sends their new work to another node.
+`intra_op_threads` limits no tier: it is how many CPU threads each UNet/VAE call uses, fewer
+while the node's CPUs are contended (the agent's worker_threads lever, render/cpu_threads.py).
 """
 
 from __future__ import annotations
@@ -15,7 +17,14 @@ from typing import Any
 
 from .tiers import PROTECTED_TIER, TIER_NAMES
 
-THROTTLE_KEYS: tuple[str, ...] = ("max_batch", "paused_tiers", "step_caps", "shed_tiers", "unready_tiers")
+THROTTLE_KEYS: tuple[str, ...] = (
+    "max_batch",
+    "paused_tiers",
+    "step_caps",
+    "shed_tiers",
+    "unready_tiers",
+    "intra_op_threads",
+)
 # JSON-RPC error code (implementation-defined server error range) of a `throttle` or `release`
 # refused because an operator hold is in force; the error's data carries {"hold": the throttle}.
 THROTTLE_HELD = -32001
@@ -30,6 +39,7 @@ class ThrottleLimits:
     step_caps: dict[str, int] = field(default_factory=dict)
     shed_tiers: frozenset[str] = frozenset()
     unready_tiers: frozenset[str] = frozenset()
+    intra_op_threads: int | None = None
 
 
 def _positive_int(v: Any) -> bool:
@@ -60,10 +70,13 @@ def check_throttle(
     step_caps: Any = None,
     shed_tiers: Any = (),
     unready_tiers: Any = (),
+    intra_op_threads: Any = None,
 ) -> ThrottleLimits:
     """Validate the throttle's limits; ValueError names the bad parameter first."""
     if max_batch is not None and not _positive_int(max_batch):
         raise ValueError(f"max_batch must be a positive integer or null, got {max_batch!r}")
+    if intra_op_threads is not None and not _positive_int(intra_op_threads):
+        raise ValueError(f"intra_op_threads must be a positive integer or null, got {intra_op_threads!r}")
     step_caps = {} if step_caps is None else step_caps
     if not isinstance(step_caps, dict):
         raise ValueError("step_caps must be an object {tier: steps}")
@@ -77,4 +90,5 @@ def check_throttle(
         dict(step_caps),
         _tiers("shed_tiers", shed_tiers),
         _tiers("unready_tiers", unready_tiers, protected_allowed=True),
+        intra_op_threads,
     )

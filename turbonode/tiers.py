@@ -17,10 +17,10 @@ class Tier:
 
 
 TIERS: tuple[Tier, ...] = (
-    Tier("turbo", 0, 0x10, 0, 40, 100, 46),
-    Tier("fast", 1, 0x20, 1, 30, 100, 34),
-    Tier("other", 2, 0x30, 2, 20, 100, 0),
-    Tier("relax", 3, 0x40, 3, 10, 100, 8),
+    Tier("turbo", 0, 0x10, 0, 90, 100, 46),
+    Tier("fast", 1, 0x20, 1, 5, 100, 34),
+    Tier("other", 2, 0x30, 2, 3, 100, 0),
+    Tier("relax", 3, 0x40, 3, 2, 100, 8),
 )
 TIER_NAMES: tuple[str, ...] = tuple(t.name for t in TIERS)
 BY_NAME: dict[str, Tier] = {t.name: t for t in TIERS}

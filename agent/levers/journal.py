@@ -1,0 +1,164 @@
+"""Reversible writes to kernel knob files (cgroup, sysctl, sysfs), journalled on disk.
+
+Every lever changes the machine through `KnobJournal.set(path, value)`. Before the first
+write to a file the journal records its original value in a JSON state file (written to a
+temporary name, fsynced and renamed, so it is never half-written); `undo` writes the
+original back. An agent killed with -9 leaves the state file behind: the next agent calls
+`restore_leftovers()` at start and puts back every original whose file still holds the
+value we wrote. A file someone else changed since is left alone (it is theirs now) and
+reported, like a file that has gone (a removed cgroup, a deleted device).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import asdict, dataclass
+
+from turbonode.errors import TurbonodeError
+
+log = logging.getLogger("turbonode.agent")
+
+
+class KnobError(TurbonodeError):
+    """A knob file could not be read or written (missing, refused value, permission)."""
+
+
+@dataclass
+class Entry:
+    original: str
+    written: str
+
+
+def read_knob(path: str) -> str:
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except OSError as exc:
+        raise KnobError(f"cannot read {path}: {exc.strerror or exc}") from None
+
+
+def write_knob(path: str, value: str) -> None:
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+    except OSError as exc:
+        raise KnobError(f"cannot write {value!r} to {path}: {exc.strerror or exc}") from None
+
+
+def same_value(a: str, b: str) -> bool:
+    """Knob values compare by their fields: 'max 100000' == 'max  100000', '0001' == '1' for masks."""
+    fa, fb = a.split(), b.split()
+    if fa == fb:
+        return True
+    try:  # hex CPU masks are read back zero-padded and comma-grouped ("00000000,00000001")
+        return int(a.replace(",", ""), 16) == int(b.replace(",", ""), 16)
+    except ValueError:
+        return False
+
+
+class KnobJournal:
+    """Knob files changed by this agent, with their originals, persisted at `state_path`."""
+
+    def __init__(self, state_path: str):
+        self.state_path = state_path
+        self.entries: dict[str, Entry] = {}
+
+    # ---- changing and undoing --------------------------------------------------------
+
+    def set(self, path: str, value: str) -> None:
+        """Write `value` to `path`, remembering (on disk, first) what was there before."""
+        entry = self.entries.get(path)
+        before = entry.written if entry else None
+        if entry is None:
+            entry = self.entries[path] = Entry(read_knob(path), value)
+        entry.written = value
+        self._save()
+        try:
+            write_knob(path, value)
+        except KnobError:
+            if before is None:
+                del self.entries[path]
+            else:
+                entry.written = before
+            self._save()
+            raise
+        # the kernel may normalise what it stores (masks are padded): compare against what it reads back
+        self.entries[path].written = read_knob(path)
+        self._save()
+
+    def undo(self, path: str) -> str | None:
+        """Put the original back; returns why it could not be, or None."""
+        entry = self.entries.get(path)
+        if entry is None:
+            return None
+        problem = self._restore(path, entry)
+        del self.entries[path]
+        self._save()
+        return problem
+
+    def undo_all(self) -> list[str]:
+        """Undo every change (newest first); the problems, one line each."""
+        return [p for p in (self.undo(path) for path in reversed(list(self.entries))) if p]
+
+    def changed(self) -> dict[str, dict[str, str]]:
+        return {path: asdict(e) for path, e in self.entries.items()}
+
+    # ---- after a crash ---------------------------------------------------------------
+
+    def restore_leftovers(self) -> list[str]:
+        """Restore what a previous agent left in the state file; the problems, one line each."""
+        try:
+            with open(self.state_path) as f:
+                raw = json.load(f)
+            left = {path: Entry(**e) for path, e in raw.items()}
+        except FileNotFoundError:
+            return []
+        except (OSError, ValueError, TypeError) as exc:
+            self._remove_state()
+            return [f"{self.state_path}: unreadable state file ({exc}); nothing restored"]
+        problems = []
+        for path, entry in reversed(list(left.items())):
+            problem = self._restore(path, entry)
+            if problem:
+                problems.append(problem)
+            else:
+                log.info("restored %s to %r (left changed by a previous agent)", path, entry.original)
+        self._remove_state()
+        return problems
+
+    def _restore(self, path: str, entry: Entry) -> str | None:
+        try:
+            now = read_knob(path)
+            if same_value(now, entry.original):
+                return None  # never written, or already back (a crash between saving and writing)
+            if not same_value(now, entry.written):
+                return f"{path}: left at {now!r} (changed by someone else since we wrote {entry.written!r})"
+            write_knob(path, entry.original)
+        except KnobError as exc:
+            return str(exc)
+        return None
+
+    # ---- the state file --------------------------------------------------------------
+
+    def _save(self) -> None:
+        if not self.entries:
+            self._remove_state()
+            return
+        os.makedirs(os.path.dirname(self.state_path) or ".", exist_ok=True)
+        tmp = f"{self.state_path}.tmp"
+        try:
+            with open(tmp, "w") as f:
+                json.dump(self.changed(), f)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.state_path)
+        except OSError as exc:
+            raise KnobError(f"cannot save the lever state file {self.state_path}: {exc.strerror or exc}") from None
+
+    def _remove_state(self) -> None:
+        try:
+            os.unlink(self.state_path)
+        except FileNotFoundError:
+            pass

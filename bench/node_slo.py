@@ -1,0 +1,336 @@
+"""Node SLO benchmark: turbo's end-to-end latency under every fault, plain node vs turbonode.
+
+    flock /tmp/turbonode-bench.lock .venv/bin/python bench/node_slo.py [--cells none,cpu] [--requests 100]
+        [--json FILE]
+
+The sandbox node and client as `turboctl demo` builds them (sandbox/node.py: two network
+namespaces joined by veth, the node's side shaped to the link rate, the real worker on the
+tiny model serving HTTP inside the node namespace; as under systemd, the worker runs in a
+cgroup of its own and batch work in a `batch` cgroup beside it). From the client namespace,
+turbo requests arrive open-loop (Poisson, `--rate` per second, `--requests` per cell) while
+closed-loop fast and relax clients keep the worker busy (sandbox/loadgen.py). The demo is
+the short form of this benchmark: one cell (cpu + bulk), the same load and the same summary.
+
+Each cell adds one fault (or all of them), bounded in time and inside the namespaces:
+  none        no fault
+  cpu         stress-ng on every CPU, in a session of its own (nice 0)
+  cpu-batch   the same at nice 19 in the batch cgroup, where users run batch work
+  softirq     UDP flood into the node (iperf3, 64-byte datagrams, unlimited rate)
+  bulk        4 unmarked iperf3 TCP flows out of the node
+  relax-flood 36 more closed-loop relax clients (>= 32 relax jobs queued)
+  gc          cyclic garbage in the worker process (bench/garbage.py), re-armed every 5 s
+  all         every fault above at once
+  all-but-gc  every fault but gc at once
+and runs twice, side by side: `plain` (one FIFO shaped to the link rate, no agent) and
+`turbonode` (the agent started for the cell: eBPF classifier under the HTB tiers, watching and
+acting). Per cell and mode: turbo p50/p99/max with n, connect p99 (the handshake: where the
+first packets were queued), lower tiers' images/s, and what the agent did. Target: with
+turbonode, turbo p99 <= 2x the turbo p99 of the `none` cell (the idle reference) of the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from sandbox import faults  # noqa: E402
+from sandbox.demo import DemoSettings, preflight  # noqa: E402
+from sandbox.loadgen import Outcome, summarize  # noqa: E402
+from sandbox.node import AgentWatch, DemoNode  # noqa: E402
+from turbonode.errors import ControlError  # noqa: E402
+from turbonode.stats import percentile  # noqa: E402
+from turbonode.tiers import PROTECTED_TIER  # noqa: E402
+
+SINGLE = ("cpu", "cpu-batch", "softirq", "bulk", "relax-flood", "gc")
+COMBINED = {"all": SINGLE, "all-but-gc": SINGLE[:-1]}
+CELLS = ("none", *SINGLE, *COMBINED)
+MODES = ("plain", "turbonode")
+FIRST_PACKET = ("listener", "reflect", "off")  # the worker's handshake_tier, tcp_reflect_tos, neither
+REFERENCE_CELL = "none"
+TARGET_RATIO = 2.0
+BACKGROUND = {"fast": 1, "relax": 2}
+FLOOD_CLIENTS = 36  # relax-flood: closed-loop relax clients on top of the background (>= 32 queued)
+GC_REARM_S = 5.0  # bench/garbage.py stops a burst after MAX_BURST_S (10 s)
+WARMUP_S = 3.0  # the fault runs this long before the first request
+SETTLE_TIMEOUT_S = 60.0
+# The worker as `turboctl worker run`, with bench/garbage.py's thread installed in its process
+# (idle until SIGUSR1: the gc fault).
+WORKER_PY = (
+    "import sys; sys.argv[0] = 'turboctl'; from bench.garbage import Garbage; Garbage().install(); "
+    "from turboctl import main; main()"
+)
+
+
+@dataclass
+class Knobs:
+    """How the node is set up besides the mode: what experiments vary."""
+
+    worker_threads: int = 0  # worker.intra_op_threads (0: the worker's default)
+    omp_wait_policy: str = ""  # '' leaves the worker's default (render/cpu_threads.py)
+    first_packet: str = "listener"  # FIRST_PACKET
+    nodelay: bool = True  # the client's TCP_NODELAY
+    agent_toml: str = ""  # more agent configuration, e.g. a [policy.rules.cpu_load] table
+
+
+@dataclass
+class Fault:
+    """Processes (and a re-arming thread) one cell started; `stop` ends them all."""
+
+    procs: list = field(default_factory=list)
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    threads: list = field(default_factory=list)
+    on_stop: list = field(default_factory=list)
+
+    def stop(self, node: DemoNode) -> None:
+        self.stop_event.set()
+        for th in self.threads:
+            th.join(10)
+        for proc in reversed(self.procs):
+            node.release(proc)
+        for fn in self.on_stop:
+            fn()
+
+
+class SloNode(DemoNode):
+    """The demo's node with bench/garbage.py in the worker (for the gc fault)."""
+
+    def __init__(self, settings: DemoSettings, knobs: Knobs, log=print):
+        super().__init__(settings, log)
+        self.knobs = knobs
+
+    def start(self) -> SloNode:
+        super().start()
+        if self.knobs.first_packet == "reflect":
+            self.sandbox.run(self.sandbox.server, "sysctl", "-qw", "net.ipv4.tcp_reflect_tos=1")
+        return self
+
+    def _turboctl(self, *args: str) -> list[str]:
+        if args[:1] != ("worker",):
+            return super()._turboctl(*args)
+        env = [f"OMP_WAIT_POLICY={self.knobs.omp_wait_policy}"] if self.knobs.omp_wait_policy else []
+        return ["env", *env, sys.executable, "-c", WORKER_PY, *args]
+
+    def start_fault(self, cell: str, seconds: float) -> Fault:
+        fault = Fault()
+        names = COMBINED.get(cell, (cell,))
+        fault.procs += faults.start(self, tuple(n for n in names if n in faults.FAULTS), seconds)
+        if "gc" in names:
+
+            def rearm() -> None:
+                while not fault.stop_event.is_set():
+                    self.worker.send_signal(signal.SIGUSR1)
+                    fault.stop_event.wait(GC_REARM_S)
+
+            fault.threads.append(threading.Thread(target=rearm, daemon=True))
+            fault.threads[-1].start()
+            fault.on_stop.append(lambda: self.worker.send_signal(signal.SIGUSR2))
+        return fault
+
+    def run_cell(self, cell: str, mode: str, requests: int, rate: float) -> dict:
+        self.wait_idle()
+        agent = watch = None
+        if mode == "plain":
+            self.plain_fifo()
+        else:
+            agent = self.start_agent()
+        seconds = requests / rate * 1.5 + 60  # every fault ends by itself after this long
+        fault = self.start_fault(cell, seconds) if cell != "none" else Fault()
+        try:
+            time.sleep(WARMUP_S if cell != "none" else 0)
+            watch = AgentWatch(self.agent_rpc) if agent else None
+            clients = dict(BACKGROUND)
+            if "relax-flood" in COMBINED.get(cell, (cell,)):
+                clients["relax"] += FLOOD_CLIENTS
+            outcomes, wall = self.load(clients, requests, rate, self.knobs.nodelay)
+        finally:
+            if watch:
+                watch.stop()
+            fault.stop(self)
+            if agent:
+                self.release(agent)
+            else:
+                self.remove_fifo()
+        return summarize_cell(outcomes, wall, watch.summary() if watch else None)
+
+    def wait_idle(self) -> None:
+        """Let the previous cell's leftover jobs finish (or be cancelled) before the next starts."""
+        deadline = time.monotonic() + SETTLE_TIMEOUT_S
+        while time.monotonic() < deadline:
+            try:
+                tiers = self.worker_rpc.call("status")["tiers"]
+                if not any(t["queued"] or t["in_flight"] for t in tiers.values()):
+                    return
+            except ControlError:
+                pass
+            time.sleep(0.5)
+        self.log("warning: the worker did not drain before the next cell")
+
+
+# ---- figures -----------------------------------------------------------------------------
+
+
+def summarize_cell(outcomes: list[Outcome], wall: float, agent: dict | None) -> dict:
+    """The demo's per-tier summary (sandbox.loadgen.summarize) plus, for turbo, where the time went."""
+    tiers = summarize(outcomes, wall)
+    turbo = [o for o in outcomes if o.tier == PROTECTED_TIER and o.status == 200]
+    tiers.setdefault(PROTECTED_TIER, {}).update(
+        {
+            "connect_p50_s": percentile([o.connect_s for o in turbo if o.connect_s is not None], 50),
+            "worker_p50_s": percentile([o.elapsed_s for o in turbo if o.elapsed_s is not None], 50),
+            "worker_p99_s": percentile([o.elapsed_s for o in turbo if o.elapsed_s is not None], 99),
+        }
+    )
+    return {"tiers": tiers, "wall_s": wall, "agent": agent, "outcomes": [asdict(o) for o in outcomes]}
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def report(result: dict) -> str:
+    cells, modes = result["cells"], result["modes"]
+    ref = cells.get(REFERENCE_CELL, {}).get("turbonode", {}).get("tiers", {}).get(PROTECTED_TIER, {}).get("p99_s")
+    head = f"{'n':>4} {'p50':>6} {'p99':>6} {'max':>6} {'conn99':>6} {'fast/s':>6} {'relax/s':>7}"
+    lines = [
+        "turbo latency in ms (send to last byte, from the client namespace); lower tiers in images/s",
+        f"{'cell':<12}" + "".join(f"  {m:^{len(head)}}" for m in modes) + "  p99/ref  agent",
+        f"{'':<12}" + "".join(f"  {head}" for _ in modes),
+    ]
+    verdicts = []
+    for cell, by_mode in cells.items():
+        row = f"{cell:<12}"
+        for m in modes:
+            r = by_mode.get(m)
+            if r is None:
+                row += "  " + " " * len(head)
+                continue
+            t = r["tiers"].get(PROTECTED_TIER, {})
+            rates = " ".join(
+                f"{(r['tiers'].get(tier) or {}).get('images_per_s') or 0:>{w}.2f}"
+                for tier, w in (("fast", 6), ("relax", 7))
+            )
+            row += (
+                f"  {t.get('ok', 0):>4} {_ms(t.get('p50_s')):>6} {_ms(t.get('p99_s')):>6} {_ms(t.get('max_s')):>6} "
+                f"{_ms(t.get('connect_p99_s')):>6} {rates}"
+            )
+        tn = by_mode.get("turbonode")
+        p99 = tn and tn["tiers"].get(PROTECTED_TIER, {}).get("p99_s")
+        ratio = p99 / ref if p99 and ref else None
+        row += f"  {ratio:>7.2f}" if ratio is not None else f"  {'-':>7}"
+        row += f"  {describe_agent(tn['agent'])}" if tn and tn.get("agent") else ""
+        lines.append(row)
+        if ratio is not None:
+            verdicts.append((cell, ratio))
+    if ref:
+        met = [c for c, r in verdicts if r <= TARGET_RATIO]
+        missed = [f"{c} ({r:.2f}x)" for c, r in verdicts if r > TARGET_RATIO]
+        lines.append(
+            f"target: turbonode turbo p99 <= {TARGET_RATIO:g} x {REFERENCE_CELL} p99 ({_ms(ref)} ms) = "
+            f"{_ms(ref * TARGET_RATIO)} ms: met in {len(met)}/{len(verdicts)} cells"
+            + (f"; missed: {', '.join(missed)}" if missed else "")
+        )
+    lines.append(
+        "conn99: p99 of the TCP handshake seen by the client (SYN -> SYN-ACK); "
+        f"knobs: {result['knobs']}; load average before: {result['loadavg_before']}"
+    )
+    return "\n".join(lines)
+
+
+def describe_agent(agent: dict) -> str:
+    text = f"{agent['max_level']}" + (f" ({', '.join(agent['reasons'])})" if agent["reasons"] else "")
+    text += f", throttled {agent['throttled_share']:.0%}"
+    levers = agent.get("levers") or {}
+    if levers:
+        text += ", levers " + ", ".join(f"{name} {share:.0%}" for name, share in sorted(levers.items()))
+    return text
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, from {', '.join(CELLS)}")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--requests", type=int, default=100, help="turbo requests per cell and mode")
+    ap.add_argument("--rate", type=float, default=1.0, help="turbo arrivals per second (Poisson)")
+    ap.add_argument("--link", default="20mbit", help="the node's link rate, shaped in both modes")
+    ap.add_argument("--worker-threads", type=int, default=0, help="worker.intra_op_threads (0: its default)")
+    ap.add_argument("--omp-wait-policy", default="", choices=("", "ACTIVE", "PASSIVE"))
+    ap.add_argument(
+        "--first-packet",
+        default="listener",
+        choices=FIRST_PACKET,
+        help="how a connection's first packets are marked: the worker's listening socket (its default), "
+        "net.ipv4.tcp_reflect_tos=1 in the node namespace, or not at all",
+    )
+    ap.add_argument("--no-nodelay", action="store_true", help="the client leaves Nagle on")
+    ap.add_argument("--agent-toml", help="a TOML file of more agent configuration (e.g. [policy.rules.cpu_load])")
+    ap.add_argument("--json", help="write every figure (and every request's outcome) here")
+    ap.add_argument("--keep-logs", help="copy the node's logs (worker, agent, faults) to this directory")
+    args = ap.parse_args()
+    cells = [c for c in args.cells.split(",") if c]
+    modes = [m for m in args.modes.split(",") if m]
+    bad = [c for c in cells if c not in CELLS] + [m for m in modes if m not in MODES]
+    if bad:
+        ap.error(f"unknown cell or mode: {', '.join(bad)}")
+    if args.requests < 1 or args.rate <= 0:
+        ap.error("--requests must be >= 1 and --rate positive")
+    preflight()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # unwind through the `with`: everything is removed
+        signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
+    knobs = Knobs(
+        args.worker_threads,
+        args.omp_wait_policy,
+        args.first_packet,
+        not args.no_nodelay,
+        Path(args.agent_toml).read_text() if args.agent_toml else "",
+    )
+    worker: dict = {"handshake_tier": PROTECTED_TIER if knobs.first_packet == "listener" else ""}
+    if knobs.worker_threads:
+        worker["intra_op_threads"] = knobs.worker_threads
+    settings = DemoSettings(rate=args.link, worker_config=worker, extra_toml=knobs.agent_toml)
+    result: dict = {
+        "cells": {},
+        "modes": modes,
+        "knobs": knobs.__dict__,
+        "requests": args.requests,
+        "rate": args.rate,
+        "link": args.link,
+        "loadavg_before": os.getloadavg(),
+    }
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    node = SloNode(settings, knobs, log)
+    with node:
+        try:
+            for cell in cells:
+                for mode in modes:
+                    log(f"cell {cell}, {mode}: {args.requests} turbo requests at {args.rate:g}/s")
+                    r = node.run_cell(cell, mode, args.requests, args.rate)
+                    result["cells"].setdefault(cell, {})[mode] = r
+                    t = r["tiers"].get(PROTECTED_TIER, {})
+                    log(f"  turbo n={t.get('ok')} p50={_ms(t.get('p50_s'))} p99={_ms(t.get('p99_s'))} ms")
+        finally:
+            result["loadavg_after"] = os.getloadavg()
+            if args.json:  # also what a failed or interrupted run measured so far
+                Path(args.json).write_text(json.dumps(result, indent=1))
+            if args.keep_logs:
+                shutil.copytree(node.tmp, args.keep_logs, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
+    print(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,252 @@
+"""The CPU-share lever and its journal: on fake v1/v2 trees, on real cgroups, after kill -9."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import uuid
+from pathlib import Path
+
+import pytest
+
+from agent.levers.cgroup import CpuShareLever
+from agent.levers.journal import KnobError, KnobJournal, same_value
+from turbonode.cgroups import CgroupError, CpuHierarchy, shares_from_weight, slice_path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def fake_v1(tmp_path: Path) -> Path:
+    root = tmp_path / "cgroup"
+    for cg in ("", "worker", "batch"):
+        d = root / "cpu" / cg
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cpu.shares").write_text("1024\n")
+        (d / "cpu.cfs_quota_us").write_text("-1\n")
+        (d / "cpu.cfs_period_us").write_text("100000\n")
+    (root / "unified").mkdir()
+    (root / "unified" / "cgroup.controllers").write_text("\n")  # hybrid: v2 without cpu
+    return root
+
+
+def fake_v2(tmp_path: Path) -> Path:
+    root = tmp_path / "cgroup2"
+    root.mkdir()
+    (root / "cgroup.controllers").write_text("cpuset cpu io memory pids\n")
+    for cg in ("system.slice/turbonode-worker.service", "batch.slice"):
+        d = root / cg
+        d.mkdir(parents=True)
+        (d / "cpu.weight").write_text("100\n")
+        (d / "cpu.max").write_text("max 100000\n")
+    return root
+
+
+def read(path: Path) -> str:
+    return path.read_text().strip()
+
+
+# ---- pure parts ---------------------------------------------------------------------------
+
+
+def test_slice_names_and_paths():
+    assert slice_path("batch.slice") == "/batch.slice"
+    assert slice_path("user-1000.slice") == "/user.slice/user-1000.slice"
+    assert slice_path("system.slice/turbonode-worker.service") == "/system.slice/turbonode-worker.service"
+    assert slice_path("/batch") == "/batch"
+
+
+def test_weights_convert_like_systemd():
+    assert shares_from_weight(100) == 1024
+    assert shares_from_weight(1) == 10
+    assert shares_from_weight(10000) == 102400
+
+
+def test_knob_values_compare_by_fields_and_masks():
+    assert same_value("max 100000", "max  100000")
+    assert same_value("00000000,00000001", "1")
+    assert not same_value("1024", "2")
+
+
+# ---- fake trees ---------------------------------------------------------------------------
+
+
+def test_v1_tree_found_on_a_hybrid_host_and_lever_applied_and_undone(tmp_path):
+    root = fake_v1(tmp_path)
+    h = CpuHierarchy.find(str(root))
+    assert (h.version, h.mount) == (1, str(root / "cpu"))
+    state = tmp_path / "run" / "levers.json"
+    lever = CpuShareLever(h, KnobJournal(str(state)), "/worker", ("/batch",), best_effort_cpus=0.5)
+    lever.engage()
+    assert read(root / "cpu/worker/cpu.shares") == "102400"
+    assert read(root / "cpu/batch/cpu.shares") == "10"
+    assert read(root / "cpu/batch/cpu.cfs_quota_us") == "50000"
+    assert set(json.loads(state.read_text())) == {
+        str(root / f)
+        for f in (
+            "cpu/worker/cpu.shares",
+            "cpu/batch/cpu.shares",
+            "cpu/batch/cpu.cfs_period_us",
+            "cpu/batch/cpu.cfs_quota_us",
+        )
+    }
+    lever.engage()  # idempotent: originals are not overwritten by our own values
+    assert lever.release() == []
+    assert [read(root / f"cpu/{cg}/cpu.shares") for cg in ("worker", "batch")] == ["1024", "1024"]
+    assert read(root / "cpu/batch/cpu.cfs_quota_us") == "-1"
+    assert not state.exists()
+
+
+def test_v2_tree_uses_cpu_weight_and_cpu_max(tmp_path):
+    root = fake_v2(tmp_path)
+    h = CpuHierarchy.find(str(root))
+    assert h.version == 2
+    lever = CpuShareLever(
+        h,
+        KnobJournal(str(tmp_path / "levers.json")),
+        "system.slice/turbonode-worker.service",
+        ("batch.slice",),
+        worker_weight=1000,
+        best_effort_weight=5,
+        best_effort_cpus=0.25,
+    )
+    lever.engage()
+    assert read(root / "system.slice/turbonode-worker.service/cpu.weight") == "1000"
+    assert read(root / "batch.slice/cpu.weight") == "5"
+    assert read(root / "batch.slice/cpu.max") == "25000 100000"
+    lever.release()
+    assert read(root / "batch.slice/cpu.max") == "max 100000"
+    assert read(root / "batch.slice/cpu.weight") == "100"
+
+
+def test_cgroup_of_a_pid_from_procfs(tmp_path):
+    proc = tmp_path / "proc" / "42"
+    proc.mkdir(parents=True)
+    (proc / "cgroup").write_text("4:memory:/x\n1:cpu,cpuacct:/system.slice/w.service\n0::/unified/w\n")
+    v1 = CpuHierarchy(str(tmp_path), 1)
+    v2 = CpuHierarchy(str(tmp_path), 2)
+    assert v1.of_pid(42, str(tmp_path / "proc")) == "/system.slice/w.service"
+    assert v2.of_pid(42, str(tmp_path / "proc")) == "/unified/w"
+    with pytest.raises(CgroupError, match="pid 43"):
+        v1.of_pid(43, str(tmp_path / "proc"))
+
+
+def test_no_cpu_controller_and_missing_cgroup_are_named(tmp_path):
+    with pytest.raises(CgroupError, match="no cgroup cpu controller"):
+        CpuHierarchy.find(str(tmp_path))
+    h = CpuHierarchy.find(str(fake_v1(tmp_path)))
+    lever = CpuShareLever(h, KnobJournal(str(tmp_path / "s.json")), "/worker", ("batch.slice",))
+    with pytest.raises(CgroupError, match="batch.slice does not exist"):
+        lever.engage()
+
+
+def test_a_refused_write_leaves_no_journal_entry(tmp_path):
+    knob = tmp_path / "knob"
+    knob.mkdir()  # reading a directory fails like a vanished file
+    journal = KnobJournal(str(tmp_path / "s.json"))
+    with pytest.raises(KnobError, match="cannot read"):
+        journal.set(str(knob), "1")
+    f = tmp_path / "ro"
+    f.write_text("5\n")
+    f.chmod(0o444)
+    if os.geteuid() != 0:  # root writes through a read-only mode
+        with pytest.raises(KnobError, match="cannot write"):
+            journal.set(str(f), "1")
+    assert journal.entries == {} and not (tmp_path / "s.json").exists()
+
+
+def test_a_knob_changed_by_someone_else_is_left_alone(tmp_path):
+    f = tmp_path / "cpu.shares"
+    f.write_text("1024\n")
+    journal = KnobJournal(str(tmp_path / "s.json"))
+    journal.set(str(f), "2")
+    f.write_text("512\n")  # an operator changed it meanwhile
+    problems = journal.undo_all()
+    assert len(problems) == 1 and "someone else" in problems[0]
+    assert read(f) == "512"
+
+
+def test_leftovers_restored_and_a_broken_state_file_reported(tmp_path):
+    f = tmp_path / "knob"
+    f.write_text("7\n")
+    state = tmp_path / "s.json"
+    KnobJournal(str(state)).set(str(f), "9")  # the agent "dies" here: its journal is gone
+    assert read(f) == "9" and state.exists()
+    assert KnobJournal(str(state)).restore_leftovers() == []
+    assert read(f) == "7" and not state.exists()
+    state.write_text("{not json")
+    problems = KnobJournal(str(state)).restore_leftovers()
+    assert "unreadable state file" in problems[0] and not state.exists()
+
+
+# ---- real cgroups -------------------------------------------------------------------------
+
+
+def real_hierarchy() -> CpuHierarchy:
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create cgroups")
+    try:
+        return CpuHierarchy.find()
+    except CgroupError as exc:
+        pytest.skip(f"no cgroup cpu controller to test on: {exc}")
+
+
+@pytest.fixture
+def real_cgroups():
+    h = real_hierarchy()
+    tag = uuid.uuid4().hex[:8]
+    names = [f"/tn-test-{tag}-worker", f"/tn-test-{tag}-batch"]
+    made = []
+    try:
+        for name in names:
+            h.create(name)
+            made.append(name)
+        yield h, names
+    finally:
+        for name in made:
+            h.remove(name)
+
+
+def test_real_cgroups_applied_and_undone(real_cgroups, tmp_path):
+    h, (worker, batch) = real_cgroups
+    weight = [Path(h.weight_file(cg)[0]) for cg in (worker, batch)]
+    before = [read(p) for p in weight]
+    lever = CpuShareLever(h, KnobJournal(str(tmp_path / "levers.json")), worker, (batch,), best_effort_cpus=0.5)
+    lever.engage()
+    assert [read(p) for p in weight] == [h.weight_value(10000), h.weight_value(1)]
+    quota = h.quota_writes(batch, 0.5)
+    assert all(same_value(read(Path(f)), v) for f, v in quota)
+    assert lever.release() == []
+    assert [read(p) for p in weight] == before
+    assert all(not same_value(read(Path(f)), v) or f.endswith("period_us") for f, v in quota)
+
+
+def test_real_cgroups_restored_at_next_start_after_kill_9(real_cgroups, tmp_path):
+    h, (worker, batch) = real_cgroups
+    state = tmp_path / "levers.json"
+    weight = [Path(h.weight_file(cg)[0]) for cg in (worker, batch)]
+    before = [read(p) for p in weight]
+    agent = textwrap.dedent(f"""
+        import time
+        from agent.levers.cgroup import CpuShareLever
+        from turbonode.cgroups import CpuHierarchy
+        from agent.levers.journal import KnobJournal
+        lever = CpuShareLever(CpuHierarchy({h.mount!r}, {h.version}), KnobJournal({str(state)!r}),
+                              {worker!r}, ({batch!r},), best_effort_cpus=0.25)
+        lever.engage()
+        print("engaged", flush=True)
+        time.sleep(60)
+    """)
+    proc = subprocess.Popen([sys.executable, "-c", agent], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "engaged"
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    assert [read(p) for p in weight] != before  # the dead agent left them changed
+    assert KnobJournal(str(state)).restore_leftovers() == []
+    assert [read(p) for p in weight] == before
+    assert not state.exists()

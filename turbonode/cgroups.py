@@ -1,0 +1,157 @@
+"""The cgroup hierarchy that has the CPU controller, v1 or v2, and its CPU knobs' files.
+
+Shared by the agent's CPU-share lever (agent/levers/cgroup.py) and the worker, which sizes its
+thread pool to the CPU quota it runs under. Which hierarchy: v2 when the root's
+cgroup.controllers lists `cpu`; else v1's cpu controller mounted at <root>/cpu (or
+cpu,cpuacct). On a hybrid host (v1 controllers plus a v2 mount without cpu) that is v1.
+Weights are given in cgroup v2 units (cpu.weight, 1..10000, default 100) and converted for
+v1's cpu.shares the way systemd converts CPUWeight= (x 1024 / 100). Every path goes through
+a root argument, so tests run on a fake tree as well as the real one.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .errors import TurbonodeError
+
+V2_WEIGHT_MIN, V2_WEIGHT_MAX, V2_WEIGHT_DEFAULT = 1, 10000, 100
+V1_SHARES_MIN, V1_SHARES_MAX = 2, 262144
+PERIOD_US = 100_000
+
+
+class CgroupError(TurbonodeError):
+    """No usable CPU controller, a cgroup that does not exist, or one that cannot be made or removed."""
+
+
+def shares_from_weight(weight: int) -> int:
+    """cgroup v2 cpu.weight -> v1 cpu.shares, as systemd converts CPUWeight=."""
+    return max(V1_SHARES_MIN, min(V1_SHARES_MAX, weight * 1024 // V2_WEIGHT_DEFAULT))
+
+
+def slice_path(name: str) -> str:
+    """A cgroup given as a path ('/batch', 'system.slice/x.service') or a systemd slice name
+    ('batch.slice', 'user-1000.slice' -> '/user.slice/user-1000.slice'), relative to the root."""
+    if "/" in name or not name.endswith(".slice"):
+        return "/" + name.strip("/")
+    parts = name[: -len(".slice")].split("-")
+    return "/" + "/".join("-".join(parts[: i + 1]) + ".slice" for i in range(len(parts)))
+
+
+@dataclass(frozen=True)
+class CpuHierarchy:
+    """The mounted hierarchy that has the cpu controller."""
+
+    mount: str  # directory of the hierarchy's root cgroup
+    version: int  # 1 or 2
+
+    @classmethod
+    def find(cls, root: str = "/sys/fs/cgroup") -> CpuHierarchy:
+        if "cpu" in _words(os.path.join(root, "cgroup.controllers")):
+            return cls(root, 2)
+        for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+            mount = os.path.join(root, name)
+            if os.path.exists(os.path.join(mount, "cpu.shares")):
+                return cls(mount, 1)
+        unified = os.path.join(root, "unified")
+        hint = " (the v2 mount there has no cpu controller)" if os.path.isdir(unified) else ""
+        raise CgroupError(f"no cgroup cpu controller under {root}{hint}")
+
+    def dir(self, cgroup: str) -> str:
+        return os.path.join(self.mount, slice_path(cgroup).lstrip("/"))
+
+    def of_pid(self, pid: int | str, procfs: str = "/proc") -> str:
+        """The cgroup (path relative to the root) process `pid` is in, from <procfs>/<pid>/cgroup."""
+        try:
+            with open(os.path.join(procfs, str(pid), "cgroup")) as f:
+                lines = f.read().splitlines()
+        except OSError as exc:
+            raise CgroupError(f"cannot read the cgroup of pid {pid}: {exc.strerror or exc}") from None
+        for line in lines:
+            _, controllers, path = line.split(":", 2)
+            if (self.version == 2 and controllers == "") or (self.version == 1 and "cpu" in controllers.split(",")):
+                return path
+        raise CgroupError(f"pid {pid} is in no cgroup of the cpu hierarchy ({self.mount})")
+
+    # ---- the knobs ------------------------------------------------------------------
+
+    def weight_file(self, cgroup: str) -> tuple[str, str]:
+        return self._file(cgroup, "cpu.weight" if self.version == 2 else "cpu.shares")
+
+    def weight_value(self, weight: int) -> str:
+        if not V2_WEIGHT_MIN <= weight <= V2_WEIGHT_MAX:
+            raise ValueError(f"a CPU weight must be {V2_WEIGHT_MIN}..{V2_WEIGHT_MAX}, got {weight}")
+        return str(weight if self.version == 2 else shares_from_weight(weight))
+
+    def quota_writes(self, cgroup: str, cpus: float | None) -> list[tuple[str, str]]:
+        """(file, value) pairs that cap `cgroup` at `cpus` CPUs per period (None: no cap)."""
+        if cpus is not None and cpus <= 0:
+            raise ValueError(f"a CPU quota must be positive, got {cpus}")
+        quota = None if cpus is None else max(1000, int(cpus * PERIOD_US))
+        if self.version == 2:
+            return [(self._file(cgroup, "cpu.max")[0], f"{quota or 'max'} {PERIOD_US}")]
+        return [
+            (self._file(cgroup, "cpu.cfs_period_us")[0], str(PERIOD_US)),
+            (self._file(cgroup, "cpu.cfs_quota_us")[0], str(quota or -1)),
+        ]
+
+    def quota_cpus(self, cgroup: str) -> float | None:
+        """The CPUs per period `cgroup` may use (its own cap, not its parents'); None: no cap."""
+        try:
+            if self.version == 2:
+                with open(self._file(cgroup, "cpu.max")[0]) as f:
+                    quota, period = f.read().split()
+            else:
+                with open(self._file(cgroup, "cpu.cfs_quota_us")[0]) as f:
+                    quota = f.read().strip()
+                with open(self._file(cgroup, "cpu.cfs_period_us")[0]) as f:
+                    period = f.read().strip()
+        except (OSError, ValueError) as exc:
+            raise CgroupError(f"cannot read the CPU quota of {cgroup}: {exc}") from None
+        if quota in ("max", "-1"):
+            return None
+        return int(quota) / int(period)
+
+    def _file(self, cgroup: str, name: str) -> tuple[str, str]:
+        d = self.dir(cgroup)
+        if not os.path.isdir(d):
+            raise CgroupError(f"cgroup {cgroup} does not exist ({d})")
+        return os.path.join(d, name), name
+
+    # ---- for tests and benchmarks: cgroups of their own ------------------------------
+
+    def create(self, cgroup: str) -> str:
+        d = self.dir(cgroup)
+        try:
+            os.mkdir(d)
+        except OSError as exc:
+            raise CgroupError(f"cannot create cgroup {d}: {exc.strerror or exc}") from None
+        return d
+
+    def remove(self, cgroup: str) -> None:
+        """rmdir the cgroup, moving any process still in it to the root first."""
+        d = self.dir(cgroup)
+        if not os.path.isdir(d):
+            return
+        for pid in _words(os.path.join(d, "cgroup.procs")):
+            try:
+                with open(os.path.join(self.mount, "cgroup.procs"), "w") as f:
+                    f.write(pid)
+            except OSError:
+                pass  # exited meanwhile
+        try:
+            os.rmdir(d)
+        except OSError as exc:
+            raise CgroupError(f"cannot remove cgroup {d}: {exc.strerror or exc}") from None
+
+    def procs_file(self, cgroup: str) -> str:
+        return os.path.join(self.dir(cgroup), "cgroup.procs")
+
+
+def _words(path: str) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().split()
+    except OSError:
+        return []
