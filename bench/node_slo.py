@@ -254,6 +254,8 @@ def describe_agent(agent: dict) -> str:
     levers = agent.get("levers") or {}
     if levers:
         text += ", levers " + ", ".join(f"{name} {share:.0%}" for name, share in sorted(levers.items()))
+    for name, (p50, p90) in sorted((agent.get("signals_p50_p90") or {}).items()):
+        text += f", {name} p50/p90 {p50:.2f}/{p90:.2f}"
     return text
 
 

@@ -26,6 +26,7 @@ from turbonode.errors import ControlError, TurbonodeError
 from turbonode.jsonrpc import ControlClient
 from turbonode.levels import LEVELS
 from turbonode.rates import parse_rate
+from turbonode.stats import percentile
 
 from . import faults
 from .loadgen import Outcome, summarize
@@ -248,6 +249,10 @@ class DemoNode:
         return [Outcome(**o) for o in json.loads(res.stdout)], time.monotonic() - t0
 
 
+# The CPU signals a run reports (p50/p90 of what the agent saw): busy fraction vs PSI stall.
+WATCHED_SIGNALS = ("cpu_load", "psi_cpu_some")
+
+
 class AgentWatch:
     """Polls the agent's status during a phase: the highest level and the throttles it applied."""
 
@@ -257,6 +262,7 @@ class AgentWatch:
         self.throttles: list[dict] = []
         self.reasons: set[str] = set()
         self.levers: dict[str, int] = {}  # lever -> polls it was engaged at
+        self.signals: dict[str, list[float]] = {}  # what the policy saw, per poll (WATCHED_SIGNALS)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
         self._thread.start()
@@ -276,6 +282,10 @@ class AgentWatch:
             for name, lever in (actions.get("levers") or {}).items():
                 if isinstance(lever, dict) and "engaged" in lever:
                     self.levers[name] = self.levers.get(name, 0) + bool(lever["engaged"])
+            for name in WATCHED_SIGNALS:
+                value = (st.get("signals") or {}).get(name)
+                if isinstance(value, (int, float)):
+                    self.signals.setdefault(name, []).append(float(value))
 
     def stop(self) -> None:
         self._stop.set()
@@ -289,6 +299,9 @@ class AgentWatch:
             "throttled_share": len(self.throttles) / len(self.levels) if self.levels else 0.0,
             "last_throttle": self.throttles[-1] if self.throttles else None,
             "levers": {name: n / len(self.levels) for name, n in self.levers.items()} if self.levels else {},
+            "signals_p50_p90": {
+                name: [round(percentile(v, q) or 0.0, 3) for q in (50, 90)] for name, v in self.signals.items()
+            },
         }
 
 
