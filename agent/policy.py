@@ -5,9 +5,10 @@ thresholds and dwell (`[policy.rules.<signal>]`). A rule becomes *active* once i
 stayed above its enter threshold for `enter_s` seconds, and inactive again once it has stayed
 below its (lower) exit threshold for `exit_s` seconds; between the two it keeps its state
 (hysteresis). While any rule is active the level climbs one step per `min_change_interval`, each
-further step needing an active rule's `enter_s` of fresh evidence above enter; once no rule is
-active and every signal has been below its exit threshold for its `exit_s` since the last
-change, it steps down one level, and the next step down waits again.
+further step needing an active rule's `enter_s` of fresh evidence above enter, up to the highest
+`max_level` of the active rules (a rule whose lever treats its cause stops at `pressured`);
+once the level is above that and every rule not active has been below its exit threshold for
+its `exit_s` since the last change, it steps down one level, and the next step down waits again.
 
 Dwell is time, not a count of samples, because samples are irregular: the agent samples on a
 period and also at once when a source pushes (a PSI trigger, a worker GC pause). A sample
@@ -60,6 +61,7 @@ class Rule:
     enter_s: float | None = None
     exit_s: float | None = None
     levers: tuple[str, ...] = ()  # engaged while the rule is active (agent/levers/)
+    max_level: int = len(LEVELS) - 1  # the highest level this rule raises the node to
 
 
 @dataclass(frozen=True)
@@ -147,16 +149,23 @@ class DegradationPolicy:
             self._observe(rule, signals.get(rule.signal), since, now)
         previous = self.level
         active = [r for r in self.rules if self._state[r.signal].active]
+        ceiling = max((r.max_level for r in active), default=NORMAL)  # the level the active rules ask for
         may_change = _reached(now - self.last_change, self.min_change_interval)
-        if active:
-            fresh = any(_reached(self._state[r.signal].above_for, self._state[r.signal].enter_s) for r in active)
-            if may_change and fresh and self.level < len(LEVELS) - 1:
+        if self.level < ceiling:
+            fresh = any(
+                _reached(self._state[r.signal].above_for, self._state[r.signal].enter_s)
+                for r in active
+                if r.max_level > self.level
+            )
+            if may_change and fresh:
                 self._change(self.level + 1, now)
+        elif self.level > ceiling:  # down once the rules not active (or capped below) have been healthy
+            healthy = all(_reached(st.below_for(now), st.exit_s) for st in self._state.values() if not st.active)
+            if may_change and healthy:
+                self._change(self.level - 1, now)
+        if active:
             reasons = tuple(self._active_reason(r) for r in active)
         else:
-            healthy = all(_reached(st.below_for(now), st.exit_s) for st in self._state.values())
-            if may_change and healthy and self.level > NORMAL:
-                self._change(self.level - 1, now)
             reasons = (
                 ()
                 if self.level == previous
@@ -233,7 +242,15 @@ def rules_from_config(cfg: PolicyConfig) -> tuple[Rule, ...]:
     except ValueError as exc:
         raise ConfigError("policy.rules", str(exc)) from None
     return tuple(
-        Rule(signal, t["enter"], t["exit"], t.get("enter_s"), t.get("exit_s"), tuple(t.get("levers", ())))
+        Rule(
+            signal,
+            t["enter"],
+            t["exit"],
+            t.get("enter_s"),
+            t.get("exit_s"),
+            tuple(t.get("levers", ())),
+            LEVELS.index(t.get("max_level", LEVELS[-1])),
+        )
         for signal, t in cfg.rules.items()
         if signal not in cfg.disabled
     )

@@ -20,7 +20,10 @@ from turbonode.jsonrpc import ControlClient
 pytestmark = [needs_bcc, pytest.mark.root]
 
 # Every sample escalates: cpu_load >= 0 is always above an enter threshold of 0.
-ESCALATE = "[policy]\nenter_s = 0\nmin_change_interval = 0.1\n[policy.rules.cpu_load]\nenter = 0.0\nexit = 0.0\n"
+ESCALATE = (
+    "[policy]\nenter_s = 0\nmin_change_interval = 0.1\n"
+    '[policy.rules.cpu_load]\nenter = 0.0\nexit = 0.0\nmax_level = "critical"\n'
+)
 
 
 def write_config(tmp_path, sandbox, name: str, *, socket: str, worker_socket: str, extra: str = "") -> str:

@@ -302,3 +302,35 @@ def test_the_hysteresis_band_holds_a_lever_and_config_names_levers(tmp_path):
     f.write_text('[policy.rules.cpu_load]\nlevers = ["overclock"]\n')
     with pytest.raises(ConfigError, match="cpu_load.levers: expected a list of levers from cpu_share, worker_threads"):
         load_config(str(f), env={})
+
+
+def test_a_rule_raises_the_node_only_to_its_max_level_and_holds_it_there():
+    """A busy CPU (its lever treats the cause) stops at pressured; turbo's own wait climbs on, and
+    once it recovers the level steps back down to the cap, not below it, while the CPU stays busy."""
+    cpu = Rule("cpu_load", 0.75, 0.70, max_level=1)
+    wait = Rule("turbo_wait_s", 0.5, 0.25)
+    p = DegradationPolicy((cpu, wait), enter_s=0.2, exit_s=0.5, min_change_interval=0)
+    clock = iter(i * PERIOD for i in range(1000))
+
+    def feed(n, **signals):
+        return levels(p.update(signals, next(clock)) for _ in range(n))
+
+    assert feed(30, cpu_load=1.0, turbo_wait_s=0.0)[-20:] == [1] * 20
+    assert feed(30, cpu_load=1.0, turbo_wait_s=2.0)[-20:] == [3] * 20
+    after = feed(30, cpu_load=1.0, turbo_wait_s=0.0)
+    assert min(after) == 1 and after[-1] == 1 and 2 in after  # one step at a time, down to the cap
+    assert feed(30, cpu_load=0.1, turbo_wait_s=0.0)[-1] == 0
+
+
+def test_max_level_from_config(tmp_path):
+    rules = {r.signal: r for r in policy_from_config(PolicyConfig()).rules}
+    assert rules["cpu_load"].max_level == 1 and rules["netrx_cpu_share"].max_level == 1
+    assert rules["gc_pause_s"].max_level == 3 and rules["turbo_wait_s"].max_level == 3
+    f = tmp_path / "t.toml"
+    f.write_text('[policy.rules.cpu_load]\nmax_level = "critical"\n')
+    rules = {r.signal: r for r in policy_from_config(load_config(str(f), env={}).policy).rules}
+    assert rules["cpu_load"].max_level == 3
+    f.write_text('[policy.rules.cpu_load]\nmax_level = "normal"\n')
+    with pytest.raises(ConfigError, match="cpu_load.max_level: expected one of pressured, degraded, critical") as exc:
+        load_config(str(f), env={})
+    assert exc.value.key == "policy.rules"

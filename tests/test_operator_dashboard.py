@@ -95,7 +95,7 @@ sample_period = 0.1
 [policy]
 enter_s = 0
 min_change_interval = 0.3
-rules = {{ cpu_load = {{ enter = 0.001, exit = 0.0005 }} }}
+rules = {{ cpu_load = {{ enter = 0.001, exit = 0.0005, max_level = "critical" }} }}
 """)
     return cfg
 

@@ -281,33 +281,40 @@ LEVER_NAMES = ("cpu_share", "worker_threads")
 
 @dataclass(frozen=True)
 class RuleDefaults:
-    """A policy rule's default thresholds, the check its values pass, what its signal is, and the
-    levers it engages while active."""
+    """A policy rule's default thresholds, the check its values pass, what its signal is, the
+    levers it engages while active, and the highest level it may raise the node to."""
 
     enter: float
     exit: float
     check: Check
     help: str
     levers: tuple[str, ...] = ()
+    max_level: str = ACTION_LEVELS[-1]
 
 
 # The policy's rules, one per signal a watcher publishes (docs/agent.md): above `enter` for
 # enter_s seconds a rule is active, below `exit` for exit_s seconds it is healthy again
 # (hysteresis; each rule's dwell defaults to policy.enter_s / policy.exit_s).
+# A rule with a lever acts on its cause (the worker's CPU share and threads) and raises the level
+# only to `pressured`: throttling lower tiers further is left to the effect on turbo
+# (turbo_wait_s) and to causes no lever treats (GC), so that lower tiers keep making progress
+# while a lever protects turbo (docs/benchmarks.md, node SLO).
 # Adding a rule is one entry here: the config, its example and the agent's policy follow.
 POLICY_RULES: dict[str, RuleDefaults] = {
     "cpu_load": RuleDefaults(
-        0.75, 0.70, fraction, "CPU busy fraction (incl. softirq, steal)", ("cpu_share", "worker_threads")
+        0.75, 0.70, fraction, "CPU busy fraction (incl. softirq, steal)", ("cpu_share", "worker_threads"), "pressured"
     ),
     "gc_pause_s": RuleDefaults(0.005, 0.001, positive, "longest new worker GC pause (s)"),
-    "netrx_latency_p99_s": RuleDefaults(200e-6, 50e-6, positive, "NET_RX softirq raise-to-run p99 (s)", ("cpu_share",)),
+    "netrx_latency_p99_s": RuleDefaults(
+        200e-6, 50e-6, positive, "NET_RX softirq raise-to-run p99 (s)", ("cpu_share",), "pressured"
+    ),
     "netrx_cpu_share": RuleDefaults(
-        0.25, 0.10, fraction, "busiest CPU's share of time in the NET_RX softirq", ("cpu_share",)
+        0.25, 0.10, fraction, "busiest CPU's share of time in the NET_RX softirq", ("cpu_share",), "pressured"
     ),
     "turbo_wait_s": RuleDefaults(0.5, 0.25, positive, "oldest queued turbo job's wait (s)"),
 }
 POLICY_SIGNALS = tuple(POLICY_RULES)
-RULE_KEYS = ("enter", "exit", "enter_s", "exit_s", "levers")
+RULE_KEYS = ("enter", "exit", "enter_s", "exit_s", "levers", "max_level")
 check_dwell = in_range(0, MAX_DWELL_S, " s")  # enter_s / exit_s, the policy's and each rule's
 
 
@@ -321,13 +328,20 @@ def merged_rules(rules: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, 
     """Every rule's table: the file's keys over the defaults, key by key (naming only `enter`
     keeps the default `exit`)."""
     return {
-        signal: {"enter": d.enter, "exit": d.exit, "levers": list(d.levers), **rules.get(signal, {})}
+        signal: {
+            "enter": d.enter,
+            "exit": d.exit,
+            "levers": list(d.levers),
+            "max_level": d.max_level,
+            **rules.get(signal, {}),
+        }
         for signal, d in POLICY_RULES.items()
     }
 
 
 def policy_rules(v: Any) -> None:
-    """[policy.rules.<signal>]: enter and exit thresholds (exit <= enter), optional own dwell (seconds)."""
+    """[policy.rules.<signal>]: enter and exit thresholds (exit <= enter), optional own dwell
+    (seconds), levers, highest level."""
     for signal, table in v.items():
         if signal not in POLICY_RULES:
             raise ValueError(f"unknown signal {signal!r} (known: {', '.join(POLICY_SIGNALS)})")
@@ -340,6 +354,10 @@ def policy_rules(v: Any) -> None:
             if k == "levers":
                 if not isinstance(x, list) or any(lever not in LEVER_NAMES for lever in x):
                     raise ValueError(f"{where}: expected a list of levers from {', '.join(LEVER_NAMES)}, got {x!r}")
+                continue
+            if k == "max_level":
+                if x not in ACTION_LEVELS:
+                    raise ValueError(f"{where}: expected one of {', '.join(ACTION_LEVELS)}, got {x!r}")
                 continue
             if isinstance(x, bool) or not isinstance(x, (int, float)):
                 raise ValueError(f"{where}: expected a number, got {x!r}")
@@ -396,7 +414,8 @@ class PolicyConfig:
     rules: dict[str, dict[str, Any]] = opt(
         merged_rules({}),
         policy_rules,
-        "per signal: enter and exit thresholds; enter_s/exit_s override the dwell; levers it engages while active",
+        "per signal: enter and exit thresholds; enter_s/exit_s override the dwell; levers it engages while "
+        "active; max_level, the highest level it raises the node to",
         table_help={signal: d.help for signal, d in POLICY_RULES.items()},
     )
     actions: dict[str, dict[str, Any]] = opt(
