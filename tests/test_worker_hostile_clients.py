@@ -131,6 +131,8 @@ def closed_within(sock: socket.socket, seconds: float) -> float | None:
             pass
     except TimeoutError:
         return None
+    except ConnectionResetError:  # closed with our unread bytes in its buffer: the kernel sends RST
+        pass
     return time.monotonic() - t0
 
 
