@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import resource
 import sys
@@ -35,6 +34,10 @@ from pathlib import Path
 
 # Run from a checkout: this tree's packages win over an installed copy.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from render.cpu_threads import available_cpus, default_threads, wait_policy_default  # noqa: E402
+
+WAIT_POLICY = wait_policy_default()  # as the worker daemon does, before torch (OpenMP) loads
 
 import diffusers  # noqa: E402
 import psutil  # noqa: E402
@@ -359,7 +362,9 @@ def main(argv=None) -> int:
     p.add_argument("--probe-interval", type=float, default=1.0, help="mean seconds between turbo arrivals")
     p.add_argument("--min-share", type=float, default=0.1)
     p.add_argument("--device", default="cpu")
-    p.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
+    p.add_argument(
+        "--threads", type=int, default=default_threads(available_cpus()), help="torch threads (default: the worker's)"
+    )
     p.add_argument("--json", dest="json_out", help="also write the figures to this JSON file")
     a = p.parse_args(argv)
     torch.set_num_threads(a.threads)
@@ -372,7 +377,8 @@ def main(argv=None) -> int:
     freeze_after_load()  # as the daemon does: the models' objects leave the GC's reach
     gc = GcMonitor().install()
     print(
-        f"{a.size}px, max batch {a.max_batch} images (x2 rows with CFG), {a.threads} torch threads, "
+        f"{a.size}px, max batch {a.max_batch} images (x2 rows with CFG), {a.threads} torch threads "
+        f"(OMP_WAIT_POLICY={WAIT_POLICY}), "
         f"device {next(iter(benches.values())).backend.device}"
     )
     for b in benches.values():

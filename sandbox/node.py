@@ -82,7 +82,7 @@ class DemoNode:
             # fewer steps than the defaults: more requests per phase, so p99 means something
             f"steps = {{ turbo = 2, fast = 4, other = 6, relax = 8 }}\n{worker}"
             f'[agent]\nsocket = "{self.tmp}/agent.sock"\nworker_socket = "{self.tmp}/worker.sock"\n'
-            f'metrics = "127.0.0.1:0"\nsample_period = 0.25\n'
+            'metrics = "127.0.0.1:0"\n'
             "[levers]\n"
             + (f'best_effort_cgroups = ["{self.batch_cgroup}"]\n' if self.cgroups is not None else "")
             + self.s.extra_toml
