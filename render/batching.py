@@ -223,8 +223,12 @@ def should_decode(
     runnable = [RANK[t] for t in runnable_tiers]
     if not runnable or min(finished) <= min(runnable):
         return True
-    patience = math.ceil(1 / min_share) if min_share > 0 else math.inf
-    return deferred + 1 >= patience
+    return decode_overdue(deferred, min_share)
+
+
+def decode_overdue(deferred: int, min_share: float) -> bool:
+    """Finished images of a lower tier have waited 1/min_share boundaries: their decode goes next."""
+    return min_share > 0 and deferred + 1 >= math.ceil(1 / min_share)
 
 
 def decode_chunk(
@@ -233,14 +237,19 @@ def decode_chunk(
     step_budget_s: float | None,
     decode_s_per_image: float | None,
     turbo_max_batch: int | None = None,
+    oldest_first: bool = False,
 ) -> tuple[Hashable, ...]:
-    """Keys of the next decode batch: best tier first, one shape, at most max_batch
-    (turbo's images: at most turbo_max_batch, as in compose_batch).
+    """Keys of the next decode batch: best tier first (`oldest_first`: the oldest job's
+    images, for an overdue decode), one shape, at most max_batch (turbo's images: at most
+    turbo_max_batch, as in compose_batch).
 
     A decode cannot be interrupted, so below the top tier a chunk is kept to about one
     step's time (a turbo job that arrives meanwhile then waits no longer than a step).
     """
-    ordered = sorted(finished, key=lambda f: (RANK[f.tier], f.seq, str(f.key)))
+    if oldest_first:
+        ordered = sorted(finished, key=lambda f: (f.seq, str(f.key)))
+    else:
+        ordered = sorted(finished, key=lambda f: (RANK[f.tier], f.seq, str(f.key)))
     if not ordered:
         return ()
     head = ordered[0]

@@ -317,16 +317,21 @@ class Engine:
                     runnable.append(s)
         if not runnable and not finished:
             return bool(to_encode)
-        if batching.should_decode(
+        if not batching.should_decode(
             [s.job.tier for s in finished], [s.job.tier for s in runnable], self._decode_deferred, limits.min_share
         ):
-            self._decode_deferred = 0
-            return self._run_decode(finished, limits)
-        if finished:
-            self._decode_deferred += 1
-        return self._run_step(runnable, limits)
+            self._decode_deferred += bool(finished)
+            return self._run_step(runnable, limits)
+        # _decode_deferred counts the boundaries finished images have waited, whatever ran
+        # meanwhile: a higher tier's decode does not serve them, so it does not restart the count
+        # (a closed-loop turbo client would otherwise park relax images for as long as it runs).
+        overdue = batching.decode_overdue(self._decode_deferred, limits.min_share)
+        self._run_decode(finished, limits, oldest_first=overdue)
+        left = any(s.image is None for s in finished)
+        self._decode_deferred = self._decode_deferred + 1 if left and not overdue else 0
+        return True
 
-    def _run_decode(self, finished: list[Sample], limits: batching.Limits) -> bool:
+    def _run_decode(self, finished: list[Sample], limits: batching.Limits, oldest_first: bool = False) -> bool:
         by_key: dict[Hashable, Sample] = {s.key: s for s in finished}
         keys = batching.decode_chunk(
             [batching.Finished(s.key, s.job.tier, _shape(s), s.job.seq) for s in finished],
@@ -334,6 +339,7 @@ class Engine:
             percentile(self.step_times, 50),
             self.decode_s_per_image,
             limits.turbo_max_batch,
+            oldest_first,
         )
         self._decode([by_key[k] for k in keys])
         return True

@@ -260,3 +260,26 @@ def test_draining_fails_queued_jobs_and_runs_paused_started_ones():
         engine.submit(req("turbo"))
     drain(engine, [running])  # the pause does not hold shutdown back
     assert running.state is JobState.DONE
+
+
+def test_a_relax_image_is_decoded_under_a_ceaseless_stream_of_turbo_jobs():
+    """Turbo jobs that arrive back to back (a closed-loop client) finish and decode all the time;
+    those decodes must not restart the patience of a finished relax image, which is decoded
+    after about 1/min_share boundaries, not once turbo stops."""
+    events = []
+    engine = make_engine(max_batch=1, min_share=0.1, on_event=events.append)
+    relax = engine.submit(req("relax", steps=1, guidance=0.0))
+    turbo = [engine.submit(req("turbo", steps=1, seed=0))]
+    for i in range(60):
+        if relax.state.terminal:
+            break
+        if turbo[-1].state.terminal:
+            turbo.append(engine.submit(req("turbo", steps=1, seed=i + 1)))
+        engine.run_once()
+    assert relax.state is JobState.DONE, f"relax not decoded in 60 boundaries: {relax.state}"
+    assert not turbo[-1].state.terminal or len(turbo) > 5  # turbo kept coming meanwhile
+    # its step comes on min_share's credit (a step in ten, decodes of turbo between: ~20 events),
+    # its decode at most 1/min_share boundaries later
+    relax_decode = next(i for i, e in enumerate(events) if e["kind"] == "decode" and "relax" in tiers_of(e))
+    relax_step = next(i for i, e in enumerate(events) if e["kind"] == "step" and "relax" in tiers_of(e))
+    assert relax_decode - relax_step <= 11, (relax_step, relax_decode)

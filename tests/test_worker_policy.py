@@ -11,6 +11,7 @@ from render.batching import (
     Limits,
     compose_batch,
     decode_chunk,
+    decode_overdue,
     estimate_cost,
     should_decode,
 )
@@ -165,6 +166,13 @@ def test_decode_waits_for_higher_tier_steps_but_not_forever():
     assert not should_decode(["relax"], ["turbo"], 8, 0.1)
     assert should_decode(["relax"], ["turbo"], 9, 0.1)
     assert not should_decode(["relax"], ["turbo"], 10_000, 0.0)
+
+
+def test_an_overdue_decode_takes_the_oldest_jobs_images_first():
+    assert not decode_overdue(8, 0.1) and decode_overdue(9, 0.1) and not decode_overdue(10_000, 0.0)
+    fin = [Finished("t1", "turbo", (256, 256), 5), Finished("r1", "relax", (256, 256), 1)]
+    assert decode_chunk(fin, 4, None, None) == ("t1",)
+    assert decode_chunk(fin, 4, 0.1, 0.04, oldest_first=True) == ("r1", "t1")  # within a step's time
 
 
 def test_decode_chunk_best_tier_first_and_bounded_below_turbo():
