@@ -24,10 +24,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from . import faults
+from .interrupt import checkpoint
 from .node import DemoError, DemoNode
 
 NEEDS = ("ip", "tc", "iperf3", "stress-ng")
@@ -55,21 +57,27 @@ def preflight() -> None:
         raise DemoError(f"missing programs: {', '.join(missing)} (run scripts/setup.sh)")
 
 
-def run_demo(settings: DemoSettings, log: Callable[[str], object] = print) -> dict:
+def run_demo(settings: DemoSettings, log: Callable[[str], object] = print, stop: threading.Event | None = None) -> dict:
     """Both phases on one node; returns {"settings", "without", "with"}."""
     preflight()
     with DemoNode(settings, log) as node:
+        checkpoint(stop)
         log(
             f"phase 1/2: without turbonode (FIFO at {settings.rate}, no agent), {settings.duration:g} s of load "
             f"+ {faults.BULK_FLOWS} bulk flows" + (" + stress-ng on every CPU" if settings.stress else "")
         )
         node.plain_fifo()
+        checkpoint(stop)
         without = node.run_load(watch_agent=False)
+        checkpoint(stop)
         node.remove_fifo()
+        checkpoint(stop)
         log("phase 2/2: with turbonode (eBPF classifier + HTB tiers, agent throttling the worker), same load")
         agent = node.start_agent()
         try:
+            checkpoint(stop)
             with_ = node.run_load(watch_agent=True)
         finally:
             node.release(agent)
+        checkpoint(stop)
     return {"settings": dataclasses.asdict(settings), "without": without, "with": with_}

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING
 from turbonode.rates import format_rate
 from turbonode.tiers import tos_byte
 
+from .interrupt import checkpoint
 from .netns import Sandbox
 
 if TYPE_CHECKING:
@@ -124,17 +126,22 @@ def teardown(sb: Sandbox, dp: Datapath | None) -> None:
         sb.delete()
 
 
-def run_qos_only(rate_bps: int, seconds: float, log: Callable[[str], object] = print) -> tuple[dict, dict]:
+def run_qos_only(
+    rate_bps: int, seconds: float, log: Callable[[str], object] = print, stop: threading.Event | None = None
+) -> tuple[dict, dict]:
     """Build a node, shape it at `rate_bps`, run the mixed traffic; -> (`qos show` view, traffic).
-    Everything is removed afterwards, also on failure or Ctrl-C."""
+    Everything is removed afterwards, also on failure or Ctrl-C (`stop`: see sandbox.demo.checkpoint)."""
     sb = dp = None
     try:
         sb = build_node()
+        checkpoint(stop)
         log(
             f"sandbox node: netns {sb.server} ({sb.dev}) <-> netns {sb.client}; applying QoS at {format_rate(rate_bps)}"
         )
         dp = apply_qos(sb, rate_bps)
+        checkpoint(stop)
         traffic = run_mixed_traffic(sb, seconds, rate_bps)
+        checkpoint(stop)
         return dp.show(), traffic
     finally:
         if sb is not None:

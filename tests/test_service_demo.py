@@ -10,6 +10,7 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from conftest import needs_bcc
 from daemon_harness import daemon_env, start, turboctl_argv
 
 from sandbox import demo, report
+from sandbox.interrupt import checkpoint
 from turboctl import demo_cmd as demo_cli
 from turboctl import main
 from turbonode.cgroups import CgroupError, CpuHierarchy
@@ -149,3 +151,19 @@ def test_sigterm_interrupts_only_the_demo_process():
             os._exit(3)  # reached only when the handler raised or returned
     _, status = os.waitpid(pid, 0)
     assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGTERM
+
+
+def test_an_interrupt_a_library_swallowed_still_stops_the_demo_at_its_next_step():
+    """The handler raises KeyboardInterrupt and sets the flag the demo checks at every step: a
+    SIGINT that landed inside pyroute2 (bare excepts) once let the demo run on into phase 2."""
+    stop = threading.Event()
+    handler = demo_cli._interrupt_in(os.getpid(), stop)
+    try:
+        handler(signal.SIGINT, None)
+    except KeyboardInterrupt:
+        pass  # swallowed, as a library would
+    assert stop.is_set()
+    with pytest.raises(KeyboardInterrupt):
+        checkpoint(stop)
+    checkpoint(None)
+    checkpoint(threading.Event())  # not set: nothing

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import threading
 
 import click
 
@@ -48,47 +49,62 @@ def command(qos_only, rate, seconds, size, no_fault, as_json, keep_logs):
     Needs root; takes about 2 x SECONDS + 40 s; cleans up after itself, also on Ctrl-C or SIGTERM."""
     if os.geteuid() != 0:
         raise click.ClickException("the demo needs root (network namespaces, tc, bpf)")
-    previous = signal.signal(signal.SIGTERM, _interrupt_in(os.getpid()))
+    stop = threading.Event()
+    handler = _interrupt_in(os.getpid(), stop)
+    previous = {sig: signal.signal(sig, handler) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         if qos_only:
-            qos_only_demo(rate or parse_rate("100mbit"), seconds or 8)
+            qos_only_demo(rate or parse_rate("100mbit"), seconds or 8, stop)
         else:
-            full_demo(rate or parse_rate("20mbit"), seconds or 20, size, not no_fault, as_json, keep_logs)
+            full_demo(rate or parse_rate("20mbit"), seconds or 20, size, not no_fault, as_json, keep_logs, stop)
     except TurbonodeError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
         raise click.ClickException("interrupted; everything the demo started was removed") from None
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for sig, old in previous.items():
+            signal.signal(sig, old)
 
 
-def _interrupt_in(owner: int):
-    """A SIGTERM handler that cleans up like Ctrl-C (the demo's children run in their own sessions)
-    in process `owner` only: a forked child (pyroute2's namespace helper) inherits Python's
-    handlers, and must die of SIGTERM rather than run the demo's cleanup a second time."""
+def _interrupt_in(owner: int, stop: threading.Event | None = None):
+    """A SIGTERM/SIGINT handler that cleans up like Ctrl-C (the demo's children run in their own
+    sessions) in process `owner` only: a forked child (pyroute2's namespace helper) inherits
+    Python's handlers, and must die of the signal rather than run the demo's cleanup a second
+    time. It also sets `stop`, which the demo checks at every step: a KeyboardInterrupt raised
+    inside a library that swallows it (pyroute2) once let the demo run on into its second phase."""
 
     def handler(signum, frame):
         if os.getpid() != owner:
             signal.signal(signum, signal.SIG_DFL)
             os.kill(os.getpid(), signum)
             return
+        if stop is not None:
+            stop.set()
         raise KeyboardInterrupt
 
     return handler
 
 
-def full_demo(rate: int, seconds: int, size: int, fault: bool, as_json: bool, keep_logs: bool = False) -> None:
+def full_demo(
+    rate: int,
+    seconds: int,
+    size: int,
+    fault: bool,
+    as_json: bool,
+    keep_logs: bool = False,
+    stop: threading.Event | None = None,
+) -> None:
     from sandbox import report  # pyroute2, psutil: only when run
     from sandbox.demo import DemoSettings, run_demo
 
     settings = DemoSettings(rate=format_rate(rate), duration=seconds, size=size, stress=fault, keep_logs=keep_logs)
-    result = run_demo(settings, (lambda msg: click.echo(msg, err=True)) if as_json else click.echo)
+    result = run_demo(settings, (lambda msg: click.echo(msg, err=True)) if as_json else click.echo, stop)
     click.echo(json.dumps(result, indent=2) if as_json else "\n" + report.comparison(result))
 
 
-def qos_only_demo(rate: int, seconds: int) -> None:
+def qos_only_demo(rate: int, seconds: int, stop: threading.Event | None = None) -> None:
     from sandbox import report
     from sandbox.traffic import run_qos_only
 
-    view, traffic = run_qos_only(rate, seconds, click.echo)
+    view, traffic = run_qos_only(rate, seconds, click.echo, stop)
     click.echo("\n".join([report.traffic(traffic, rate), "", "turboctl qos show:", format_table(view)]))
