@@ -185,7 +185,8 @@ def test_gc_burst_in_the_worker_is_sampled_at_once_and_throttles(real_worker):
             seen["ready"] = wait_for(ww.feed.fresh, WAIT_S)  # the worker answered the feed: it has a cursor
             gc_burst()
             seen["throttle"] = wait_for(engine.throttle.current, WAIT_S)
-            seen["status"] = loop.status()
+            # the loop publishes its status only after the throttle has reached the worker
+            seen["status"] = wait_for(lambda: (st := loop.status())["last_change"] and st, WAIT_S)
         finally:
             flags.stop = True
             signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # wakes the loop's poll
