@@ -331,7 +331,7 @@ class Engine:
         self._decode_deferred = self._decode_deferred + 1 if left and not overdue else 0
         return True
 
-    def _run_decode(self, finished: list[Sample], limits: batching.Limits, oldest_first: bool = False) -> bool:
+    def _run_decode(self, finished: list[Sample], limits: batching.Limits, oldest_first: bool) -> None:
         by_key: dict[Hashable, Sample] = {s.key: s for s in finished}
         keys = batching.decode_chunk(
             [batching.Finished(s.key, s.job.tier, _shape(s), s.job.seq) for s in finished],
@@ -342,7 +342,6 @@ class Engine:
             oldest_first,
         )
         self._decode([by_key[k] for k in keys])
-        return True
 
     def _run_step(self, runnable: list[Sample], limits: batching.Limits) -> bool:
         by_key: dict[Hashable, Sample] = {s.key: s for s in runnable}
