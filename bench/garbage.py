@@ -31,10 +31,17 @@ class Garbage:
         return self
 
     def _start(self, *_):
-        self.until = time.monotonic() + MAX_BURST_S
-        self.event.set()
+        self.burst(MAX_BURST_S)
 
     def _stop(self, *_):
+        self.stop()
+
+    def burst(self, seconds: float) -> None:
+        """Make garbage for `seconds` (from a signal handler: only flags are set)."""
+        self.until = time.monotonic() + seconds
+        self.event.set()
+
+    def stop(self) -> None:
         self.until = 0.0
 
     def _run(self):

@@ -82,6 +82,7 @@ class Knobs:
     first_packet: str = "listener"  # FIRST_PACKET
     nodelay: bool = True  # the client's TCP_NODELAY
     agent_toml: str = ""  # more agent configuration, e.g. a [policy.rules.cpu_load] table
+    torch_graphs: bool = True  # worker.torch_graphs: traced denoiser/VAE (False: eager, as before)
 
 
 @dataclass
@@ -276,6 +277,7 @@ def main() -> int:
         "net.ipv4.tcp_reflect_tos=1 in the node namespace, or not at all",
     )
     ap.add_argument("--no-nodelay", action="store_true", help="the client leaves Nagle on")
+    ap.add_argument("--eager", action="store_true", help="worker.torch_graphs = false: eager denoiser and VAE")
     ap.add_argument("--agent-toml", help="a TOML file of more agent configuration (e.g. [policy.rules.cpu_load])")
     ap.add_argument("--json", help="write every figure (and every request's outcome) here")
     ap.add_argument("--keep-logs", help="copy the node's logs (worker, agent, faults) to this directory")
@@ -296,10 +298,13 @@ def main() -> int:
         args.first_packet,
         not args.no_nodelay,
         Path(args.agent_toml).read_text() if args.agent_toml else "",
+        not args.eager,
     )
     worker: dict = {"handshake_tier": PROTECTED_TIER if knobs.first_packet == "listener" else ""}
     if knobs.worker_threads:
         worker["intra_op_threads"] = knobs.worker_threads
+    if not knobs.torch_graphs:
+        worker["torch_graphs"] = False
     settings = DemoSettings(rate=args.link, worker_config=worker, extra_toml=knobs.agent_toml)
     result: dict = {
         "cells": {},

@@ -136,8 +136,13 @@ class Worker:
         # tensorrt: a first start exports ONNX and builds engines (minutes; progress in the log)
         loading(f"preparing backend {cfg.backend} (device {cfg.device}) for model {family.model_id}")
         backend = make_backend(
-            cfg.backend, family, cfg.device, tensorrt_options=TensorRTOptions.from_config(cfg, family.native_size)
+            cfg.backend,
+            family,
+            cfg.device,
+            tensorrt_options=TensorRTOptions.from_config(cfg, family.native_size),
+            torch_graphs=cfg.torch_graphs,
         )
+        backend.prepare(cfg.size or family.native_size, cfg.size or family.native_size)
         info = backend.describe()
         log.info("backend %s on %s ready in %.1f s", info["name"], info["device"], time.monotonic() - started)
         encoder = PromptEncoder(family, backend.device, backend.dtype, cfg.text_cache_size)

@@ -47,7 +47,13 @@ def test_tiny_weights_are_deterministic(components):
 
 def test_torch_backend_shapes_and_per_sample_timesteps(components):
     backend = make_backend("torch", components, "cpu")
-    assert backend.describe() == {"name": "torch", "device": "cpu", "dtype": "float32"}
+    assert backend.describe() == {
+        "name": "torch",
+        "device": "cpu",
+        "dtype": "float32",
+        "execution": "graph",
+        "graphs": 0,
+    }
     latents = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(0))
     emb = torch.randn(1, 77, 32, generator=torch.Generator().manual_seed(1)).expand(2, -1, -1)
 
@@ -63,6 +69,7 @@ def test_torch_backend_shapes_and_per_sample_timesteps(components):
     torch.testing.assert_close(both[1:], single, atol=1e-4, rtol=1e-4)
     assert not torch.allclose(both[0], single[0], atol=1e-3)
     assert backend.decode(latents).shape == (2, 3, 128, 128)
+    assert backend.describe()["graphs"] == 2  # one denoiser graph for both row counts, one decoder graph
 
 
 def test_backend_selection_errors(components):

@@ -210,6 +210,12 @@ class WorkerConfig:
     model: str = opt("tiny", help=f"a local diffusers directory, or an embedded test model: {', '.join(TINY_MODELS)}")
     backend: str = opt("auto", one_of(*BACKEND_NAMES), "denoiser/VAE backend")
     device: str = opt("auto", help="torch device: auto, cpu, cuda, cuda:N")
+    torch_graphs: bool = opt(
+        True,
+        help="the torch backend runs its denoiser and VAE as traced graphs, one per image size: a graph "
+        "holds the GIL once per call instead of once per op, so the worker's other threads (GC, HTTP) "
+        "do not stall a step",
+    )
     max_batch: int = opt(4, positive, "largest denoiser batch (rows: an image with CFG takes two)")
     size: int = opt(
         0,
@@ -295,16 +301,17 @@ class RuleDefaults:
 # The policy's rules, one per signal a watcher publishes (docs/agent.md): above `enter` for
 # enter_s seconds a rule is active, below `exit` for exit_s seconds it is healthy again
 # (hysteresis; each rule's dwell defaults to policy.enter_s / policy.exit_s).
-# A rule with a lever acts on its cause (the worker's CPU share and threads) and raises the level
-# only to `pressured`: throttling lower tiers further is left to the effect on turbo
-# (turbo_wait_s) and to causes no lever treats (GC), so that lower tiers keep making progress
-# while a lever protects turbo (docs/benchmarks.md, node SLO).
+# A rule whose cause is treated raises the level only to `pressured`: the lever rules (the
+# worker's CPU share and threads) and GC pauses, which the worker's traced graphs ride out
+# (worker.torch_graphs). Throttling lower tiers further is left to the effect on turbo
+# (turbo_wait_s), so that lower tiers keep making progress while turbo is protected
+# (docs/benchmarks.md, node SLO).
 # Adding a rule is one entry here: the config, its example and the agent's policy follow.
 POLICY_RULES: dict[str, RuleDefaults] = {
     "cpu_load": RuleDefaults(
         0.75, 0.70, fraction, "CPU busy fraction (incl. softirq, steal)", ("cpu_share", "worker_threads"), "pressured"
     ),
-    "gc_pause_s": RuleDefaults(0.005, 0.001, positive, "longest new worker GC pause (s)"),
+    "gc_pause_s": RuleDefaults(0.005, 0.001, positive, "longest new worker GC pause (s)", (), "pressured"),
     "netrx_latency_p99_s": RuleDefaults(
         200e-6, 50e-6, positive, "NET_RX softirq raise-to-run p99 (s)", ("cpu_share",), "pressured"
     ),

@@ -50,6 +50,10 @@ class Backend(ABC):
         """
         return None
 
+    @abstractmethod
+    def prepare(self, height: int, width: int) -> None:
+        """Get ready for height x width images before the first request (what a first call would build)."""
+
     def describe(self) -> dict:
         """What `status` and the logs say about this backend."""
         return {"name": self.name, "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}

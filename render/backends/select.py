@@ -49,11 +49,14 @@ def _tensorrt(family: Family, dev: torch.device, options) -> Backend:
         raise BackendUnavailable(f"tensorrt backend failed to start: {type(exc).__name__}: {exc}") from exc
 
 
-def make_backend(name: str, family: Family, device: str = "auto", *, tensorrt_options=None) -> Backend:
+def make_backend(
+    name: str, family: Family, device: str = "auto", *, tensorrt_options=None, torch_graphs: bool = True
+) -> Backend:
     """Build the backend `name` ('auto', 'torch', 'tensorrt') for the model `family` on `device`.
 
     `tensorrt_options` (a render.backends.tensorrt.TensorRTOptions) sets the engines'
-    batch range, sizes and cache; None takes the config defaults.
+    batch range, sizes and cache; None takes the config defaults. `torch_graphs`: the torch
+    backend traces its modules (render/backends/graphs.py) rather than running them eagerly.
     """
     if name not in BACKEND_NAMES:
         raise BackendUnavailable(f"unknown backend {name!r} (expected {', '.join(BACKEND_NAMES)})")
@@ -67,4 +70,4 @@ def make_backend(name: str, family: Family, device: str = "auto", *, tensorrt_op
             log.warning("backend auto: using torch on %s (%s)", dev, exc)
     from .torch_backend import TorchBackend
 
-    return TorchBackend(family, dev)
+    return TorchBackend(family, dev, graphs=torch_graphs)

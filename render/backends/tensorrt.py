@@ -301,6 +301,9 @@ class TensorRTBackend(Backend):
         self.decoder = self.engines.decoder(family, "fp32" if family.vae_needs_fp32(self.dtype) else precision)
         self.scale = family.vae_scale_factor
 
+    def prepare(self, height: int, width: int) -> None:
+        """Nothing left: every profile's engine was built (or loaded) at start."""
+
     def unsupported_size(self, height: int, width: int) -> str | None:
         (h0, w0), _, (h2, w2) = size_profile(self.options, self.family.size_multiple)
         if h0 <= height <= h2 and w0 <= width <= w2:

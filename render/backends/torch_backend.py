@@ -1,14 +1,16 @@
-"""The torch backend: the family's denoiser and VAE decoder as eager torch modules (CPU here, CUDA where present)."""
+"""The torch backend: the family's denoiser and VAE decoder in torch (CPU here, CUDA where present),
+as traced graphs by default (render/backends/graphs.py says why) or as eager modules."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 import torch
 
 from render.families.base import FLOAT32_INPUTS, Family
 
 from .base import Backend
+from .graphs import GraphCache
 
 
 def _place(module: torch.nn.Module, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
@@ -21,12 +23,13 @@ class TorchBackend(Backend):
     """Runs the family's denoiser and VAE in torch: on CUDA in the family's half precision, fp32 on CPU.
 
     `decode` takes latents as the scheduler produced them and un-scales (and un-shifts) them
-    itself, so callers never need to know the VAE's factors.
+    itself, so callers never need to know the VAE's factors. With `graphs`, both run as traced
+    graphs, one per size (`prepare` traces the default size before the first request).
     """
 
     name = "torch"
 
-    def __init__(self, family: Family, device: torch.device):
+    def __init__(self, family: Family, device: torch.device, *, graphs: bool = True):
         self.device = torch.device(device)
         self.dtype = family.cuda_dtype if self.device.type == "cuda" else torch.float32
         self.denoiser = _place(family.denoiser_module(), self.device, self.dtype)
@@ -34,14 +37,40 @@ class TorchBackend(Backend):
         # SDXL's VAE overflows in fp16 (its config says force_upcast): it decodes in fp32, as diffusers does
         self.decoder_dtype = torch.float32 if family.vae_needs_fp32(self.dtype) else self.dtype
         self.decoder = _place(family.decoder_module(), self.device, self.decoder_dtype)
+        self.family = family
+        self.graphs = graphs
+        axes = family.dynamic_axes()
+        self._predict: Callable[..., torch.Tensor] = self.denoiser
+        self._decode: Callable[..., torch.Tensor] = self.decoder
+        self._caches: list[GraphCache] = []
+        if graphs:
+            batched = [axes[n].get(0) == "batch" for n in self.input_names]
+            self._predict = GraphCache(self.denoiser, batched, f"{family.name} denoiser")
+            self._decode = GraphCache(self.decoder, [True], f"{family.name} decoder")
+            self._caches = [self._predict, self._decode]
 
     @torch.inference_mode()
     def predict(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        args = [
-            inputs[n].to(self.device, torch.float32 if n in FLOAT32_INPUTS else self.dtype) for n in self.input_names
-        ]
-        return self.denoiser(*args)
+        args = [self._placed(inputs[n], torch.float32 if n in FLOAT32_INPUTS else self.dtype) for n in self.input_names]
+        return self._predict(*args)
+
+    def _placed(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        # even a no-op .to() gives the GIL up and waits to get it back: skipped when nothing changes
+        return tensor if tensor.dtype == dtype and tensor.device == self.device else tensor.to(self.device, dtype)
 
     @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
-        return self.decoder(latents.to(self.device, self.decoder_dtype))
+        return self._decode(self._placed(latents, self.decoder_dtype))
+
+    def prepare(self, height: int, width: int) -> None:
+        """Trace the denoiser and decoder for one row of height x width (other row counts share the graphs)."""
+        if not self.graphs:
+            return
+        family = self.family
+        shapes = family.input_shapes(1, height, width)
+        self.predict({n: torch.zeros(shapes[n]) for n in self.input_names})
+        self.decode(torch.zeros(family.noise_shape(height, width)))
+
+    def describe(self) -> dict:
+        graphs = {"graphs": sum(c.traced() for c in self._caches)} if self.graphs else {}
+        return {**super().describe(), "execution": "graph" if self.graphs else "eager", **graphs}

@@ -1,0 +1,124 @@
+"""The torch backend's traced graphs (render/backends/graphs.py): same images as eager, one graph per size."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+import threading
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from render.backends.graphs import GraphCache  # noqa: E402
+from render.backends.select import make_backend  # noqa: E402
+from render.model import load_model  # noqa: E402
+from turbonode.config import TINY_MODELS  # noqa: E402
+
+SIZE = 64
+
+
+def _inputs(family, rows: int, size: int = SIZE, seed: int = 0) -> dict:
+    gen = torch.Generator().manual_seed(seed)
+    return {n: torch.randn(s, generator=gen) for n, s in family.input_shapes(rows, size, size).items()}
+
+
+@pytest.mark.parametrize("model", TINY_MODELS)
+def test_graphs_render_what_eager_renders_at_every_row_count(model):
+    family = load_model(model)
+    eager = make_backend("torch", family, "cpu", torch_graphs=False)
+    graphs = make_backend("torch", family, "cpu")
+    assert eager.describe()["execution"] == "eager" and graphs.describe()["execution"] == "graph"
+    graphs.prepare(SIZE, SIZE)  # traced at one row: 3 and 2 rows run through the same graphs
+    assert graphs.describe()["graphs"] == 2
+    for rows in (3, 2):
+        inputs = _inputs(family, rows, seed=rows)
+        torch.testing.assert_close(graphs.predict(inputs), eager.predict(inputs), atol=1e-5, rtol=1e-4)
+        latents = torch.randn(rows, *family.noise_shape(SIZE, SIZE)[1:], generator=torch.Generator().manual_seed(rows))
+        torch.testing.assert_close(graphs.decode(latents), eager.decode(latents), atol=1e-5, rtol=1e-4)
+    assert graphs.describe()["graphs"] == 2
+    graphs.predict(_inputs(family, 1, size=2 * SIZE))  # another size is another graph
+    assert graphs.describe()["graphs"] == 3
+
+
+class _Doubler(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * 2
+
+
+class _DictOut(torch.nn.Module):
+    def forward(self, x: torch.Tensor) -> dict:
+        return {"x": x + 1}  # the tracer refuses a dict output (strict)
+
+
+def test_the_least_recently_used_graph_goes_first():
+    cache = GraphCache(_Doubler(), [True], "doubler", max_graphs=2)
+    for width in (3, 4, 3, 5):  # 3 was used again: 4 is the one evicted
+        assert torch.equal(cache(torch.ones(2, width)), torch.full((2, width), 2.0))
+    assert [key[0][0] for key in cache._graphs] == [(None, 3), (None, 5)]
+    cache(torch.ones(7, 3))  # another batch size is the same signature
+    assert len(cache) == 2 and cache.traced() == 2
+
+
+def test_an_untraceable_module_runs_eagerly_and_says_so(caplog):
+    cache = GraphCache(_DictOut(), [True], "dict-out")
+    with caplog.at_level(logging.WARNING, logger="render.backends.graphs"):
+        out = cache(torch.zeros(1, 2))
+        again = cache(torch.zeros(3, 2))
+    assert torch.equal(out["x"], torch.ones(1, 2)) and again["x"].shape == (3, 2)
+    assert cache.traced() == 0 and len(cache) == 1
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "dict-out: cannot trace for Bx2, running it eagerly" in warnings[0]
+
+
+def test_a_shared_input_is_part_of_the_signature():
+    cache = GraphCache(_Doubler(), [False], "shared")
+    cache(torch.ones(4, 3))
+    cache(torch.ones(5, 3))
+    assert len(cache) == 2
+    with pytest.raises(ValueError, match="shared takes 1 inputs, got 2"):
+        cache(torch.ones(1), torch.ones(1))
+
+
+HOG_SWITCH_S = 0.02
+
+
+@contextlib.contextmanager
+def gil_hog():
+    """A pure-Python thread that gives the GIL up only when the interpreter makes it, every 20 ms."""
+    interval, stop = sys.getswitchinterval(), threading.Event()
+
+    def spin() -> None:
+        while not stop.is_set():
+            pass
+
+    sys.setswitchinterval(HOG_SWITCH_S)
+    hog = threading.Thread(target=spin, daemon=True)
+    hog.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        hog.join()
+        sys.setswitchinterval(interval)
+
+
+def test_a_graph_call_takes_the_gil_back_once_not_at_every_op():
+    # Eagerly, every op gives the GIL up and waits up to a switch interval to get it back:
+    # hundreds of ops, seconds per step next to the hog. A graph gives it up once per call.
+    family = load_model("tiny")
+    backend = make_backend("torch", family, "cpu")
+    inputs = _inputs(family, 2)
+    backend.predict(inputs)  # traced (and profiled) before the hog starts: tracing runs the Python
+    with torch.inference_mode():
+        graph = torch.jit.trace(backend.denoiser, tuple(inputs[n] for n in family.input_names), check_trace=False)
+    ops = sum(1 for _ in graph.inlined_graph.nodes())
+    assert ops > 300, ops
+    with gil_hog():
+        started = time.monotonic()
+        for _ in range(3):
+            backend.predict(inputs)
+        waits = (time.monotonic() - started) / HOG_SWITCH_S
+    assert waits < 3 * 10, f"3 graph calls waited ~{waits:.0f} switch intervals for the GIL (a graph has {ops} ops)"
