@@ -75,6 +75,7 @@ def run(args) -> dict:
     started = time.monotonic()
     options = TensorRTOptions(cache_dir=Path(args.cache_dir), max_batch=args.max_batch, sizes=((size, size),))
     backend = make_backend(args.backend, family, args.device, tensorrt_options=options)
+    backend.prepare(size, size)  # as the worker does at start (torch: its traced graphs)
     device = backend.device
     setup_s = time.monotonic() - started
     engine = Engine(

@@ -116,7 +116,8 @@ def test_the_official_openai_client_gets_an_image_and_the_model_list(name):
     assert [m.id for m in models.data] == [name] and model.id == name and model.owned_by == "turbonode"
     info = models.data[0].model_extra["turbonode"]
     assert info["family"] == family(name).name and info["defaults"]["steps"]["turbo"] <= 8
-    assert info["backend"]["name"] == "torch"
+    assert info["backend"]["name"] == "torch" and info["backend"]["execution"] == "graph"
+    assert info["backend"]["graphs"] == 2  # the denoiser and the VAE, traced at start for SIZE
 
 
 def test_an_unknown_model_id_is_a_404():

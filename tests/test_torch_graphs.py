@@ -1,4 +1,4 @@
-"""The torch backend's traced graphs (render/backends/graphs.py): same images as eager, one graph per size."""
+"""The torch backend's traced graphs (render/backends/graphs.py): same images as eager, one graph per prepared size."""
 
 from __future__ import annotations
 
@@ -31,20 +31,26 @@ def test_graphs_render_what_eager_renders_at_every_row_count(model):
     eager = make_backend("torch", family, "cpu", torch_graphs=False)
     graphs = make_backend("torch", family, "cpu")
     assert eager.describe()["execution"] == "eager" and graphs.describe()["execution"] == "graph"
+    eager.prepare(SIZE, SIZE)
     graphs.prepare(SIZE, SIZE)  # traced at one row: 3 and 2 rows run through the same graphs
-    assert graphs.describe()["graphs"] == 2
+    assert graphs.describe()["graphs"] == 2 and "graphs" not in eager.describe()
     for rows in (3, 2):
         inputs = _inputs(family, rows, seed=rows)
         torch.testing.assert_close(graphs.predict(inputs), eager.predict(inputs), atol=1e-5, rtol=1e-4)
         latents = torch.randn(rows, *family.noise_shape(SIZE, SIZE)[1:], generator=torch.Generator().manual_seed(rows))
         torch.testing.assert_close(graphs.decode(latents), eager.decode(latents), atol=1e-5, rtol=1e-4)
+    other = _inputs(family, 1, size=2 * SIZE)  # a size nobody prepared runs eagerly, traced by nobody
+    torch.testing.assert_close(graphs.predict(other), eager.predict(other), atol=1e-5, rtol=1e-4)
     assert graphs.describe()["graphs"] == 2
-    graphs.predict(_inputs(family, 1, size=2 * SIZE))  # another size is another graph
-    assert graphs.describe()["graphs"] == 3
 
 
 class _Doubler(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1  # Python: counts eager calls and the trace, not a graph's runs
         return x * 2
 
 
@@ -53,30 +59,28 @@ class _DictOut(torch.nn.Module):
         return {"x": x + 1}  # the tracer refuses a dict output (strict)
 
 
-def test_the_least_recently_used_graph_goes_first():
-    cache = GraphCache(_Doubler(), [True], "doubler", max_graphs=2)
-    for width in (3, 4, 3, 5):  # 3 was used again: 4 is the one evicted
-        assert torch.equal(cache(torch.ones(2, width)), torch.full((2, width), 2.0))
-    assert [key[0][0] for key in cache._graphs] == [(None, 3), (None, 5)]
-    cache(torch.ones(7, 3))  # another batch size is the same signature
-    assert len(cache) == 2 and cache.traced() == 2
+def test_a_prepared_signature_runs_its_graph_any_other_the_module():
+    module = _Doubler()
+    cache = GraphCache(module, [True], "doubler")
+    assert cache.prepare(torch.zeros(1, 3)) and module.calls == 1  # the trace ran the module's Python once
+    assert cache.prepare(torch.zeros(4, 3)) and len(cache) == 1  # the batch axis is not in the signature
+    assert torch.equal(cache(torch.ones(5, 3)), torch.full((5, 3), 2.0)) and module.calls == 1
+    assert torch.equal(cache(torch.ones(5, 4)), torch.full((5, 4), 2.0)) and module.calls == 2  # eager
 
 
 def test_an_untraceable_module_runs_eagerly_and_says_so(caplog):
     cache = GraphCache(_DictOut(), [True], "dict-out")
     with caplog.at_level(logging.WARNING, logger="render.backends.graphs"):
-        out = cache(torch.zeros(1, 2))
-        again = cache(torch.zeros(3, 2))
-    assert torch.equal(out["x"], torch.ones(1, 2)) and again["x"].shape == (3, 2)
-    assert cache.traced() == 0 and len(cache) == 1
+        assert not cache.prepare(torch.zeros(1, 2))
+    assert torch.equal(cache(torch.zeros(3, 2))["x"], torch.ones(3, 2)) and len(cache) == 0
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "dict-out: cannot trace for Bx2, running it eagerly" in warnings[0]
 
 
 def test_a_shared_input_is_part_of_the_signature():
     cache = GraphCache(_Doubler(), [False], "shared")
-    cache(torch.ones(4, 3))
-    cache(torch.ones(5, 3))
+    cache.prepare(torch.ones(4, 3))
+    cache.prepare(torch.ones(5, 3))
     assert len(cache) == 2
     with pytest.raises(ValueError, match="shared takes 1 inputs, got 2"):
         cache(torch.ones(1), torch.ones(1))
@@ -110,8 +114,8 @@ def test_a_graph_call_takes_the_gil_back_once_not_at_every_op():
     # hundreds of ops, seconds per step next to the hog. A graph gives it up once per call.
     family = load_model("tiny")
     backend = make_backend("torch", family, "cpu")
+    backend.prepare(SIZE, SIZE)  # traced (and profiled) before the hog starts: tracing runs the Python
     inputs = _inputs(family, 2)
-    backend.predict(inputs)  # traced (and profiled) before the hog starts: tracing runs the Python
     with torch.inference_mode():
         graph = torch.jit.trace(backend.denoiser, tuple(inputs[n] for n in family.input_names), check_trace=False)
     ops = sum(1 for _ in graph.inlined_graph.nodes())

@@ -35,3 +35,19 @@ def test_engine_on_cuda_fp16_renders_and_reports_gpu_memory():
     assert a.shape == (64, 64, 3) and np.abs(a.astype(int) - c.astype(int)).max() <= 2
     st = ControlHandlers(engine, GcMonitor()).status()
     assert st["memory"]["gpu_allocated_bytes"] > 0
+
+
+def test_traced_graphs_on_cuda_render_what_eager_renders():
+    from render.backends.select import make_backend
+    from render.model import load_model
+
+    family = load_model("tiny")
+    eager = make_backend("torch", family, "cuda", torch_graphs=False)
+    graphs = make_backend("torch", family, "cuda")
+    graphs.prepare(64, 64)
+    assert graphs.describe()["graphs"] == 2
+    gen = torch.Generator().manual_seed(0)
+    inputs = {n: torch.randn(s, generator=gen) for n, s in family.input_shapes(3, 64, 64).items()}
+    torch.testing.assert_close(graphs.predict(inputs), eager.predict(inputs), atol=2e-2, rtol=2e-2)
+    latents = torch.randn(2, *family.noise_shape(64, 64)[1:], generator=gen)
+    torch.testing.assert_close(graphs.decode(latents), eager.decode(latents), atol=2e-2, rtol=2e-2)

@@ -18,7 +18,10 @@ from tests.family_support import SIZE, family
 
 @functools.cache
 def backend(model: str = "tiny"):
-    return make_backend("torch", family(model), "cpu")
+    """The torch backend as the worker runs it: graphs prepared for the default size (SIZE here)."""
+    b = make_backend("torch", family(model), "cpu")
+    b.prepare(SIZE, SIZE)
+    return b
 
 
 def make_engine(*, model="tiny", clock=None, on_event=None, backend_=None, metrics=None, **settings) -> Engine:

@@ -1,24 +1,25 @@
-"""Traced graphs: a torch module run as TorchScript, one graph per input signature.
+"""Traced graphs: a torch module run as TorchScript for the input signatures prepared at start.
 
 Why: an eager forward is hundreds of op calls, and each releases the GIL and takes it back.
 When another thread of the worker holds the GIL (a full GC pass over a large heap holds it for
 tens of milliseconds, a busy request handler for its switch interval), every take waits: a
-tiny-UNet step of 7 ms took 320 ms p50 next to a thread making cyclic garbage. A traced graph
-runs all its ops in C++ and gives the GIL up once per call: the same step took 4.7 ms p50
+tiny-UNet step of 30 ms took 775 ms p50 next to a thread making cyclic garbage. A traced graph
+runs all its ops in C++ and gives the GIL up once per call: the same step took 149 ms
 (bench/graph_gil.py, docs/benchmarks.md).
 
 A trace records one path through the module's Python: branches on sizes are frozen into it.
 So each signature (every input's shape and dtype) gets its own graph, except along the batch
 axis, which the traced ops carry symbolically (tests/test_torch_graphs.py checks each model
-family's graphs against eager at other row counts). A module that cannot be traced for a
-signature runs eagerly for it, said once in the log.
+family's graphs against eager at other row counts). Graphs are traced when the backend is
+prepared, never inside a request: a trace runs the module's Python once more (0.4 s for the
+tiny UNet, far more for a real one) and would stall every queued step, so a signature nobody
+prepared (an image size other than the default) runs eagerly. A module that cannot be traced
+runs eagerly too, said in the log.
 """
 
 from __future__ import annotations
 
-import collections
 import logging
-import threading
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -27,31 +28,28 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Signatures kept: sizes x dtypes a worker renders; the least recently used graph goes first.
-MAX_GRAPHS = 16
-# The profiling executor optimises a graph on its second run: those runs happen at trace time,
-# not inside a request.
+# The profiling executor optimises a graph on its second run: those runs happen when the graph
+# is prepared, not inside a request.
 PROFILING_RUNS = 2
 
 Signature = tuple[tuple[tuple[int | None, ...], torch.dtype], ...]
 
 
 class GraphCache:
-    """Call `module(*args)` through a traced graph for the args' signature, tracing on first use.
+    """Call `module(*args)` through the graph traced for the args' signature, eagerly when there is none.
 
     `batched[i]` says whether argument i's first axis is the batch (rows); other axes, and
     arguments shared by every row, are part of the signature.
     """
 
-    def __init__(self, module: torch.nn.Module, batched: Sequence[bool], name: str, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, module: torch.nn.Module, batched: Sequence[bool], name: str):
         self.module = module
         self.batched = tuple(batched)
         self.name = name
-        self.max_graphs = max_graphs
-        self._graphs: collections.OrderedDict[Signature, Callable[..., torch.Tensor]] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._graphs: dict[Signature, Callable[..., torch.Tensor]] = {}
 
     def __len__(self) -> int:
+        """Signatures that run as a graph."""
         return len(self._graphs)
 
     def signature(self, args: Sequence[torch.Tensor]) -> Signature:
@@ -62,23 +60,17 @@ class GraphCache:
         )
 
     def __call__(self, *args: torch.Tensor) -> torch.Tensor:
-        key = self.signature(args)
-        with self._lock:
-            graph = self._graphs.get(key)
-            if graph is None:
-                graph = self._trace(key, args)
-                self._graphs[key] = graph
-                while len(self._graphs) > self.max_graphs:
-                    self._graphs.popitem(last=False)
-            else:
-                self._graphs.move_to_end(key)
-        return graph(*args)
+        return self._graphs.get(self.signature(args), self.module)(*args)
 
-    def _trace(self, key: Signature, args: Sequence[torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def prepare(self, *args: torch.Tensor) -> bool:
+        """Trace a graph for the signature of `args` (examples: their values do not matter); False if it cannot be."""
+        key = self.signature(args)
+        if key in self._graphs:
+            return True
         started = time.monotonic()
         try:
             with warnings.catch_warnings():
-                # the tracer warns at every Python branch on a size: the signature key covers those
+                # the tracer warns at every Python branch on a size: the signature covers those
                 warnings.simplefilter("ignore", torch.jit.TracerWarning)
                 graph = torch.jit.trace(self.module, tuple(args), check_trace=False)
             for _ in range(PROFILING_RUNS):
@@ -87,13 +79,10 @@ class GraphCache:
             log.warning(
                 "%s: cannot trace for %s, running it eagerly: %s: %s", self.name, _shapes(key), type(exc).__name__, exc
             )
-            return self.module
+            return False
         log.info("%s: traced for %s in %.2f s", self.name, _shapes(key), time.monotonic() - started)
-        return graph
-
-    def traced(self) -> int:
-        """Signatures that run as a graph (not those that fell back to eager)."""
-        return sum(g is not self.module for g in self._graphs.values())
+        self._graphs[key] = graph
+        return True
 
 
 def _shapes(key: Signature) -> str:

@@ -3,7 +3,7 @@ as traced graphs by default (render/backends/graphs.py says why) or as eager mod
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 import torch
 
@@ -24,7 +24,7 @@ class TorchBackend(Backend):
 
     `decode` takes latents as the scheduler produced them and un-scales (and un-shifts) them
     itself, so callers never need to know the VAE's factors. With `graphs`, both run as traced
-    graphs, one per size (`prepare` traces the default size before the first request).
+    graphs for the sizes `prepare`d (the worker prepares its default size at start), eagerly for others.
     """
 
     name = "torch"
@@ -40,37 +40,36 @@ class TorchBackend(Backend):
         self.family = family
         self.graphs = graphs
         axes = family.dynamic_axes()
-        self._predict: Callable[..., torch.Tensor] = self.denoiser
-        self._decode: Callable[..., torch.Tensor] = self.decoder
-        self._caches: list[GraphCache] = []
-        if graphs:
-            batched = [axes[n].get(0) == "batch" for n in self.input_names]
-            self._predict = GraphCache(self.denoiser, batched, f"{family.name} denoiser")
-            self._decode = GraphCache(self.decoder, [True], f"{family.name} decoder")
-            self._caches = [self._predict, self._decode]
+        batched = [axes[n].get(0) == "batch" for n in self.input_names]
+        # without a prepared graph a cache runs its module eagerly: with graphs off none is prepared
+        self._predict = GraphCache(self.denoiser, batched, f"{family.name} denoiser")
+        self._decode = GraphCache(self.decoder, [True], f"{family.name} decoder")
 
-    @torch.inference_mode()
-    def predict(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
-        args = [self._placed(inputs[n], torch.float32 if n in FLOAT32_INPUTS else self.dtype) for n in self.input_names]
-        return self._predict(*args)
+    def _args(self, inputs: Mapping[str, torch.Tensor]) -> list[torch.Tensor]:
+        return [self._placed(inputs[n], torch.float32 if n in FLOAT32_INPUTS else self.dtype) for n in self.input_names]
 
     def _placed(self, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         # even a no-op .to() gives the GIL up and waits to get it back: skipped when nothing changes
         return tensor if tensor.dtype == dtype and tensor.device == self.device else tensor.to(self.device, dtype)
 
     @torch.inference_mode()
+    def predict(self, inputs: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        return self._predict(*self._args(inputs))
+
+    @torch.inference_mode()
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         return self._decode(self._placed(latents, self.decoder_dtype))
 
+    @torch.inference_mode()
     def prepare(self, height: int, width: int) -> None:
-        """Trace the denoiser and decoder for one row of height x width (other row counts share the graphs)."""
+        """Trace the denoiser and decoder for height x width images (any row count runs through them)."""
         if not self.graphs:
             return
         family = self.family
         shapes = family.input_shapes(1, height, width)
-        self.predict({n: torch.zeros(shapes[n]) for n in self.input_names})
-        self.decode(torch.zeros(family.noise_shape(height, width)))
+        self._predict.prepare(*self._args({n: torch.zeros(shapes[n]) for n in self.input_names}))
+        self._decode.prepare(self._placed(torch.zeros(family.noise_shape(height, width)), self.decoder_dtype))
 
     def describe(self) -> dict:
-        graphs = {"graphs": sum(c.traced() for c in self._caches)} if self.graphs else {}
+        graphs = {"graphs": len(self._predict) + len(self._decode)} if self.graphs else {}
         return {**super().describe(), "execution": "graph" if self.graphs else "eager", **graphs}
