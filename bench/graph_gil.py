@@ -5,7 +5,7 @@ worker: full collections over a rolling window of cyclic garbage, each holding t
 of milliseconds. An eager forward gives the GIL up and takes it back at every op, so each op can
 wait behind a collection; a traced graph (render/backends/graphs.py) takes it back once per call.
 Tiny model (SD 1.x), 256 px, 2 rows (one turbo image with classifier-free guidance), the
-worker's default threads and wait policy:
+worker's default threads and wait policy, the loaded heap frozen as the worker freezes it:
 
     flock /tmp/turbonode-bench.lock .venv/bin/python bench/graph_gil.py
 """
@@ -29,6 +29,7 @@ import torch  # noqa: E402
 
 from bench.garbage import Garbage  # noqa: E402
 from render.backends.select import make_backend  # noqa: E402
+from render.gc_telemetry import freeze_after_load  # noqa: E402
 from render.model import load_model  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
 
@@ -68,6 +69,9 @@ def main() -> int:
         "eager": make_backend("torch", family, "cpu", torch_graphs=False),
         "graph": make_backend("torch", family, "cpu"),
     }
+    for backend in backends.values():
+        backend.prepare(size, size)  # as the worker does at start: traces the graph backend's default size
+    freeze_after_load()  # as the worker does once its model is loaded: collections skip the model's objects
     garbage = Garbage().install()
     rows = []
     for mode, backend in backends.items():

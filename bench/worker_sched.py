@@ -65,6 +65,7 @@ class FamilyBench:
         self.args = args
         self.family = load_model(model)
         self.backend = make_backend("torch", self.family, args.device)
+        self.backend.prepare(args.size, args.size)  # as the worker does at start (its traced graphs)
         self.encoders: list[PromptEncoder] = []
         self.closers: list = []
         d = self.family.defaults

@@ -3,8 +3,8 @@
 Why: an eager forward is hundreds of op calls, and each releases the GIL and takes it back.
 When another thread of the worker holds the GIL (a full GC pass over a large heap holds it for
 tens of milliseconds, a busy request handler for its switch interval), every take waits: a
-tiny-UNet step of 30 ms took 775 ms p50 next to a thread making cyclic garbage. A traced graph
-runs all its ops in C++ and gives the GIL up once per call: the same step took 149 ms
+tiny-UNet step of 35 ms took 444 ms (p99) next to a thread making cyclic garbage. A traced graph
+runs all its ops in C++ and gives the GIL up once per call: the same step took 58 ms
 (bench/graph_gil.py, docs/benchmarks.md).
 
 A trace records one path through the module's Python: branches on sizes are frozen into it.
