@@ -31,6 +31,7 @@ turbonode, turbo p99 <= 2x the turbo p99 of the `none` cell (the idle reference)
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -83,6 +84,9 @@ class Knobs:
     nodelay: bool = True  # the client's TCP_NODELAY
     agent_toml: str = ""  # more agent configuration, e.g. a [policy.rules.cpu_load] table
     torch_graphs: bool = True  # worker.torch_graphs: traced denoiser/VAE (False: eager, as before)
+    # softirq knobs turbonode measured and left out (docs/agent.md), for the ablation: 0/'' leave them
+    netdev_budget: int = 0  # net.core.netdev_budget (global: set for the run, restored after)
+    rps_cpus: str = ""  # hex CPU mask for RPS on the node's veth receive queues
 
 
 @dataclass
@@ -115,6 +119,10 @@ class SloNode(DemoNode):
         super().start()
         if self.knobs.first_packet == "reflect":
             self.sandbox.run(self.sandbox.server, "sysctl", "-qw", "net.ipv4.tcp_reflect_tos=1")
+        if self.knobs.rps_cpus:  # sysfs as the node namespace sees it: its veth's queues
+            queues = f"/sys/class/net/{self.sandbox.dev}/queues/rx-*/rps_cpus"
+            write = f"for q in {queues}; do echo {self.knobs.rps_cpus} > $q; done"
+            self.sandbox.run(self.sandbox.server, "sh", "-c", write)
         return self
 
     def _turboctl(self, *args: str) -> list[str]:
@@ -260,6 +268,21 @@ def describe_agent(agent: dict) -> str:
     return text
 
 
+@contextlib.contextmanager
+def netdev_budget(value: int):
+    """net.core.netdev_budget = value (a global sysctl: no namespace has its own) while inside; 0 leaves it."""
+    path = Path("/proc/sys/net/core/netdev_budget")
+    if not value:
+        yield
+        return
+    original = path.read_text().strip()
+    path.write_text(str(value))
+    try:
+        yield
+    finally:
+        path.write_text(original)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, from {', '.join(CELLS)}")
@@ -278,6 +301,8 @@ def main() -> int:
     )
     ap.add_argument("--no-nodelay", action="store_true", help="the client leaves Nagle on")
     ap.add_argument("--eager", action="store_true", help="worker.torch_graphs = false: eager denoiser and VAE")
+    ap.add_argument("--netdev-budget", type=int, default=0, help="net.core.netdev_budget for the run (0: leave it)")
+    ap.add_argument("--rps-cpus", default="", help="hex CPU mask for RPS on the node's veth (default: leave it)")
     ap.add_argument("--agent-toml", help="a TOML file of more agent configuration (e.g. [policy.rules.cpu_load])")
     ap.add_argument("--json", help="write every figure (and every request's outcome) here")
     ap.add_argument("--keep-logs", help="copy the node's logs (worker, agent, faults) to this directory")
@@ -299,6 +324,8 @@ def main() -> int:
         not args.no_nodelay,
         Path(args.agent_toml).read_text() if args.agent_toml else "",
         not args.eager,
+        args.netdev_budget,
+        args.rps_cpus,
     )
     worker: dict = {"handshake_tier": PROTECTED_TIER if knobs.first_packet == "listener" else ""}
     if knobs.worker_threads:
@@ -320,7 +347,7 @@ def main() -> int:
         print(msg, file=sys.stderr, flush=True)
 
     node = SloNode(settings, knobs, log)
-    with node:
+    with node, netdev_budget(knobs.netdev_budget):
         try:
             for cell in cells:
                 for mode in modes:
