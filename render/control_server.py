@@ -9,6 +9,7 @@ its next poll. A malformed, oversized or unknown request gets an error and the w
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -16,7 +17,6 @@ import time
 from collections.abc import Callable
 
 import psutil
-import torch
 
 from turbonode import jsonrpc
 from turbonode.rpc_server import UnixRpcServer
@@ -58,7 +58,8 @@ class ControlHandlers:
         self.backend_info = backend_info or engine.backend.describe()
         self._gc_cursor = 0
         self._lock = threading.Lock()
-        self._process = psutil.Process()
+        # the worker's processes: this one and, where the engine runs apart, the engine's
+        self._processes = [psutil.Process(pid) for pid in dict.fromkeys((os.getpid(), engine.pid))]
 
     def table(self) -> dict:
         return {
@@ -94,22 +95,15 @@ class ControlHandlers:
     def status(self, since_gc_seq=None) -> dict:
         out = self.engine.snapshot()
         throttle = self.engine.throttle.current()
-        gpu = None
-        if self.engine.backend.device.type == "cuda":
-            gpu = torch.cuda.memory_allocated(self.engine.backend.device)
+        gpu = self.engine.gpu_allocated_bytes()
         out.update(
             {
                 "gc": self._gc(since_gc_seq),
-                "memory": {"rss_bytes": self._process.memory_info().rss, "gpu_allocated_bytes": gpu},
+                "memory": {"rss_bytes": self._rss(), "gpu_allocated_bytes": gpu},
                 "throttle": throttle.describe(self.engine.throttle.now()) if throttle else None,
                 "model": self.engine.describe_model(),
                 "backend": self.backend_info,
-                "text_cache": {
-                    "entries": len(self.engine.encoder),
-                    "hits": self.engine.encoder.hits,
-                    "misses": self.engine.encoder.misses,
-                    "hit_ratio": self.engine.encoder.hit_ratio,
-                },
+                "text_cache": self.engine.text_cache(),
                 "uptime_s": round(time.monotonic() - self.started, 3),
             }
         )
@@ -120,6 +114,13 @@ class ControlHandlers:
                 for r in [self.readiness(tier)]
             }
         return out
+
+    def _rss(self) -> int:
+        total = 0
+        for process in self._processes:
+            with contextlib.suppress(psutil.Error):  # the engine process may just have exited
+                total += process.memory_info().rss
+        return total
 
     def events(self, since_gc_seq=None, gc_pause_s=None, turbo_wait_s=None, timeout_s=1.0) -> dict:
         """Wait until a GC pause longer than `gc_pause_s` follows `since_gc_seq` (null: now), or the

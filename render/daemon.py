@@ -1,4 +1,4 @@
-"""The worker's composition root: bind, load the model, wire engine, HTTP API and control socket.
+"""The worker's composition root (its front): bind, start the engine process, wire HTTP API and control socket.
 
 Bind first, then load: the HTTP server and the control socket are up before the model loads,
 so a busy port or a live worker's socket is reported at once rather than minutes later, and
@@ -10,13 +10,17 @@ Signal handlers only set a flag (an asyncio Event), also during the load. On SIG
 the worker stops taking jobs (/readyz: 503 draining), fails those that have not started with
 a clear error, lets running ones finish (up to `drain_timeout`), fails what is left, and
 exits; systemd hears READY (once the model has loaded), STOPPING and WATCHDOG through sd_notify.
+
+The model and the render loop run in the engine process (render/remote_engine.py, docs/worker.md
+"Two processes"); when it dies, waiting requests fail and the front exits with status 1.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import logging
-import os
 import signal
 import sys
 import threading
@@ -30,12 +34,12 @@ from turbonode.errors import TurbonodeError
 from turbonode.exposition import daemon_registry
 from turbonode.jsonrpc import SERVER_ERROR, RpcError
 
-from .cpu_threads import WAIT_POLICY_ENV, available_cpus, default_threads, wait_policy_default
+from .cpu_threads import wait_policy_default
 from .readiness import ENGINE_STALL_S
+from .remote_engine import RemoteEngine
 
-if TYPE_CHECKING:  # torch: imported when the worker loads, not when this module does
+if TYPE_CHECKING:
     from .control_server import ControlServer
-    from .engine import Engine
     from .gc_telemetry import GcMonitor
     from .http_api import RequestDefaults
 
@@ -50,16 +54,6 @@ def loading(what: str) -> None:
     """A start-up stage: logged, and shown by `systemctl status` until READY=1."""
     log.info("%s", what)
     sdnotify.notify(f"STATUS={what}")
-
-
-def torch_threads(configured: int) -> int:
-    """The intra-op threads to run (configured, or the default for the CPUs this worker may use),
-    set for the loading thread too; the engine thread sets its own (render/engine.py)."""
-    import torch
-
-    n = configured or default_threads(available_cpus())
-    torch.set_num_threads(n)
-    return n
 
 
 def loading_handlers() -> dict[str, Callable[..., Any]]:
@@ -88,7 +82,8 @@ class Worker:
         self.api = Api(
             None, served, None, model_id=cfg.model, metrics=self.metrics, slo=cfg.slo, refuse_unready=cfg.refuse_unready
         )
-        self.engine: Engine | None = None
+        self.engine: RemoteEngine | None = None  # once loaded
+        self.engine_process: RemoteEngine | None = None  # from the start of the load
         self.gc: GcMonitor | None = None
         self.control: ControlServer | None = None
         self.defaults: RequestDefaults | None = None
@@ -102,75 +97,35 @@ class Worker:
             return {}
         return {"backend": info["name"], "device": info["device"], "model_family": self.family}
 
-    def load(self) -> None:
-        """Load the model and build the engine (minutes for a first TensorRT build)."""
-        from .backends.select import make_backend
-        from .backends.tensorrt import TensorRTOptions
-        from .encode_prompt import PromptEncoder
-        from .engine import Engine, EngineSettings
+    def load(self, engine: RemoteEngine) -> None:
+        """Have the engine process load the model and build the engine (minutes for a first
+        TensorRT build); then wire what the front serves to it."""
         from .gc_telemetry import GcMonitor, freeze_after_load
         from .http_api import RequestDefaults
-        from .model import load_model
 
-        cfg = self.cfg
-        started = time.monotonic()
-        loading(f"loading model {cfg.model}")
-        threads = torch_threads(cfg.intra_op_threads)
-        log.info(
-            "torch intra-op threads %d, OpenMP wait policy %s", threads, os.environ.get(WAIT_POLICY_ENV, "default")
-        )
-        family = load_model(cfg.model)
-        log.info(
-            "model %s loaded in %.1f s (%s family, %s)",
-            family.model_id,
-            time.monotonic() - started,
-            family.name,
-            family.fingerprint,
-        )
-        overrides: dict = {"intra_op_threads": threads}
-        if self.policy is not None:
-            overrides["policy"] = self.policy
-        settings = EngineSettings.from_config(cfg, **overrides)
-        settings.tier_defaults(family)  # a sampler the family cannot use fails here, before a backend is built
-        started = time.monotonic()
-        # tensorrt: a first start exports ONNX and builds engines (minutes; progress in the log)
-        loading(f"preparing backend {cfg.backend} (device {cfg.device}) for model {family.model_id}")
-        backend = make_backend(
-            cfg.backend,
-            family,
-            cfg.device,
-            tensorrt_options=TensorRTOptions.from_config(cfg, family.native_size),
-            torch_graphs=cfg.torch_graphs,
-        )
-        backend.prepare(cfg.size or family.native_size, cfg.size or family.native_size)
-        info = backend.describe()
-        log.info("backend %s on %s ready in %.1f s", info["name"], info["device"], time.monotonic() - started)
-        encoder = PromptEncoder(family, backend.device, backend.dtype, cfg.text_cache_size)
-        engine = Engine(backend, encoder, family, settings, metrics=self.metrics)
-        self.metrics.watch(engine)
+        engine.metrics = self.metrics
+        info = engine.load(self.cfg, self.policy)
+        d = info["defaults"]
         self.defaults = RequestDefaults(
-            cfg.size or family.native_size,
-            engine.size_multiple,
-            engine.defaults.steps,
-            engine.defaults.guidance,
-            size_check=backend.unsupported_size,
+            d["size"], d["size_multiple"], d["steps"], d["guidance"], size_check=engine.unsupported_size
         )
-        self.backend_info = info
-        self.family = family.name
-        del family
-        freeze_after_load()
+        self.backend_info = info["backend"]
+        self.family = info["family"]
+        self.metrics.watch(engine)
+        freeze_after_load()  # the front's own heap: its collections then traverse only new objects
         self.gc = GcMonitor(observe=self.metrics.observe_gc)
+        engine.gc = self.gc
         self.engine = engine
 
-    async def _load(self, stop: asyncio.Event) -> bool:
-        """Load in a daemon thread while the server answers; False when a signal came first
-        (the load cannot be interrupted, and a daemon thread does not hold the exit)."""
+    async def _load(self, stop: asyncio.Event, engine: RemoteEngine) -> bool:
+        """Wait for the load in a daemon thread while the server answers; False when a signal
+        came first (the engine process is then stopped, mid-load)."""
         loop = asyncio.get_running_loop()
         done: asyncio.Future = loop.create_future()
 
         def target() -> None:
             try:
-                self.load()
+                self.load(engine)
             except BaseException as exc:  # noqa: BLE001 - handed to the event loop, raised there
                 loop.call_soon_threadsafe(done.set_exception, exc)
             else:
@@ -217,8 +172,10 @@ class Worker:
         self.address = (bound[0], bound[1])
         url = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"
         loading(f"listening on {url} (control {self.cfg.control_socket}), loading model {self.cfg.model}")
+        gone = asyncio.Event()
         try:
-            loaded = await self._load(stop)
+            self.engine_process = RemoteEngine(on_exit=functools.partial(_set_threadsafe, loop, gone))
+            loaded = await self._load(stop, self.engine_process)
         except BaseException:
             await self._shutdown(runner)
             raise
@@ -229,7 +186,6 @@ class Worker:
         engine, gc = self.engine, self.gc
         assert engine is not None and gc is not None and self.control is not None and self.defaults is not None
         gc.install()
-        engine.start()
         handlers = ControlHandlers(
             engine, gc, started=started, backend_info=self.backend_info, readiness=self.api.readiness
         )
@@ -241,13 +197,21 @@ class Worker:
         if on_ready is not None:
             on_ready(url)
         watchdog = asyncio.create_task(self._watchdog())
-        await stop.wait()
+        await asyncio.wait(
+            {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(gone.wait())},
+            return_when=asyncio.FIRST_COMPLETED,
+        )
         watchdog.cancel()
+        if gone.is_set():
+            # a failed worker, for its service manager to restart: waiting jobs have failed
+            log.error("the engine process exited (status %s); stopping", engine.process.returncode)
+            await self._shutdown(runner)
+            return 1
         await self._drain(engine, loop)
         await self._shutdown(runner)
         return 0
 
-    async def _drain(self, engine: Engine, loop: asyncio.AbstractEventLoop) -> None:
+    async def _drain(self, engine: RemoteEngine, loop: asyncio.AbstractEventLoop) -> None:
         """Stop intake, fail what has not started, give running jobs `drain_timeout` to finish."""
         timeout = self.cfg.drain_timeout
         failed, running = engine.close_intake()
@@ -276,10 +240,15 @@ class Worker:
         await runner.cleanup()
         if self.control is not None:
             self.control.close()
-        if self.engine is not None:
-            self.engine.stop()
+        if self.engine_process is not None:
+            self.engine_process.stop()
         if self.gc is not None:
             self.gc.uninstall()
+
+
+def _set_threadsafe(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
+    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+        loop.call_soon_threadsafe(event.set)
 
 
 def run(cfg: WorkerConfig, on_ready: Callable[[str], None] | None = None, policy=None, node: str = "") -> int:

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Hashable
@@ -128,6 +129,7 @@ class Engine:
         self.steps_total = 0
         self.intra_op_threads = 0  # what the engine thread last set (0: not set yet)
         self.heartbeat = clock()
+        self.pid = os.getpid()  # the process the engine runs in (render/remote_engine.py: another one)
 
     @property
     def metrics(self) -> Any:
@@ -412,6 +414,15 @@ class Engine:
             "size_multiple": self.size_multiple,
             "defaults": {"steps": dict(d.steps), "guidance": dict(d.guidance), "sampler": dict(d.sampler)},
         }
+
+    def text_cache(self) -> dict:
+        enc = self.encoder
+        return {"entries": len(enc), "hits": enc.hits, "misses": enc.misses, "hit_ratio": enc.hit_ratio}
+
+    def gpu_allocated_bytes(self) -> int | None:
+        """The denoiser device's allocated memory; None off a GPU."""
+        device = self.backend.device
+        return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
 
     def snapshot(self) -> dict:
         tiers = self.jobs.tiers(self.clock())

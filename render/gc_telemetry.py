@@ -48,7 +48,10 @@ class GcMonitor:
             return
         pause = self._clock() - self._started
         self._started = None
-        generation = info.get("generation", -1)
+        self.record(info.get("generation", -1), pause)
+
+    def record(self, generation: int, pause: float) -> None:
+        """One collection's pause: this process's (from the callback) or the engine process's."""
         self.collections_total += 1
         self.pause_seconds_total += pause
         seq = next(self._seq)

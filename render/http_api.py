@@ -277,6 +277,13 @@ def encode_png(array) -> str:
     return base64.b64encode(buf.getvalue()).decode()
 
 
+async def _png(loop: asyncio.AbstractEventLoop, sample) -> str:
+    """A sample's base64 PNG: as the engine process encoded it (render/remote_engine.py), or
+    encoded here from its pixels, off the event loop."""
+    png = getattr(sample, "png", None)
+    return png if png is not None else await loop.run_in_executor(None, encode_png, sample.image)
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -444,7 +451,7 @@ class Api:
 
     async def _images(self, job) -> list[dict]:
         loop = asyncio.get_running_loop()
-        encoded = await asyncio.gather(*(loop.run_in_executor(None, encode_png, s.image) for s in job.samples))
+        encoded = await asyncio.gather(*(_png(loop, s) for s in job.samples))
         return [{"b64_json": b64, "revised_prompt": job.request.prompt} for b64 in encoded]
 
     async def generate(self, request: web.Request) -> web.StreamResponse:

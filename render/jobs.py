@@ -51,6 +51,9 @@ class Rejected(TurbonodeError):
         super().__init__(message)
         self.retry_after = retry_after
 
+    def __reduce__(self):  # crosses the pipe from the engine process with its Retry-After
+        return (type(self), (str(self), self.retry_after))
+
 
 class QueueFull(Rejected):
     pass

@@ -147,6 +147,11 @@ class ThrottleState:
         with self._lock:
             return self._live()
 
+    def adopt(self, throttle: Throttle | None) -> None:
+        """Take the front's throttle as it is (render/engine_host.py): checked and logged there."""
+        with self._lock:
+            self._current = throttle
+
     def _live(self) -> Throttle | None:
         """The current throttle, dropping (and logging) an expired one; call with the lock held."""
         t = self._current

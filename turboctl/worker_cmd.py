@@ -1,7 +1,7 @@
 """`turboctl worker run|status|ping`, `turboctl throttle`, `turboctl release`.
 
-`worker run` imports torch (through render.daemon) only when it runs, so importing the CLI
-never loads it. The control commands talk to the worker's socket through a ControlClient
+`worker run` serves the worker's front, which never loads torch; its engine process does
+(render/engine_host.py). The control commands talk to the worker's socket through a ControlClient
 kept in the click context object (`--socket` or a caller-provided obj chooses it).
 """
 
@@ -82,7 +82,7 @@ def run(model, listen, control, config_file, backend, device):
     except ConfigError as exc:
         raise click.ClickException(f"invalid configuration: {exc}") from None
     cfg = full.worker
-    from render import daemon  # imports torch: only here, never when the CLI loads
+    from render import daemon
 
     logs.show_lifecycle("render", "turbonode")  # model load, engine builds, serving, drain, throttles
     try:

@@ -1,0 +1,321 @@
+"""The front's handle on the engine process: what the HTTP API, the control socket, the metrics
+and the daemon use of an engine (render/engine.py), served by render/engine_host.py.
+
+The throttle lives here, in the front, where the control socket sets it; each change is
+pushed to the engine process, which expires it on the same monotonic clock. Jobs live in the
+engine process: `submit` returns a RemoteJob whose future resolves when the engine posts the
+job's end (with its pixels); `get` and `cancel` ask the engine. Waiting callers see
+JobFailed if the engine process exits, and `on_exit` tells the daemon, which then exits so
+that its service manager restarts the worker.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import functools
+import logging
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from turbonode import sdnotify
+from turbonode.errors import TurbonodeError
+
+from .engine_host import ENTRY, METRIC_METHODS
+from .engine_link import EngineGone, Link
+from .jobs import JobCancelled, JobFailed, JobRequest, JobState
+from .throttle import ThrottleState
+
+log = logging.getLogger(__name__)
+
+STOP_GRACE_S = 15.0  # the engine's last boundary and exit, before it is killed
+UNCLAIMED_KEPT = 64  # job ends the front has not matched to a submit yet (a burst of instant failures)
+LOG_LEVELS = ("", "render", "turbonode")  # loggers whose levels the engine process takes from the front
+
+
+class EngineLoadError(TurbonodeError):
+    """The engine process could not load the model or build the engine."""
+
+
+@dataclass
+class Picture:
+    png: str  # base64, encoded in the engine process
+
+
+class RemoteJob:
+    """A job as the front sees it: its request and identity, and its end once the engine posts it."""
+
+    def __init__(self, engine: RemoteEngine, request: JobRequest, job_id: str, submitted: float, created: float):
+        self.engine, self.request, self.id = engine, request, job_id
+        self.submitted, self.created = submitted, created
+        self.state = JobState.QUEUED  # until the end arrives; `describe` asks the engine meanwhile
+        self.error: str | None = None
+        self.finished: float | None = None
+        self.images_dropped = False
+        self.samples: list[Picture] = []
+        self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self._final: dict | None = None
+
+    @classmethod
+    def from_record(cls, engine: RemoteEngine, record: dict) -> RemoteJob:
+        job = cls(engine, record["request"], record["id"], 0.0, record["created"])
+        job._end(record["state"], record["error"], record["finished"], record["describe"], record["images"])
+        job.images_dropped = record["images_dropped"]
+        return job
+
+    @property
+    def tier(self) -> str:
+        return self.request.tier
+
+    def _end(self, state: str, error: str | None, finished: float | None, described: dict, images) -> None:
+        self.state, self.error, self.finished = JobState(state), error, finished
+        if self.state.terminal:
+            self._final = described
+        self.samples = [Picture(png) for png in images or ()]
+        if not self.state.terminal or self.future.done():
+            return
+        if self.state is JobState.DONE:
+            self.future.set_result(self)
+        elif self.state is JobState.CANCELLED:
+            self.future.set_exception(JobCancelled(error or "cancelled"))
+        else:
+            self.future.set_exception(JobFailed(error or "failed"))
+
+    def lost(self, message: str, now: float) -> None:
+        """The engine process exited before this job ended: it failed, and says why."""
+        described = {
+            "id": self.id,
+            "object": "image.generation.job",
+            "state": JobState.FAILED.value,
+            "tier": self.tier,
+            "created": int(self.created),
+            "elapsed_s": round(now - self.submitted, 4),
+            "error": message,
+        }
+        self._end(JobState.FAILED.value, message, now, described, None)
+
+    def describe(self, now: float) -> dict:
+        if self._final is not None:
+            out = dict(self._final)
+            if self.images_dropped:
+                out["images"] = "delivered or expired; no longer held"
+            return out
+        record = self.engine.link.call("job", self.id, False)
+        return record["describe"] if record is not None else {"id": self.id, "state": self.state.value}
+
+    def drop_images(self) -> None:
+        """Delivered: free the pixels here and in the engine."""
+        self.samples = []
+        self.images_dropped = True
+        try:
+            self.engine.link.cast("drop_images", self.id)
+        except EngineGone:
+            pass
+
+
+class JobsView:
+    """The engine's job table, as the readiness checks and the control socket read it."""
+
+    def __init__(self, link: Link):
+        self._link = link
+
+    def tiers(self, now: float) -> dict:
+        return self._link.call("tiers", now)
+
+    def oldest_wait(self, tier: str, now: float) -> float:
+        return self._link.call("oldest_wait", tier, now)
+
+
+class BackendView:
+    """What the front knows of the backend: its description (fixed once loaded)."""
+
+    def __init__(self, info: dict):
+        self.info = info
+
+    def describe(self) -> dict:
+        return dict(self.info)
+
+
+class RemoteEngine:
+    clock = staticmethod(time.monotonic)  # CLOCK_MONOTONIC: the same clock in both processes
+    wall = staticmethod(time.time)
+
+    def __init__(self, on_exit: Callable[[], None] | None = None):
+        self.throttle = ThrottleState(clock=self.clock, wall=self.wall)
+        self.on_exit = on_exit
+        self.accepting = True
+        self.info: dict = {}
+        self.metrics: Any = None  # the front's WorkerMetrics: the engine's observations land there
+        self.gc: Any = None  # the front's GcMonitor: the engine's collections join the front's
+        self._jobs: dict[str, RemoteJob] = {}  # live jobs, until the engine posts their end
+        # ends posted before the submit's answer was read (a job failed at once): claimed by submit
+        self._unclaimed: collections.OrderedDict[str, tuple] = collections.OrderedDict()
+        self._jobs_lock = threading.Lock()
+        self._push_lock = threading.Lock()
+        self._loaded: concurrent.futures.Future[dict] = concurrent.futures.Future()
+        front, back = socket.socketpair()
+        # systemd hears only the front (the main PID); the engine posts its stages instead
+        env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout, first on the path
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
+        # started from the thread that lives as long as the front (the main one): the engine's
+        # death signal follows the thread that started it
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", ENTRY, "--fd", str(back.fileno())], pass_fds=(back.fileno(),), env=env
+        )
+        back.close()
+        self.pid = self.process.pid
+        self.link = Link(Connection(front.detach()), self._on_message, self._on_closed).start()
+        self.jobs = JobsView(self.link)
+        self.backend: BackendView = BackendView({})
+
+    # ---- start-up ---------------------------------------------------------------------
+
+    def load(self, cfg, policy=None) -> dict:
+        """Have the engine process load `cfg.model` (blocks for the whole load); what it serves."""
+        levels = {name: logging.getLogger(name).level for name in LOG_LEVELS}
+        self.link.send(("start", cfg, policy, levels))
+        self.info = self._loaded.result()
+        self.backend = BackendView(self.info["backend"])
+        return self.info
+
+    def describe_model(self) -> dict:
+        return dict(self.info["model"])
+
+    @functools.lru_cache(maxsize=64)  # noqa: B019 - one engine per front; sizes are few
+    def unsupported_size(self, height: int, width: int) -> str | None:
+        return self.link.call("unsupported_size", height, width)
+
+    # ---- from the engine process ------------------------------------------------------
+
+    def _on_message(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "done":
+            _, job_id, state, error, finished, described, images = message
+            with self._jobs_lock:
+                job = self._jobs.pop(job_id, None)
+                if job is None:
+                    self._unclaimed[job_id] = message
+                    while len(self._unclaimed) > UNCLAIMED_KEPT:
+                        self._unclaimed.popitem(last=False)
+            if job is not None:
+                job._end(state, error, finished, described, images)
+        elif kind == "metric":
+            _, name, args = message
+            if self.metrics is not None and name in METRIC_METHODS:
+                getattr(self.metrics, name)(*args)
+        elif kind == "gc":
+            if self.gc is not None:
+                self.gc.record(message[1], message[2])
+        elif kind == "status":
+            sdnotify.notify(f"STATUS={message[1]}")
+        elif kind == "ready":
+            self._loaded.set_result(message[1])
+        elif kind == "failed":
+            self._loaded.set_exception(EngineLoadError(message[1]))
+
+    def _on_closed(self) -> None:
+        code = self.process.wait()
+        if not self._loaded.done():
+            self._loaded.set_exception(EngineLoadError(f"the engine process exited while loading (status {code})"))
+        with self._jobs_lock:
+            jobs, self._jobs = list(self._jobs.values()), {}
+        for job in jobs:
+            job.lost(f"the engine process exited (status {code})", self.clock())
+        if self.on_exit is not None:
+            self.on_exit()
+
+    # ---- jobs -------------------------------------------------------------------------
+
+    def submit(self, request: JobRequest) -> RemoteJob:
+        """Queue a job; raises Draining, TierShed or QueueFull (all Rejected) when it cannot."""
+        made = self.link.call("submit", request)
+        job = RemoteJob(self, request, made["id"], made["submitted"], made["created"])
+        with self._jobs_lock:
+            ended = self._unclaimed.pop(job.id, None)
+            if ended is None:
+                self._jobs[job.id] = job
+        if ended is not None:
+            job._end(*ended[2:])
+        return job
+
+    def get(self, job_id: str) -> RemoteJob | None:
+        with self._jobs_lock:
+            live = self._jobs.get(job_id)
+        if live is not None:
+            return live
+        record = self.link.call("job", job_id, True)
+        return None if record is None else RemoteJob.from_record(self, record)
+
+    def cancel(self, job_id: str) -> RemoteJob | None:
+        record = self.link.call("cancel", job_id)
+        if record is None:
+            return None
+        with self._jobs_lock:
+            live = self._jobs.get(job_id)
+        return live if live is not None else RemoteJob.from_record(self, record)
+
+    # ---- status -----------------------------------------------------------------------
+
+    def snapshot(self) -> dict:
+        return self.link.call("snapshot")
+
+    def text_cache(self) -> dict:
+        return self.link.call("text_cache")
+
+    def gpu_allocated_bytes(self) -> int | None:
+        return self.link.call("gpu_allocated_bytes")
+
+    @property
+    def alive(self) -> bool:
+        """The engine process runs (cheap: readiness asks on every request)."""
+        return self.process.poll() is None and not self.link.closed
+
+    @property
+    def heartbeat(self) -> float:
+        """When the engine loop last came round; never, once its thread has died or the process gone."""
+        try:
+            turning, at = self.link.call("heartbeat")
+        except TurbonodeError:
+            return float("-inf")
+        return at if turning else float("-inf")
+
+    def wake(self) -> None:
+        """The throttle changed: the engine process takes the new one and re-plans."""
+        with self._push_lock:  # read and sent together: two changes at once arrive in order
+            self.link.cast("throttle", self.throttle.current())
+
+    # ---- draining and stop ------------------------------------------------------------
+
+    def close_intake(self) -> tuple[int, int]:
+        self.accepting = False
+        return self.link.call("close_intake")
+
+    def wait_idle(self, timeout: float) -> bool:
+        return self.link.call("wait_idle", timeout, timeout=timeout + 5)
+
+    def fail_all(self, message: str) -> int:
+        return self.link.call("fail_all", message)
+
+    def stop(self, timeout: float = STOP_GRACE_S) -> None:
+        if not self._loaded.done():  # a load cannot be interrupted; nothing runs yet to finish
+            timeout = 0.0
+        if self.process.poll() is None:
+            try:
+                self.link.cast("stop")
+            except EngineGone:
+                pass
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                log.warning("the engine process did not stop within %g s: killing it", timeout)
+                self.process.kill()
+                self.process.wait()
