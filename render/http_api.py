@@ -242,17 +242,27 @@ def mark_socket(sock, tier: str) -> bool:
     return True
 
 
+# Linux's autotuning ceiling (the default net.ipv4.tcp_wmem max), so a fixed buffer never holds
+# less than autotuning would; the kernel caps it at net.core.wmem_max (docs/worker.md).
+SEND_BUFFER_BYTES = 4 << 20
+
+
 def listening_socket(host: str, port: int, tier: str) -> socket.socket:
     """A bound, listening TCP socket carrying `tier`'s DSCP ('' leaves it unmarked). The kernel sends
     a SYN-ACK with the listener's TOS and an accepted socket inherits it, so a connection's
     handshake and first packets (the ACKs of the request) leave in that tier's class before any
-    request has named its own; each request then re-marks its socket (mark_socket)."""
+    request has named its own; each request then re-marks its socket (mark_socket).
+
+    Its send buffer (SEND_BUFFER_BYTES) lets a whole response into the kernel in one write: the
+    event loop need not come back to feed the socket while the link drains it, and each time it
+    comes back is a wait for the GIL when the front is busy."""
     family, kind, proto, _, addr = socket.getaddrinfo(
         host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
     )[0]
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)  # accepted sockets inherit it
         if tier:
             mark_socket(sock, tier)
         sock.bind(addr)

@@ -10,11 +10,12 @@ import shutil
 import socket
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
 from PIL import Image
 
-from render.http_api import mark_socket
+from render.http_api import SEND_BUFFER_BYTES, listening_socket, mark_socket
 from tests.worker_support import serve
 from turbonode.tiers import tos_byte
 
@@ -278,3 +279,15 @@ def test_mark_socket_ipv4_and_ipv6():
             assert mark_socket(sock, "relax") and sock.getsockopt(level, opt) == 0x20
     with socket.socket(socket.AF_UNIX) as unix:
         assert not mark_socket(unix, "turbo")
+
+
+def test_accepted_sockets_take_the_whole_send_buffer():
+    """A response goes into the kernel in one write: accepted sockets inherit the listener's
+    fixed send buffer (the kernel doubles the value and caps it at net.core.wmem_max)."""
+    wmem_max = int(Path("/proc/sys/net/core/wmem_max").read_text())
+    listener = listening_socket("127.0.0.1", 0, "turbo")
+    listener.setblocking(True)
+    with listener, socket.create_connection(listener.getsockname(), timeout=10):
+        accepted, _ = listener.accept()
+        with accepted:
+            assert accepted.getsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF) == 2 * min(SEND_BUFFER_BYTES, wmem_max)
