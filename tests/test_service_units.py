@@ -110,12 +110,16 @@ def test_units_match_the_contracts():
         assert s["Type"] == "notify" and s["NotifyAccess"] == "main"
         assert s["ExecStart"] == f"{PREFIX}turboctl {sub} run --config {DEFAULT_PATH}"
         assert s["Restart"] == "on-failure"
-        # both share /run/turbonode (the control socket's directory): neither may delete it on stop
-        assert s["RuntimeDirectory"] == os.path.basename(os.path.dirname(cfg.worker.control_socket))
-        assert s["RuntimeDirectoryPreserve"] == "yes" and s["RuntimeDirectoryMode"] == "0770"
         assert s["Group"] == cfg.worker.control_group
         assert s["ProtectSystem"] == "strict" and s["NoNewPrivileges"] == "yes"
-    a = agent["Service"]
+    # both share /run/turbonode (the control socket's directory). Only the agent (root) owns it,
+    # preserved on stop; the worker writes there without re-owning the tree (its own user would
+    # take the agent's QoS locks from it at each start)
+    a, w = agent["Service"], worker["Service"]
+    run_dir = os.path.dirname(cfg.worker.control_socket)
+    assert a["RuntimeDirectory"] == os.path.basename(run_dir)
+    assert a["RuntimeDirectoryPreserve"] == "yes" and a["RuntimeDirectoryMode"] == "0770"
+    assert "RuntimeDirectory" not in w and w["ReadWritePaths"] == run_dir
     caps = {"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN", "CAP_SYS_RESOURCE"}
     assert set(a["AmbientCapabilities"].split()) == caps == set(a["CapabilityBoundingSet"].split())
     assert a["LimitMEMLOCK"] == "infinity" and a["WatchdogSec"]

@@ -247,6 +247,20 @@ def test_kill_9_restarts_and_reconciles_without_duplicates(node):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+def test_engine_process_killed_restarts_the_worker(node):
+    """kill -9 of the worker's engine process (not its main PID): the front fails what waited,
+    exits 1, and systemd restarts the whole worker."""
+    s = node.show(WORKER, "MainPID", "NRestarts")
+    engines = node.box.run("pgrep", "-P", s["MainPID"]).stdout.split()
+    assert len(engines) == 1, engines
+    node.box.run("kill", "-9", engines[0])
+    wait_restarted(node, WORKER, s["MainPID"], int(s["NRestarts"]), 120)
+    log = node.box.run("journalctl", "--no-pager", "-o", "cat", "-u", WORKER).stdout
+    assert "the engine process exited (status -9); stopping" in log, log[-2000:]
+    res = node.render("--tier", "turbo", "--size", "64x64", "--steps", "2", "--out", "/dev/null")
+    assert res.returncode == 0, res.stdout + res.stderr
+
+
 def test_stop_drains_the_worker_and_leaves_the_datapath(node):
     before = node.datapath()
 
