@@ -23,7 +23,6 @@ import functools
 import logging
 import signal
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -33,6 +32,7 @@ from turbonode.config import WorkerConfig, split_host_port
 from turbonode.errors import TurbonodeError
 from turbonode.exposition import daemon_registry
 from turbonode.jsonrpc import SERVER_ERROR, RpcError
+from turbonode.metric_names import ENGINE_PROCESS
 
 from .cpu_threads import wait_policy_default
 from .readiness import ENGINE_STALL_S
@@ -100,6 +100,8 @@ class Worker:
     def load(self, engine: RemoteEngine) -> None:
         """Have the engine process load the model and build the engine (minutes for a first
         TensorRT build); then wire what the front serves to it."""
+        from prometheus_client import ProcessCollector
+
         from .gc_telemetry import GcMonitor, freeze_after_load
         from .http_api import RequestDefaults
 
@@ -112,32 +114,23 @@ class Worker:
         self.backend_info = info["backend"]
         self.family = info["family"]
         self.metrics.watch(engine)
+        ProcessCollector(namespace=ENGINE_PROCESS, pid=lambda: engine.pid, registry=self.metrics.registry)
         freeze_after_load()  # the front's own heap: its collections then traverse only new objects
         self.gc = GcMonitor(observe=self.metrics.observe_gc)
         engine.gc = self.gc
         self.engine = engine
 
     async def _load(self, stop: asyncio.Event, engine: RemoteEngine) -> bool:
-        """Wait for the load in a daemon thread while the server answers; False when a signal
-        came first (the engine process is then stopped, mid-load)."""
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-
-        def target() -> None:
-            try:
-                self.load(engine)
-            except BaseException as exc:  # noqa: BLE001 - handed to the event loop, raised there
-                loop.call_soon_threadsafe(done.set_exception, exc)
-            else:
-                loop.call_soon_threadsafe(done.set_result, None)
-
-        threading.Thread(target=target, name="turbonode-load", daemon=True).start()
-        stopped = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({done, stopped}, return_when=asyncio.FIRST_COMPLETED)
-        if not done.done():
+        """Wait for the load (in a thread) while the server answers; False when a signal came
+        first: the caller's shutdown then kills the engine process, which ends the load."""
+        loaded: asyncio.Future = asyncio.get_running_loop().run_in_executor(None, self.load, engine)
+        stopped: asyncio.Future = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({loaded, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        if not loaded.done():
+            loaded.add_done_callback(lambda f: f.cancelled() or f.exception())  # its error is expected
             return False
         stopped.cancel()
-        done.result()  # a load error propagates
+        loaded.result()  # a load error propagates
         return True
 
     async def serve(self, on_ready: Callable[[str], None] | None = None) -> int:

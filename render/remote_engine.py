@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
 import functools
 import logging
 import os
@@ -115,10 +116,8 @@ class RemoteJob:
         """Delivered: free the pixels here and in the engine."""
         self.samples = []
         self.images_dropped = True
-        try:
+        with contextlib.suppress(EngineGone):  # gone: so are its pixels
             self.engine.link.cast("drop_images", self.id)
-        except EngineGone:
-            pass
 
 
 class JobsView:
@@ -306,16 +305,20 @@ class RemoteEngine:
         return self.link.call("fail_all", message)
 
     def stop(self, timeout: float = STOP_GRACE_S) -> None:
-        if not self._loaded.done():  # a load cannot be interrupted; nothing runs yet to finish
-            timeout = 0.0
-        if self.process.poll() is None:
-            try:
-                self.link.cast("stop")
-            except EngineGone:
-                pass
-            try:
-                self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                log.warning("the engine process did not stop within %g s: killing it", timeout)
-                self.process.kill()
-                self.process.wait()
+        """Let the engine loop finish its boundary and exit; kill it after `timeout`, or at once
+        while it loads (a load cannot be interrupted, and nothing runs yet to finish)."""
+        if self.process.poll() is not None:
+            return
+        if not self._loaded.done():
+            log.info("stopping the engine process while it loads the model")
+            self.process.kill()
+            self.process.wait()
+            return
+        with contextlib.suppress(EngineGone):
+            self.link.cast("stop")
+        try:
+            self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            log.warning("the engine process did not stop within %g s: killing it", timeout)
+            self.process.kill()
+            self.process.wait()

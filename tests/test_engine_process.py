@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import pickle
+import re
 import signal
 import socket
 import threading
@@ -22,6 +23,7 @@ from render.engine_link import EngineGone, Link, RemoteError
 from render.jobs import JobFailed, QueueFull, TierShed
 from tests.daemon_harness import daemon_env, start, turboctl_argv
 from turbonode.jsonrpc import ControlClient
+from turbonode.metric_names import ENGINE_CPU, ENGINE_RSS
 
 
 def test_rejections_cross_the_pipe_with_their_retry_after():
@@ -130,6 +132,10 @@ def test_engine_killed_fails_the_waiting_request_and_the_worker_exits_for_a_rest
     try:
         status = ControlClient(control).call("status")
         assert status["memory"]["rss_bytes"] > engine.memory_info().rss  # both processes counted
+        with urllib.request.urlopen(url + "/metrics", timeout=30) as resp:
+            text = resp.read().decode()
+        rss = re.search(rf"^{ENGINE_RSS}{{node=\S+}} (\S+)$", text, re.M)
+        assert rss and float(rss.group(1)) > 10**7 and re.search(rf"^{ENGINE_CPU}{{", text, re.M), text
         out: list = []
         waiting = threading.Thread(
             target=_generate, args=(url, {"prompt": "long", "size": "64x64", "tier": "relax", "steps": 200}, out)

@@ -13,6 +13,7 @@ import threading
 import time
 import urllib.request
 
+import psutil
 import pytest
 from daemon_harness import NotifyListener, daemon_env, start, stop, turboctl_argv
 from prometheus_harness import free_port
@@ -298,6 +299,7 @@ def test_sigterm_while_loading_exits_at_once(tmp_path):
                 time.sleep(0.02)
         if body["status"] != "loading":
             pytest.skip("the model loaded before the first probe (a fast machine): nothing to interrupt")
+        engines = psutil.Process(proc.pid).children()  # the engine process, loading
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0, out.text
     finally:
@@ -305,6 +307,8 @@ def test_sigterm_while_loading_exits_at_once(tmp_path):
         notify.close()
     assert "READY=1" not in notify.messages
     assert not os.path.exists(tmp_path / "w.sock")
+    assert len(engines) == 1 and not engines[0].is_running()  # stopped mid-load, not left behind
+    assert "Traceback" not in out.text and "never retrieved" not in out.text, out.text
 
 
 def test_get_job_can_wait_for_the_end():

@@ -14,6 +14,13 @@ NODE_LABEL = "node"
 # worker backend (torch|tensorrt), device and model_family.
 BUILD_INFO = "turbonode_build_info"
 
+# The worker's engine process (render/engine_host.py) has prometheus_client's process_* metrics
+# under this prefix (turbonode_worker_engine_process_resident_memory_bytes, ..._cpu_seconds_total);
+# the unprefixed process_* of the worker are its front's.
+ENGINE_PROCESS = "turbonode_worker_engine"
+ENGINE_RSS = ENGINE_PROCESS + "_process_resident_memory_bytes"  # the dashboard's daemon panels
+ENGINE_CPU = ENGINE_PROCESS + "_process_cpu_seconds_total"
+
 # ---- worker: the tiers' service level, per generation request ------------------------------
 # From the request's arrival to its response written, by tier and outcome (OUTCOMES).
 REQUEST_DURATION = "turbonode_worker_request_duration_seconds"
