@@ -257,6 +257,37 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+# Where a turbo request's time went, from its outcome (client timings and the worker's own):
+# the TCP handshake, the job in the worker's engine (submit -> finished), the worker's front
+# around it (the request read, the job's submission and end, the answer built: first byte -
+# handshake - engine), and the body on the wire (last byte - first byte).
+STAGES = {
+    "connect": lambda o: o["connect_s"],
+    "engine": lambda o: o["elapsed_s"],
+    "front": lambda o: o["first_byte_s"] - o["connect_s"] - o["elapsed_s"],
+    "body": lambda o: o["latency"] - o["first_byte_s"],
+}
+
+
+def stages(result: dict) -> str:
+    """Per cell and mode, p50/p99 ms of each stage of the answered turbo requests."""
+    head = "".join(f" {name:>11}" for name in STAGES)
+    lines = [f"where turbo's time went, p50/p99 ms (answered requests)\n{'cell':<12} {'mode':<9}{head}"]
+    for cell, by_mode in result["cells"].items():
+        for mode, r in by_mode.items():
+            done = [
+                o
+                for o in r["outcomes"]
+                if o["tier"] == PROTECTED_TIER and o["status"] == 200 and None not in (o["connect_s"], o["elapsed_s"])
+            ]
+            row = f"{cell:<12} {mode:<9}"
+            for stage in STAGES.values():
+                values = [stage(o) for o in done]
+                row += f" {_ms(percentile(values, 50)) + '/' + _ms(percentile(values, 99)):>11}"
+            lines.append(row)
+    return "\n".join(lines)
+
+
 def describe_agent(agent: dict) -> str:
     text = f"{agent['max_level']}" + (f" ({', '.join(agent['reasons'])})" if agent["reasons"] else "")
     text += f", throttled {agent['throttled_share']:.0%}"
@@ -306,7 +337,12 @@ def main() -> int:
     ap.add_argument("--agent-toml", help="a TOML file of more agent configuration (e.g. [policy.rules.cpu_load])")
     ap.add_argument("--json", help="write every figure (and every request's outcome) here")
     ap.add_argument("--keep-logs", help="copy the node's logs (worker, agent, faults) to this directory")
+    ap.add_argument("--report", metavar="JSON", help="print the tables of a run saved with --json; run nothing")
     args = ap.parse_args()
+    if args.report:
+        saved = json.loads(Path(args.report).read_text())
+        print(report(saved) + "\n" + stages(saved))
+        return 0
     cells = [c for c in args.cells.split(",") if c]
     modes = [m for m in args.modes.split(",") if m]
     bad = [c for c in cells if c not in CELLS] + [m for m in modes if m not in MODES]
@@ -362,7 +398,7 @@ def main() -> int:
                 Path(args.json).write_text(json.dumps(result, indent=1))
             if args.keep_logs:
                 shutil.copytree(node.tmp, args.keep_logs, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
-    print(report(result))
+    print(report(result) + "\n" + stages(result))
     return 0
 
 

@@ -9,10 +9,11 @@ loop (each denoiser call, each boundary) waits only for this process's own few t
 The front starts it (`ENTRY`, with `--fd N`: one end of a socketpair) and
 sends ("start", WorkerConfig, policy, log levels), and gets ("ready", info) once the model
 is loaded, or ("failed", message). Then this process answers the front's calls (the methods
-of Host below), and pushes events: ("done", ...) when a job ends, ("metric", name, args) for
-the front's WorkerMetrics, ("gc", generation, pause_s) for each of its own collections.
-SIGINT and SIGTERM are ignored: the front drains and then stops this process (a service
-manager signals the whole group); when the front's end of the pipe closes, it exits.
+of Host below), and pushes events: ("status", stage) while it loads, ("done", ...) when a job
+ends, ("metric", name, args) for the front's WorkerMetrics, ("gc", generation, pause_s) for
+each of its own collections. SIGINT and SIGTERM are ignored: the front drains and then stops
+this process (Ctrl-C in a terminal signals the whole group); when the front's end of the pipe
+closes, it exits.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from turbonode.errors import TurbonodeError
 
 from .cpu_threads import WAIT_POLICY_ENV, available_cpus, default_threads, wait_policy_default
 from .engine_link import Link, RemoteError
-from .http_api import encode_png
+from .png import encode_png
 
 log = logging.getLogger(__name__)
 

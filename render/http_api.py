@@ -20,10 +20,8 @@ welcome here: render/readiness.py), and the original GET /healthz. GET /metrics.
 from __future__ import annotations
 
 import asyncio
-import base64
 import codecs
 import contextlib
-import io
 import json
 import logging
 import math
@@ -44,6 +42,7 @@ from turbonode.text import parse_decimal, quote
 from turbonode.tiers import DEFAULT_TIER, TIER_NAMES, tos_byte
 
 from .jobs import JobCancelled, JobFailed, JobRequest, Rejected
+from .png import encode_png
 from .readiness import ENGINE_STALL_S, Phase, Readiness, TierView, readiness
 
 log = logging.getLogger(__name__)
@@ -277,14 +276,6 @@ def listening_socket(host: str, port: int, tier: str) -> socket.socket:
 def _mark(request: web.Request, tier: str) -> None:
     if request.transport is not None:
         mark_socket(request.transport.get_extra_info("socket"), tier)
-
-
-def encode_png(array) -> str:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.fromarray(array).save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
 
 
 async def _png(loop: asyncio.AbstractEventLoop, sample) -> str:
