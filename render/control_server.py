@@ -95,7 +95,7 @@ class ControlHandlers:
     def status(self, since_gc_seq=None) -> dict:
         out = self.engine.snapshot()
         throttle = self.engine.throttle.current()
-        gpu = self.engine.gpu_allocated_bytes()
+        gpu = out.pop("gpu_allocated_bytes")  # status shows it under memory
         out.update(
             {
                 "gc": self._gc(since_gc_seq),
@@ -103,7 +103,6 @@ class ControlHandlers:
                 "throttle": throttle.describe(self.engine.throttle.now()) if throttle else None,
                 "model": self.engine.describe_model(),
                 "backend": self.backend_info,
-                "text_cache": self.engine.text_cache(),
                 "uptime_s": round(time.monotonic() - self.started, 3),
             }
         )

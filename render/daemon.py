@@ -82,8 +82,7 @@ class Worker:
         self.api = Api(
             None, served, None, model_id=cfg.model, metrics=self.metrics, slo=cfg.slo, refuse_unready=cfg.refuse_unready
         )
-        self.engine: RemoteEngine | None = None  # once loaded
-        self.engine_process: RemoteEngine | None = None  # from the start of the load
+        self.engine: RemoteEngine | None = None  # the engine process, from the start of the load
         self.gc: GcMonitor | None = None
         self.control: ControlServer | None = None
         self.defaults: RequestDefaults | None = None
@@ -118,7 +117,6 @@ class Worker:
         freeze_after_load()  # the front's own heap: its collections then traverse only new objects
         self.gc = GcMonitor(observe=self.metrics.observe_gc)
         engine.gc = self.gc
-        self.engine = engine
 
     async def _load(self, stop: asyncio.Event, engine: RemoteEngine) -> bool:
         """Wait for the load (in a thread) while the server answers; False when a signal came
@@ -167,8 +165,8 @@ class Worker:
         loading(f"listening on {url} (control {self.cfg.control_socket}), loading model {self.cfg.model}")
         gone = asyncio.Event()
         try:
-            self.engine_process = RemoteEngine(on_exit=functools.partial(_set_threadsafe, loop, gone))
-            loaded = await self._load(stop, self.engine_process)
+            self.engine = RemoteEngine(on_exit=functools.partial(_set_threadsafe, loop, gone))
+            loaded = await self._load(stop, self.engine)
         except BaseException:
             await self._shutdown(runner)
             raise
@@ -233,8 +231,8 @@ class Worker:
         await runner.cleanup()
         if self.control is not None:
             self.control.close()
-        if self.engine_process is not None:
-            self.engine_process.stop()
+        if self.engine is not None:
+            self.engine.stop()
         if self.gc is not None:
             self.gc.uninstall()
 

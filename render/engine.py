@@ -415,18 +415,11 @@ class Engine:
             "defaults": {"steps": dict(d.steps), "guidance": dict(d.guidance), "sampler": dict(d.sampler)},
         }
 
-    def text_cache(self) -> dict:
-        enc = self.encoder
-        return {"entries": len(enc), "hits": enc.hits, "misses": enc.misses, "hit_ratio": enc.hit_ratio}
-
-    def gpu_allocated_bytes(self) -> int | None:
-        """The denoiser device's allocated memory; None off a GPU."""
-        device = self.backend.device
-        return torch.cuda.memory_allocated(device) if device.type == "cuda" else None
-
     def snapshot(self) -> dict:
+        """What status and the metrics read, in one piece (one call to an engine in its own process)."""
         tiers = self.jobs.tiers(self.clock())
         steps = list(self.step_times)
+        enc, device = self.encoder, self.backend.device
         return {
             "tiers": tiers,
             "step_time_s": {
@@ -438,6 +431,8 @@ class Engine:
             "intra_op_threads": {"current": self.intra_op_threads, "configured": self.settings.intra_op_threads},
             "steps_total": self.steps_total,
             "accepting": self.jobs.accepting,
+            "text_cache": {"entries": len(enc), "hits": enc.hits, "misses": enc.misses, "hit_ratio": enc.hit_ratio},
+            "gpu_allocated_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else None,
         }
 
 

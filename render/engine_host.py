@@ -35,6 +35,7 @@ from turbonode.errors import TurbonodeError
 
 from .cpu_threads import WAIT_POLICY_ENV, available_cpus, default_threads, wait_policy_default
 from .engine_link import Link, RemoteError
+from .jobs import JobState
 from .png import encode_png
 
 log = logging.getLogger(__name__)
@@ -56,11 +57,15 @@ class MetricsRelay:
         return lambda *args: self._post(("metric", name, args))
 
 
+def pixels(job) -> list | None:
+    """A done job's images while the engine still holds them, else None."""
+    return [s.image for s in job.samples] if job.state is JobState.DONE and not job.images_dropped else None
+
+
 def job_end(job, now: float) -> tuple:
     """What the front needs of a job that has ended: its final description and its pixels
     (PNG-encoded by the sender thread, off the engine loop and off the front's GIL)."""
-    images = [s.image for s in job.samples] if job.state.value == "done" and not job.images_dropped else None
-    return ("done", job.id, job.state.value, job.error, job.finished, job.describe(now), images)
+    return ("done", job.id, job.state.value, job.error, job.finished, job.describe(now), pixels(job))
 
 
 def encode_pixels(message: tuple) -> tuple:
@@ -72,7 +77,7 @@ def encode_pixels(message: tuple) -> tuple:
 
 def job_record(job, now: float, with_images: bool) -> dict:
     """A job as `job` answers: state, description, times, and the pixels when asked and held."""
-    held = job.state.value == "done" and not job.images_dropped
+    images = pixels(job) if with_images else None
     return {
         "id": job.id,
         "request": job.request,
@@ -82,7 +87,7 @@ def job_record(job, now: float, with_images: bool) -> dict:
         "finished": job.finished,
         "images_dropped": job.images_dropped,
         "describe": job.describe(now),
-        "images": [encode_png(s.image) for s in job.samples] if with_images and held else None,
+        "images": None if images is None else [encode_png(image) for image in images],
     }
 
 
@@ -103,8 +108,6 @@ class Host:
             "snapshot": e.snapshot,
             "tiers": e.jobs.tiers,
             "oldest_wait": e.jobs.oldest_wait,
-            "text_cache": e.text_cache,
-            "gpu_allocated_bytes": e.gpu_allocated_bytes,
             "heartbeat": lambda: (e.alive, e.heartbeat),
             "unsupported_size": e.backend.unsupported_size,
             "throttle": self.throttle,

@@ -169,7 +169,7 @@ class EngineCollector:
         )
         throttled = self.engine.throttle.current() is not None
         yield GaugeMetricFamily(P + "throttled", "1 while a throttle from the agent is in force", value=int(throttled))
-        cache = self.engine.text_cache()
+        cache = snap["text_cache"]
         yield CounterMetricFamily(P + "text_cache_hits", "Prompt embeddings served from the cache", value=cache["hits"])
         yield CounterMetricFamily(P + "text_cache_misses", "Prompt embeddings computed", value=cache["misses"])
         yield GaugeMetricFamily(P + "text_cache_entries", "Prompt embeddings cached", value=cache["entries"])

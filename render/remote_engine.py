@@ -267,12 +267,6 @@ class RemoteEngine:
     def snapshot(self) -> dict:
         return self.link.call("snapshot")
 
-    def text_cache(self) -> dict:
-        return self.link.call("text_cache")
-
-    def gpu_allocated_bytes(self) -> int | None:
-        return self.link.call("gpu_allocated_bytes")
-
     @property
     def alive(self) -> bool:
         """The engine process runs (cheap: readiness asks on every request)."""
