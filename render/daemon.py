@@ -166,6 +166,7 @@ class Worker:
         gone = asyncio.Event()
         try:
             self.engine = RemoteEngine(on_exit=functools.partial(_set_threadsafe, loop, gone))
+            await self.engine.open_lane()
             loaded = await self._load(stop, self.engine)
         except BaseException:
             await self._shutdown(runner)

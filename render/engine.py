@@ -188,6 +188,10 @@ class Engine:
         """Queue a job; raises Draining, TierShed or QueueFull (all Rejected) when it cannot."""
         return self.jobs.submit(request)
 
+    async def enqueue(self, request: JobRequest) -> Job:
+        """`submit`, as the HTTP API awaits it (the engine process's handle queues over a pipe)."""
+        return self.submit(request)
+
     def get(self, job_id: str) -> Job | None:
         return self.jobs.get(job_id)
 

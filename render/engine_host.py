@@ -6,11 +6,11 @@ needs. They share no GIL: a garbage-collection storm or a busy thread among the 
 request handlers cannot stall a denoising step here, and every GIL hand-back of the render
 loop (each denoiser call, each boundary) waits only for this process's own few threads.
 
-The front starts it (`ENTRY`, with `--fd N`: one end of a socketpair) and
-sends ("start", WorkerConfig, policy, log levels), and gets ("ready", info) once the model
+The front starts it (`ENTRY`, with `--fd N --lane-fd M`: one end of each of two socketpairs,
+render/engine_link.py) and sends ("start", WorkerConfig, policy, log levels), and gets ("ready", info) once the model
 is loaded, or ("failed", message). Then this process answers the front's calls (the methods
-of Host below), and pushes events: ("status", stage) while it loads, ("done", ...) when a job
-ends, ("metric", name, args) for the front's WorkerMetrics, ("gc", generation, pause_s) for
+of Host below), and pushes events: ("status", stage) while it loads, ("done", ...) on the lane
+when a job ends, ("metric", name, args) for the front's WorkerMetrics, ("gc", generation, pause_s) for
 each of its own collections. SIGINT and SIGTERM are ignored: the front drains and then stops
 this process (Ctrl-C in a terminal signals the whole group); when the front's end of the pipe
 closes, it exits.
@@ -94,9 +94,9 @@ def job_record(job, now: float, with_images: bool) -> dict:
 class Host:
     """The engine's side of the pipe: the calls the front makes, run in the reader thread."""
 
-    def __init__(self, engine, post):
+    def __init__(self, engine, post_end):
         self.engine = engine
-        self.post = post
+        self.post_end = post_end  # the lane: the front's event loop reads job ends there
 
     def table(self) -> dict:
         e = self.engine
@@ -118,7 +118,7 @@ class Host:
 
     def submit(self, request) -> dict:
         job = self.engine.submit(request)
-        job.future.add_done_callback(lambda _f: self.post(job_end(job, self.engine.clock())))
+        job.future.add_done_callback(lambda _f: self.post_end(job_end(job, self.engine.clock())))
         return {"id": job.id, "submitted": job.submitted, "created": job.created}
 
     def job(self, job_id: str, with_images: bool) -> dict | None:
@@ -140,16 +140,14 @@ class Host:
         self.engine.wake()
 
 
-class Server:
-    """Reads the front's messages; runs its calls; posts replies and events through one sender."""
+class Channel:
+    """One pipe to the front: its Link (a reader thread) and one sender thread, so no engine
+    thread ever blocks on the pipe or encodes a PNG."""
 
-    BLOCKING = frozenset({"wait_idle"})  # calls that wait: each in its own thread, so others go on
-
-    def __init__(self, conn: Connection):
+    def __init__(self, conn: Connection, on_message, on_closed):
         self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.link = Link(conn, self._on_message, self._on_closed)
-        self.methods: dict[str, Any] = {}
-        self.stopped = threading.Event()
+        self.link = Link(conn, lambda message: on_message(self, message), on_closed)
+        self.sender = threading.Thread(target=self.run_sender, name="turbonode-engine-sender", daemon=True)
 
     def post(self, message: tuple | None) -> None:
         """Queue a message for the front (any thread; never blocks on the pipe); None ends the sender."""
@@ -162,14 +160,46 @@ class Server:
                 return
             self.link.send(encode_pixels(message))
 
-    def _on_message(self, message: tuple) -> None:
+    def stop(self, timeout: float) -> None:
+        self.post(None)
+        self.sender.join(timeout)
+
+
+class Server:
+    """Reads the front's messages on both pipes (render/engine_link.py: the link and the lane);
+    runs its calls and answers each on the pipe it came by; events go out by `post` (the link)
+    and job ends by `lane.post`."""
+
+    BLOCKING = frozenset({"wait_idle"})  # calls that wait: each in its own thread, so others go on
+
+    def __init__(self, conn: Connection, lane: Connection | None = None):
+        self.main = Channel(conn, self._on_message, self._on_closed)
+        self.lane = Channel(lane, self._on_message, self._on_closed) if lane is not None else self.main
+        self.channels = (self.main,) if lane is None else (self.main, self.lane)
+        self.post = self.main.post
+        self.methods: dict[str, Any] = {}
+        self.stopped = threading.Event()
+
+    def start_senders(self) -> None:
+        for channel in self.channels:
+            channel.sender.start()
+
+    def start_readers(self) -> None:
+        for channel in self.channels:
+            channel.link.start()
+
+    def stop_senders(self, timeout: float) -> None:
+        for channel in self.channels:
+            channel.stop(timeout)
+
+    def _on_message(self, channel: Channel, message: tuple) -> None:
         kind = message[0]
         if kind == "call":
             _, call_id, method, args = message
             if method in self.BLOCKING:
-                threading.Thread(target=self._answer, args=(call_id, method, args), daemon=True).start()
+                threading.Thread(target=self._answer, args=(channel, call_id, method, args), daemon=True).start()
             else:
-                self._answer(call_id, method, args)
+                self._answer(channel, call_id, method, args)
         elif kind == "cast":
             _, method, args = message
             if method == "stop":
@@ -183,7 +213,7 @@ class Server:
             raise RemoteError(f"the engine process has no method {method!r} (yet)")
         return fn(*args)
 
-    def _answer(self, call_id: int, method: str, args: tuple) -> None:
+    def _answer(self, channel: Channel, call_id: int, method: str, args: tuple) -> None:
         try:
             reply = ("reply", call_id, True, self._run(method, args))
         except TurbonodeError as exc:  # the project's own errors travel by type (Rejected, FamilyError...)
@@ -191,7 +221,7 @@ class Server:
         except Exception as exc:  # noqa: BLE001 - answered, not raised: the engine keeps serving
             log.exception("call %s failed", method)
             reply = ("reply", call_id, False, RemoteError(f"{method} failed: {type(exc).__name__}: {exc}"))
-        self.post(reply)
+        channel.post(reply)
 
     def _on_closed(self) -> None:
         self.stopped.set()
@@ -273,17 +303,16 @@ def stage(server: Server, what: str) -> None:
     server.post(("status", what))
 
 
-def serve(conn: Connection) -> int:
-    server = Server(conn)
-    sender = threading.Thread(target=server.run_sender, name="turbonode-engine-sender", daemon=True)
-    sender.start()
-    start = conn.recv()  # before the reader runs: the first message is always the start
+def serve(conn: Connection, lane: Connection) -> int:
+    server = Server(conn, lane)
+    server.start_senders()
+    start = conn.recv()  # before the readers run: the first message is always the start
     _, cfg, policy, levels = start
     logs.setup(levels.get("", logging.WARNING))
     for name, level in levels.items():
         if name:
             logging.getLogger(name).setLevel(level)
-    server.link.start()
+    server.start_readers()
     from .gc_telemetry import GcMonitor, freeze_after_load
 
     try:
@@ -293,10 +322,9 @@ def serve(conn: Connection) -> int:
             log.exception("loading the model failed")
         message = str(exc) if isinstance(exc, TurbonodeError) else f"{type(exc).__name__}: {exc}"
         server.post(("failed", message))
-        server.post(None)
-        sender.join(STOP_TIMEOUT_S)
+        server.stop_senders(STOP_TIMEOUT_S)
         return 1
-    server.methods = Host(engine, server.post).table()
+    server.methods = Host(engine, server.lane.post).table()
     freeze_after_load()
     gc = GcMonitor(observe=lambda generation, pause: server.post(("gc", generation, pause))).install()
     engine.start()
@@ -304,21 +332,21 @@ def serve(conn: Connection) -> int:
     server.stopped.wait()
     engine.stop(STOP_TIMEOUT_S)
     gc.uninstall()
-    server.post(None)
-    sender.join(STOP_TIMEOUT_S)
+    server.stop_senders(STOP_TIMEOUT_S)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="render.engine_host", description=__doc__.splitlines()[0])
-    parser.add_argument("--fd", type=int, required=True, help="this process's end of the front's socketpair")
+    parser.add_argument("--fd", type=int, required=True, help="this process's end of the link (a socketpair)")
+    parser.add_argument("--lane-fd", type=int, required=True, help="this process's end of the lane (a socketpair)")
     args = parser.parse_args(argv)
     wait_policy_default()  # before torch loads: OpenMP reads it once
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     _die_with_parent()
-    sock = socket.socket(fileno=args.fd)
-    return serve(Connection(sock.detach()))
+    link, lane = (Connection(socket.socket(fileno=fd).detach()) for fd in (args.fd, args.lane_fd))
+    return serve(link, lane)
 
 
 def _die_with_parent() -> None:

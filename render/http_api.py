@@ -497,7 +497,7 @@ class Api:
                 message = f"this node is not ready for {tier} work: {r.reason}"
                 return Answer("rejected", _error(message, 503, "tier", "not_ready", r))
         try:
-            job = self.engine.submit(job_request)
+            job = await self.engine.enqueue(job_request)
         except Rejected as exc:
             headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))} if exc.retry_after is not None else {}
             response = web.json_response(

@@ -3,10 +3,10 @@ and the daemon use of an engine (render/engine.py), served by render/engine_host
 
 The throttle lives here, in the front, where the control socket sets it; each change is
 pushed to the engine process, which expires it on the same monotonic clock. Jobs live in the
-engine process: `submit` returns a RemoteJob whose future resolves when the engine posts the
-job's end (with its pixels); `get` and `cancel` ask the engine. Waiting callers see
-JobFailed if the engine process exits, and `on_exit` tells the daemon, which then exits so
-that its service manager restarts the worker.
+engine process: `enqueue` (awaited on the event loop, over the lane) returns a RemoteJob whose
+future resolves when the engine posts the job's end (with its pixels) on the lane; `get` and
+`cancel` ask the engine. Waiting callers see JobFailed if the engine process exits, and
+`on_exit` tells the daemon, which then exits so that its service manager restarts the worker.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from turbonode import sdnotify
 from turbonode.errors import TurbonodeError
 
 from .engine_host import ENTRY, METRIC_METHODS
-from .engine_link import EngineGone, Link
+from .engine_link import AsyncLink, EngineGone, Link
 from .jobs import JobCancelled, JobFailed, JobRequest, JobState
 from .throttle import ThrottleState
 
@@ -159,22 +159,31 @@ class RemoteEngine:
         self._unclaimed: collections.OrderedDict[str, tuple] = collections.OrderedDict()
         self._jobs_lock = threading.Lock()
         self._push_lock = threading.Lock()
+        self._lost: str | None = None  # why jobs fail from now on: the engine process has exited
         self._loaded: concurrent.futures.Future[dict] = concurrent.futures.Future()
         front, back = socket.socketpair()
+        self._lane_sock, lane_back = socket.socketpair()
         # systemd hears only the front (the main PID); the engine posts its stages instead
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout, first on the path
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         # started from the thread that lives as long as the front (the main one): the engine's
         # death signal follows the thread that started it
+        fds = (back.fileno(), lane_back.fileno())
         self.process = subprocess.Popen(
-            [sys.executable, "-c", ENTRY, "--fd", str(back.fileno())], pass_fds=(back.fileno(),), env=env
+            [sys.executable, "-c", ENTRY, "--fd", str(fds[0]), "--lane-fd", str(fds[1])], pass_fds=fds, env=env
         )
         back.close()
+        lane_back.close()
         self.pid = self.process.pid
         self.link = Link(Connection(front.detach()), self._on_message, self._on_closed).start()
+        self.lane: AsyncLink | None = None  # open_lane, from the event loop
         self.jobs = JobsView(self.link)
         self.backend: BackendView = BackendView({})
+
+    async def open_lane(self) -> None:
+        """Serve the lane from the running event loop (the one the HTTP API runs on)."""
+        self.lane = await AsyncLink.open(self._lane_sock, self._on_message, lambda: None)
 
     # ---- start-up ---------------------------------------------------------------------
 
@@ -226,24 +235,30 @@ class RemoteEngine:
         if not self._loaded.done():
             self._loaded.set_exception(EngineLoadError(f"the engine process exited while loading (status {code})"))
         with self._jobs_lock:
+            self._lost = f"the engine process exited (status {code})"
             jobs, self._jobs = list(self._jobs.values()), {}
         for job in jobs:
-            job.lost(f"the engine process exited (status {code})", self.clock())
+            job.lost(self._lost, self.clock())
         if self.on_exit is not None:
             self.on_exit()
 
     # ---- jobs -------------------------------------------------------------------------
 
-    def submit(self, request: JobRequest) -> RemoteJob:
+    async def enqueue(self, request: JobRequest) -> RemoteJob:
         """Queue a job; raises Draining, TierShed or QueueFull (all Rejected) when it cannot."""
-        made = self.link.call("submit", request)
+        if self.lane is None:
+            raise EngineGone("the engine's lane is not open")
+        made = await self.lane.call("submit", request)
         job = RemoteJob(self, request, made["id"], made["submitted"], made["created"])
         with self._jobs_lock:
             ended = self._unclaimed.pop(job.id, None)
-            if ended is None:
+            lost = self._lost
+            if ended is None and lost is None:
                 self._jobs[job.id] = job
         if ended is not None:
             job._end(*ended[2:])
+        elif lost is not None:  # accepted just before the engine died: no end will come
+            job.lost(lost, self.clock())
         return job
 
     def get(self, job_id: str) -> RemoteJob | None:

@@ -3,6 +3,7 @@ other dies (render/engine_link.py, render/engine_host.py, render/remote_engine.p
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import pickle
@@ -19,7 +20,7 @@ import psutil
 import pytest
 
 from render.engine_host import Server
-from render.engine_link import EngineGone, Link, RemoteError
+from render.engine_link import AsyncLink, EngineGone, Frames, Link, RemoteError, frame
 from render.jobs import JobFailed, QueueFull, TierShed
 from tests.daemon_harness import daemon_env, start, turboctl_argv
 from turbonode.jsonrpc import ControlClient
@@ -37,8 +38,8 @@ def _linked(methods: dict):
     a, b = socket.socketpair()
     server = Server(Connection(b.detach()))
     server.methods = methods
-    server.link.start()
-    threading.Thread(target=server.run_sender, daemon=True).start()
+    server.start_readers()
+    server.start_senders()
     events: list[tuple] = []
     closed = threading.Event()
     front = Link(Connection(a.detach()), events.append, closed.set).start()
@@ -47,10 +48,11 @@ def _linked(methods: dict):
 
 def _hang_up(server) -> None:
     """The engine's end goes away, as when its process exits (a close alone leaves a blocked recv)."""
-    server.post(None)
-    sock = socket.socket(fileno=server.link.conn.fileno())
-    sock.shutdown(socket.SHUT_RDWR)
-    sock.detach()
+    for channel in server.channels:
+        channel.post(None)
+        sock = socket.socket(fileno=channel.link.conn.fileno())
+        sock.shutdown(socket.SHUT_RDWR)
+        sock.detach()
 
 
 def test_calls_answer_values_and_errors_and_the_engine_keeps_serving():
@@ -93,6 +95,77 @@ def test_a_call_left_unanswered_times_out_with_a_clear_error():
     finally:
         release.set()
         _hang_up(server)
+
+
+def test_frames_are_cut_from_any_chunking_as_a_connection_sent_them():
+    a, b = socket.socketpair()
+    sent = [("reply", 1, True, {"id": "job-1"}), ("done", "job-1", "done", None, 2.0, {}, ["x" * 300_000])]
+    conn = Connection(a.detach())
+
+    def send():
+        for message in sent:
+            conn.send(message)
+        conn.close()
+
+    threading.Thread(target=send, daemon=True).start()  # more than the socket buffers
+    stream = b""
+    while chunk := b.recv(1 << 16):
+        stream += chunk
+    b.close()
+    for size in (1, 7, 4096, len(stream)):  # byte by byte, torn headers, whole
+        frames = Frames()
+        got = [m for i in range(0, len(stream), size) for m in frames.feed(stream[i : i + size])]
+        assert got == sent, size
+    assert Frames().feed(frame(sent[1])) == [sent[1]]  # and what the front writes, a Connection reads
+
+
+def _lane(methods: dict):
+    """A Server whose lane is the second socketpair, and the front's AsyncLink on it (in a loop)."""
+    link_a, link_b = socket.socketpair()
+    lane_a, lane_b = socket.socketpair()
+    server = Server(Connection(link_b.detach()), Connection(lane_b.detach()))
+    server.methods = methods
+    server.start_readers()
+    server.start_senders()
+    return server, link_a, lane_a
+
+
+def test_the_lane_answers_calls_and_events_on_the_event_loop():
+    def submit(x):
+        server.lane.post(("ended", x))  # an event (as a job end), posted before the reply: both arrive in order
+        return x * 2
+
+    def shed():
+        raise TierShed("tier relax is shed by the node's throttle (softirq)", retry_after=4)
+
+    server, link_sock, sock = _lane({"submit": submit, "shed": shed, "hang": lambda: time.sleep(2)})
+    events: list[tuple] = []
+
+    async def front():
+        link = await AsyncLink.open(sock, events.append, lambda: None)
+        loop_thread = threading.get_ident()
+        seen = []
+        link._on_message = lambda m: seen.append((m, threading.get_ident() == loop_thread))
+        assert await link.call("submit", 21) == 42
+        assert seen == [(("ended", 21), True)]  # handled on the loop's own thread
+        with pytest.raises(TierShed) as shed_info:
+            await link.call("shed")
+        assert shed_info.value.retry_after == 4
+        with pytest.raises(RemoteError, match="did not answer hang within 0.2 s"):
+            await link.call("hang", timeout=0.2)
+        assert await asyncio.gather(*(link.call("submit", i) for i in range(50))) == [2 * i for i in range(50)]
+        waiting = asyncio.ensure_future(link.call("hang"))
+        await asyncio.sleep(0.1)
+        _hang_up(server)
+        with pytest.raises(EngineGone):  # the engine's end went away: the waiting call says so
+            await waiting
+        with pytest.raises(EngineGone):  # and every later one at once
+            await link.call("submit", 1)
+
+    try:
+        asyncio.run(front())
+    finally:
+        link_sock.close()
 
 
 # ---- the daemon's two processes ---------------------------------------------------------------
