@@ -278,11 +278,14 @@ def _mark(request: web.Request, tier: str) -> None:
         mark_socket(request.transport.get_extra_info("socket"), tier)
 
 
-async def _png(loop: asyncio.AbstractEventLoop, sample) -> str:
-    """A sample's base64 PNG: as the engine process encoded it (render/remote_engine.py), or
-    encoded here from its pixels, off the event loop."""
+async def _png(sample) -> str:
+    """A sample's base64 PNG: as the engine process encoded it (render/remote_engine.py: no
+    suspension, so the answer goes out in the same turn of the loop), or encoded here from its
+    pixels (an engine in this process, as the tests run it), off the event loop."""
     png = getattr(sample, "png", None)
-    return png if png is not None else await loop.run_in_executor(None, encode_png, sample.image)
+    if png is not None:
+        return png
+    return await asyncio.get_running_loop().run_in_executor(None, encode_png, sample.image)
 
 
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
@@ -451,8 +454,7 @@ class Api:
     # ---- generation -------------------------------------------------------------------
 
     async def _images(self, job) -> list[dict]:
-        loop = asyncio.get_running_loop()
-        encoded = await asyncio.gather(*(_png(loop, s) for s in job.samples))
+        encoded = [await _png(s) for s in job.samples]
         return [{"b64_json": b64, "revised_prompt": job.request.prompt} for b64 in encoded]
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
