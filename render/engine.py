@@ -188,8 +188,9 @@ class Engine:
         """Queue a job; raises Draining, TierShed or QueueFull (all Rejected) when it cannot."""
         return self.jobs.submit(request)
 
-    async def enqueue(self, request: JobRequest) -> Job:
-        """`submit`, as the HTTP API awaits it (the engine process's handle queues over a pipe)."""
+    async def enqueue(self, request: JobRequest, keep_images: bool = True) -> Job:
+        """`submit`, as the HTTP API awaits it (the engine process's handle queues over a pipe);
+        the pixels stay until the API drops them (`keep_images` matters only across the pipe)."""
         return self.submit(request)
 
     def get(self, job_id: str) -> Job | None:

@@ -116,9 +116,17 @@ class Host:
             "fail_all": e.fail_all,
         }
 
-    def submit(self, request) -> dict:
+    def submit(self, request, keep_images: bool = True) -> dict:
+        """Queue a job; its end goes to the front on the lane. keep_images=False: the front only
+        delivers the pixels, so they are dropped here once the end (which holds them) is posted."""
         job = self.engine.submit(request)
-        job.future.add_done_callback(lambda _f: self.post_end(job_end(job, self.engine.clock())))
+
+        def ended(_future) -> None:
+            self.post_end(job_end(job, self.engine.clock()))
+            if not keep_images:
+                job.drop_images()
+
+        job.future.add_done_callback(ended)
         return {"id": job.id, "submitted": job.submitted, "created": job.created}
 
     def job(self, job_id: str, with_images: bool) -> dict | None:

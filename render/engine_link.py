@@ -213,14 +213,17 @@ class AsyncLink(asyncio.Protocol):
         """Like Link.call, awaited: the loop serves other requests meanwhile."""
         if self.closed or self.transport is None:
             raise EngineGone("the engine process has exited")
+        loop = asyncio.get_running_loop()
         call_id = next(self._ids)
-        future = self._pending[call_id] = asyncio.get_running_loop().create_future()
+        future = self._pending[call_id] = loop.create_future()
+        # a timer rather than wait_for: the reply then wakes the caller in one turn of the loop, not two
+        timeout_error = RemoteError(f"the engine process did not answer {method} within {timeout:g} s")
+        timer = loop.call_later(timeout, settle, future, False, timeout_error)
         try:
             self.transport.write(frame(("call", call_id, method, args)))
-            return await asyncio.wait_for(future, timeout)
-        except TimeoutError:
-            raise RemoteError(f"the engine process did not answer {method} within {timeout:g} s") from None
+            return await future
         finally:
+            timer.cancel()
             self._pending.pop(call_id, None)
 
     def close(self) -> None:

@@ -499,7 +499,7 @@ class Api:
                 message = f"this node is not ready for {tier} work: {r.reason}"
                 return Answer("rejected", _error(message, 503, "tier", "not_ready", r))
         try:
-            job = await self.engine.enqueue(job_request)
+            job = await self.engine.enqueue(job_request, keep_images=run_async)
         except Rejected as exc:
             headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))} if exc.retry_after is not None else {}
             response = web.json_response(
@@ -519,7 +519,7 @@ class Api:
             )
             return Answer("accepted", response, job)
         try:
-            await asyncio.shield(asyncio.wrap_future(job.future))
+            await job.ended()
         except asyncio.CancelledError:
             # the client went away (aiohttp cancels the handler): free the job's slot
             self.engine.cancel(job.id)
@@ -561,7 +561,7 @@ class Api:
                 raise web.HTTPBadRequest(reason=f"'wait' must be seconds between 0 and {MAX_WAIT_S:g}, got {raw!r}")
             if not job.state.terminal:
                 with contextlib.suppress(asyncio.TimeoutError, JobCancelled, JobFailed):
-                    await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(job.future)), wait)
+                    await asyncio.wait_for(job.ended(), wait)
         out = job.describe(self.engine.clock())
         if job.state.value == "done" and not job.images_dropped:
             out["data"] = await self._images(job)

@@ -9,6 +9,7 @@ job's samples and the same seed gives the same image.
 
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import enum
 import uuid
@@ -133,6 +134,10 @@ class Job:
 
     def __post_init__(self) -> None:
         self.samples = [Sample(self, i) for i in range(self.request.n)]
+
+    def ended(self) -> asyncio.Future:
+        """This job's end, awaitable on the running loop; cancelling the wait leaves the job alone."""
+        return asyncio.shield(asyncio.wrap_future(self.future))
 
     def drop_images(self) -> None:
         """Free the pixels once delivered (or too old to keep); the job's record stays."""

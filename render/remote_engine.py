@@ -11,6 +11,7 @@ future resolves when the engine posts the job's end (with its pixels) on the lan
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import concurrent.futures
 import contextlib
@@ -54,15 +55,26 @@ class Picture:
 class RemoteJob:
     """A job as the front sees it: its request and identity, and its end once the engine posts it."""
 
-    def __init__(self, engine: RemoteEngine, request: JobRequest, job_id: str, submitted: float, created: float):
+    def __init__(
+        self,
+        engine: RemoteEngine,
+        request: JobRequest,
+        job_id: str,
+        submitted: float,
+        created: float,
+        kept: bool = True,
+    ):
         self.engine, self.request, self.id = engine, request, job_id
         self.submitted, self.created = submitted, created
+        self.kept = kept  # the engine holds the pixels until told (False: it dropped them once sent)
         self.state = JobState.QUEUED  # until the end arrives; `describe` asks the engine meanwhile
         self.error: str | None = None
         self.finished: float | None = None
         self.images_dropped = False
         self.samples: list[Picture] = []
         self.future: concurrent.futures.Future = concurrent.futures.Future()
+        self._waiters: list[asyncio.Future] = []  # ended(): event-loop futures of the end
+        self._waiters_lock = threading.Lock()
         self._final: dict | None = None
 
     @classmethod
@@ -89,6 +101,30 @@ class RemoteJob:
             self.future.set_exception(JobCancelled(error or "cancelled"))
         else:
             self.future.set_exception(JobFailed(error or "failed"))
+        with self._waiters_lock:
+            waiters, self._waiters = self._waiters, []
+        for waiter in waiters:
+            _wake(waiter, self._settle)
+
+    def ended(self) -> asyncio.Future:
+        """This job's end, awaitable on the running loop; cancelling the wait leaves the job alone.
+        An end read from the lane wakes it in the same turn of the loop (no thread hand-off)."""
+        waiter = asyncio.get_running_loop().create_future()
+        with self._waiters_lock:
+            if not self.future.done():
+                self._waiters.append(waiter)
+                return waiter
+        self._settle(waiter)
+        return waiter
+
+    def _settle(self, waiter: asyncio.Future) -> None:
+        if waiter.done():  # the waiting request went away
+            return
+        exc = self.future.exception()
+        if exc is not None:
+            waiter.set_exception(exc)
+        else:
+            waiter.set_result(self)
 
     def lost(self, message: str, now: float) -> None:
         """The engine process exited before this job ended: it failed, and says why."""
@@ -113,11 +149,26 @@ class RemoteJob:
         return record["describe"] if record is not None else {"id": self.id, "state": self.state.value}
 
     def drop_images(self) -> None:
-        """Delivered: free the pixels here and in the engine."""
+        """Delivered: free the pixels here and in the engine (unless it has already)."""
         self.samples = []
         self.images_dropped = True
-        with contextlib.suppress(EngineGone):  # gone: so are its pixels
-            self.engine.link.cast("drop_images", self.id)
+        if self.kept:
+            with contextlib.suppress(EngineGone):  # gone: so are its pixels
+                self.engine.link.cast("drop_images", self.id)
+
+
+def _wake(waiter: asyncio.Future, settle: Callable[[asyncio.Future], None]) -> None:
+    """Settle an event-loop future from any thread: at once on its loop's thread, else through it."""
+    loop = waiter.get_loop()
+    try:
+        here = asyncio.get_running_loop() is loop
+    except RuntimeError:
+        here = False
+    if here:
+        settle(waiter)
+    else:
+        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
+            loop.call_soon_threadsafe(settle, waiter)
 
 
 class JobsView:
@@ -244,12 +295,14 @@ class RemoteEngine:
 
     # ---- jobs -------------------------------------------------------------------------
 
-    async def enqueue(self, request: JobRequest) -> RemoteJob:
-        """Queue a job; raises Draining, TierShed or QueueFull (all Rejected) when it cannot."""
+    async def enqueue(self, request: JobRequest, keep_images: bool = True) -> RemoteJob:
+        """Queue a job; raises Draining, TierShed or QueueFull (all Rejected) when it cannot.
+        keep_images=False: the answer waits for it (a sync request), so the engine drops the
+        pixels once it has sent them, and delivering them needs no further message."""
         if self.lane is None:
             raise EngineGone("the engine's lane is not open")
-        made = await self.lane.call("submit", request)
-        job = RemoteJob(self, request, made["id"], made["submitted"], made["created"])
+        made = await self.lane.call("submit", request, keep_images)
+        job = RemoteJob(self, request, made["id"], made["submitted"], made["created"], keep_images)
         with self._jobs_lock:
             ended = self._unclaimed.pop(job.id, None)
             lost = self._lost

@@ -253,3 +253,25 @@ def test_a_job_lost_with_the_engine_fails_and_says_why():
     described = job.describe(4.0)  # answered here: there is no engine to ask
     assert described["state"] == "failed" and described["error"] == "the engine process exited (status -9)"
     assert described["id"] == "job-x" and described["elapsed_s"] == 2.0
+
+
+@pytest.mark.slow
+def test_a_sync_answer_takes_the_pixels_with_it_and_an_async_job_keeps_them(tmp_path):
+    proc, url, _, _ = _start_worker(tmp_path)
+    try:
+        out: list = []
+        _generate(url, {"prompt": "sync", "size": "64x64", "tier": "turbo", "steps": 2}, out)
+        _generate(url, {"prompt": "later", "size": "64x64", "tier": "fast", "steps": 2, "async": True}, out)
+        (code, sync), (accepted, queued) = out
+        assert code == 200 and len(sync["data"]) == 1 and accepted == 202, out
+
+        def job(job_id: str, wait: str = "") -> dict:
+            with urllib.request.urlopen(f"{url}/v1/jobs/{job_id}{wait}", timeout=60) as resp:
+                return json.loads(resp.read())
+
+        # the engine dropped the sync job's pixels when it sent them: nothing is held anywhere
+        assert "no longer held" in job(sync["turbonode"]["id"])["images"]
+        done = job(queued["id"], "?wait=30")  # the async job's are held until fetched
+        assert done["state"] == "done" and len(done["data"]) == 1 and job(queued["id"])["data"] == done["data"]
+    finally:
+        _stop(proc)
