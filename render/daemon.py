@@ -222,9 +222,14 @@ class Worker:
             return
         engine = self.engine
         assert engine is not None
+
+        def turning() -> bool:  # asks the engine process: in a thread, off the event loop
+            return engine.alive and engine.clock() - engine.heartbeat < ENGINE_STALL_S
+
+        loop = asyncio.get_running_loop()
         while True:
             # ping only while the engine thread is alive and its loop keeps coming round
-            if engine.alive and engine.clock() - engine.heartbeat < ENGINE_STALL_S:
+            if await loop.run_in_executor(None, turning):
                 sdnotify.notify("WATCHDOG=1")
             await asyncio.sleep(interval)
 

@@ -288,6 +288,12 @@ async def _png(sample) -> str:
     return await asyncio.get_running_loop().run_in_executor(None, encode_png, sample.image)
 
 
+async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
+    """Run `fn` in a thread: it asks the engine process and waits for the answer, which would
+    hold every request on the event loop (a turbo answer among them) for that round trip."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | None = None) -> dict:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
@@ -401,7 +407,7 @@ class Api:
 
     async def livez(self, request: web.Request) -> web.Response:
         """Liveness (restart me if not): the process answers and its engine thread turns."""
-        ok, why = self.alive()
+        ok, why = await _off_loop(self.alive)
         return web.json_response({"status": "alive" if ok else "dead", "phase": why}, status=200 if ok else 503)
 
     async def readyz(self, request: web.Request) -> web.Response:
@@ -409,7 +415,7 @@ class Api:
         tier = request.query.get("tier")
         if tier is not None and tier not in TIER_NAMES:
             raise web.HTTPBadRequest(reason=f"unknown tier {tier!r} (expected one of {', '.join(TIER_NAMES)})")
-        r = self.readiness(tier)
+        r = await _off_loop(self.readiness, tier)
         body = {"status": r.status, "ready": r.ready, "tier": tier}
         if r.reason:
             body["reason"] = r.reason
@@ -449,7 +455,8 @@ class Api:
         return web.json_response(self._model_object())
 
     async def metrics_page(self, request: web.Request) -> web.Response:
-        return web.Response(body=generate_latest(self.registry), headers={"Content-Type": CONTENT_TYPE_LATEST})
+        body = await _off_loop(generate_latest, self.registry)  # the engine's collectors ask it
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     # ---- generation -------------------------------------------------------------------
 
@@ -494,7 +501,7 @@ class Api:
         tier = tally.tier = job_request.tier
         _mark(request, tier)
         if self.refuse_unready:
-            r = self.readiness(tier)
+            r = await _off_loop(self.readiness, tier)
             if r.status == "not ready":  # a shed tier keeps its 429 from the job table
                 message = f"this node is not ready for {tier} work: {r.reason}"
                 return Answer("rejected", _error(message, 503, "tier", "not_ready", r))
@@ -522,7 +529,7 @@ class Api:
             await job.ended()
         except asyncio.CancelledError:
             # the client went away (aiohttp cancels the handler): free the job's slot
-            self.engine.cancel(job.id)
+            asyncio.get_running_loop().run_in_executor(None, self.engine.cancel, job.id)
             raise
         except JobCancelled as exc:
             return Answer("cancelled", _error(str(exc), 409, None, "cancelled"), job)
@@ -539,8 +546,9 @@ class Api:
 
     # ---- jobs -------------------------------------------------------------------------
 
-    def _job(self, request: web.Request):
-        job = self.engine.get(request.match_info["id"]) if self.engine is not None else None
+    async def _job(self, request: web.Request, lookup: str):
+        """The job the path names, by the engine's `lookup` ("get" or "cancel"), or 404."""
+        job = await _off_loop(getattr(self.engine, lookup), request.match_info["id"]) if self.engine else None
         if job is None:
             raise web.HTTPNotFound(reason=f"no job {request.match_info['id']!r} (unknown or expired)")
         _mark(request, job.tier)
@@ -550,8 +558,8 @@ class Api:
         """The job's state and progress, and its images once done. `?wait=S` holds the answer
         until the job ends or S seconds pass: a client waiting this way gets its images even
         when the worker drains and exits right after the job (as a synchronous request does)."""
-        job = self._job(request)
         raw = request.query.get("wait")
+        wait = None
         if raw is not None:
             try:
                 wait = float(raw)
@@ -559,17 +567,18 @@ class Api:
                 wait = -1.0
             if not 0 <= wait <= MAX_WAIT_S:
                 raise web.HTTPBadRequest(reason=f"'wait' must be seconds between 0 and {MAX_WAIT_S:g}, got {raw!r}")
-            if not job.state.terminal:
-                with contextlib.suppress(asyncio.TimeoutError, JobCancelled, JobFailed):
-                    await asyncio.wait_for(job.ended(), wait)
-        out = job.describe(self.engine.clock())
+        job = await self._job(request, "get")
+        if wait is not None and not job.state.terminal:
+            with contextlib.suppress(asyncio.TimeoutError, JobCancelled, JobFailed):
+                await asyncio.wait_for(job.ended(), wait)
+        out = await _off_loop(job.describe, self.engine.clock())
         if job.state.value == "done" and not job.images_dropped:
             out["data"] = await self._images(job)
         return web.json_response(out)
 
     async def delete_job(self, request: web.Request) -> web.Response:
-        job = self.engine.cancel(self._job(request).id)
-        return web.json_response(job.describe(self.engine.clock()))
+        job = await self._job(request, "cancel")
+        return web.json_response(await _off_loop(job.describe, self.engine.clock()))
 
 
 @dataclass

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from turbonode.cgroups import CgroupError, CpuHierarchy
+from turbonode.cgroups import V2_WEIGHT_MAX, CgroupError, CpuHierarchy
 from turbonode.config import WorkerConfig, split_host_port
 from turbonode.config_example import toml_value
 from turbonode.errors import ControlError, TurbonodeError
@@ -64,6 +64,10 @@ class DemoNode:
             log(f"no cgroup CPU controller ({exc}): the worker shares its cgroup; cpu_share has nothing to favour")
         self.worker_cgroup = f"/{self.sandbox.server}-worker"
         self.batch_cgroup = f"/{self.sandbox.server}-batch"
+        # The load generator stands for clients on other machines: in a cgroup of its own at the
+        # top CPU weight, so that the node's CPU use (the worker's, raised by cpu_share) does not
+        # slow the client's own reading and its delay is not counted as the node's latency.
+        self.client_cgroup = f"/{self.sandbox.client}-client"
         self._made: list[str] = []
 
     # ---- lifecycle -------------------------------------------------------------------
@@ -71,9 +75,11 @@ class DemoNode:
     def start(self) -> DemoNode:
         sb = self.sandbox.create()
         if self.cgroups is not None:
-            for cg in (self.worker_cgroup, self.batch_cgroup):
+            for cg in (self.worker_cgroup, self.batch_cgroup, self.client_cgroup):
                 self.cgroups.create(cg)
                 self._made.append(cg)
+            path, _ = self.cgroups.weight_file(self.client_cgroup)
+            Path(path).write_text(self.cgroups.weight_value(V2_WEIGHT_MAX))
         worker = "".join(f"{k} = {toml_value(v)}\n" for k, v in self.s.worker_config.items())
         self.config.write_text(
             f'[qos]\ndev = "{sb.dev}"\nnetns = "{sb.server}"\nrate = "{self.s.rate}"\nkeep_on_stop = false\n'
@@ -238,7 +244,7 @@ class DemoNode:
             argv.append("--no-nodelay")
         t0 = time.monotonic()
         res = subprocess.run(
-            sb.cmd(sb.client, *argv),
+            self.in_cgroup(self.client_cgroup, sb.cmd(sb.client, *argv)),
             env=self.env,
             capture_output=True,
             text=True,
