@@ -7,13 +7,13 @@ request handlers cannot stall a denoising step here, and every GIL hand-back of 
 loop (each denoiser call, each boundary) waits only for this process's own few threads.
 
 The front starts it (`ENTRY`, with `--fd N --lane-fd M`: one end of each of two socketpairs,
-render/engine_link.py) and sends ("start", WorkerConfig, policy, log levels), and gets ("ready", info) once the model
-is loaded, or ("failed", message). Then this process answers the front's calls (the methods
-of Host below), and pushes events: ("status", stage) while it loads, ("done", ...) on the lane
-when a job ends, ("metric", name, args) for the front's WorkerMetrics, ("gc", generation, pause_s) for
-each of its own collections. SIGINT and SIGTERM are ignored: the front drains and then stops
-this process (Ctrl-C in a terminal signals the whole group); when the front's end of the pipe
-closes, it exits.
+render/engine_link.py) and sends ("start", WorkerConfig, policy, log levels), and gets ("ready",
+info) once the model is loaded, or ("failed", message). Then this process answers the front's
+calls (the methods of Host below), and pushes events: ("status", stage) while it loads, ("done",
+...) on the lane when a job ends, ("metric", name, args) for the front's WorkerMetrics, ("gc",
+generation, pause_s) for each of its own collections. SIGINT and SIGTERM are ignored: the front
+drains and then stops this process (Ctrl-C in a terminal signals the whole group); when the
+front's end of the pipe closes, it exits.
 """
 
 from __future__ import annotations

@@ -167,8 +167,8 @@ class Link:
 class AsyncLink(asyncio.Protocol):
     """The front's end of the lane, served by the event loop: use it from the loop's thread only."""
 
-    def __init__(self, on_message: Callable[[tuple], None], on_closed: Callable[[], None]):
-        self._on_message, self._on_closed = on_message, on_closed
+    def __init__(self, on_message: Callable[[tuple], None]):
+        self._on_message = on_message
         self._frames = Frames()
         self._ids = itertools.count(1)
         self._pending: dict[int, asyncio.Future] = {}
@@ -176,8 +176,9 @@ class AsyncLink(asyncio.Protocol):
         self.closed = False
 
     @classmethod
-    async def open(cls, sock: socket.socket, on_message, on_closed) -> AsyncLink:
-        _, link = await asyncio.get_running_loop().connect_accepted_socket(lambda: cls(on_message, on_closed), sock)
+    async def open(cls, sock: socket.socket, on_message: Callable[[tuple], None]) -> AsyncLink:
+        """The lane on `sock`; the engine's exit is the link's to report (RemoteEngine._on_closed)."""
+        _, link = await asyncio.get_running_loop().connect_accepted_socket(lambda: cls(on_message), sock)
         return link
 
     def connection_made(self, transport) -> None:
@@ -207,7 +208,6 @@ class AsyncLink(asyncio.Protocol):
         for future in pending.values():
             if not future.done():
                 future.set_exception(EngineGone("the engine process has exited"))
-        self._on_closed()
 
     async def call(self, method: str, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
         """Like Link.call, awaited: the loop serves other requests meanwhile."""
@@ -225,7 +225,3 @@ class AsyncLink(asyncio.Protocol):
         finally:
             timer.cancel()
             self._pending.pop(call_id, None)
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()

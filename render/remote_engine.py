@@ -234,7 +234,7 @@ class RemoteEngine:
 
     async def open_lane(self) -> None:
         """Serve the lane from the running event loop (the one the HTTP API runs on)."""
-        self.lane = await AsyncLink.open(self._lane_sock, self._on_message, lambda: None)
+        self.lane = await AsyncLink.open(self._lane_sock, self._on_message)
 
     # ---- start-up ---------------------------------------------------------------------
 

@@ -2,13 +2,13 @@
 
 The short form of bench/node_slo.py (one of its cells: the CPU hog and bulk egress at once),
 on the same node and with the same load and summary. Two network namespaces joined by veth
-(sandbox/netns.py) are the node and its client. The real worker (tiny model) serves HTTP
-inside the node namespace, in a cgroup of its own, so its replies leave through the node's
-shaped interface. Each phase runs the same load: turbo requests arriving open-loop (Poisson,
-one a second) and closed-loop clients of the other tiers from the client namespace
-(sandbox.loadgen, in a cgroup of its own at the top CPU weight: it stands for clients on other
-machines, whose reading the node's CPU use cannot slow), bulk iperf3 flows from the node to the client, and stress-ng on every CPU
-as the fault (sandbox/faults.py).
+(sandbox/netns.py) are the node and its client. The real worker (tiny model) serves HTTP inside
+the node namespace, in a cgroup of its own, so its replies leave through the node's shaped
+interface. Each phase runs the same load: turbo requests arriving open-loop (Poisson, one a
+second) and closed-loop clients of the other tiers from the client namespace (sandbox.loadgen,
+in a cgroup of its own at the top CPU weight: it stands for clients on other machines, whose
+reading the node's CPU use cannot slow), bulk iperf3 flows from the node to the client, and
+stress-ng on every CPU as the fault (sandbox/faults.py).
 
   without: the interface is a plain FIFO shaped to the same rate (HTB root, one class, pfifo),
            no agent;

@@ -142,7 +142,7 @@ def test_the_lane_answers_calls_and_events_on_the_event_loop():
     events: list[tuple] = []
 
     async def front():
-        link = await AsyncLink.open(sock, events.append, lambda: None)
+        link = await AsyncLink.open(sock, events.append)
         loop_thread = threading.get_ident()
         seen = []
         link._on_message = lambda m: seen.append((m, threading.get_ident() == loop_thread))
