@@ -9,6 +9,7 @@ import json
 import shutil
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
@@ -215,6 +216,33 @@ def test_healthz_and_metrics(server):
         "turbonode_worker_collector_success 1.0",
     ):
         assert name in text, name
+
+
+def test_a_scrape_waiting_on_the_engine_holds_no_other_request(server):
+    """/metrics asks the engine (a round trip to its process in the daemon) in a thread: while
+    that answer is held back, a generation request is still served on the event loop."""
+    asked, release = threading.Event(), threading.Event()
+    real = server.engine.snapshot
+
+    def held():
+        asked.set()
+        release.wait(60)
+        return real()
+
+    server.engine.snapshot = held
+    scraped: list = []
+    scrape = threading.Thread(target=lambda: scraped.append(get(server.url, "/metrics")))
+    scrape.start()
+    try:
+        assert asked.wait(30), "the scrape never asked the engine"
+        status, _, body = post(server.url, {"prompt": "meanwhile", "size": "64x64", "steps": 1, "tier": "turbo"})
+        assert status == 200 and len(json.loads(body)["data"]) == 1
+        assert not scraped  # answered while the scrape still waits
+    finally:
+        release.set()
+        scrape.join(30)
+        server.engine.snapshot = real
+    assert scraped[0][0] == 200
 
 
 def _tos_of_connection(server_port, client_port):
