@@ -67,6 +67,14 @@ def frame(message: tuple) -> bytes:
     return head + payload
 
 
+def unanswered(method: str, timeout: float) -> RemoteError:
+    return RemoteError(f"the engine process did not answer {method} within {timeout:g} s")
+
+
+def _expire(future: asyncio.Future, method: str, timeout: float) -> None:
+    settle(future, False, unanswered(method, timeout))
+
+
 class Frames:
     """Cuts a byte stream into the messages a Connection sent, whatever the chunks."""
 
@@ -128,7 +136,7 @@ class Link:
             self.send(("call", call_id, method, args))
             return future.result(timeout)
         except concurrent.futures.TimeoutError:
-            raise RemoteError(f"the engine process did not answer {method} within {timeout:g} s") from None
+            raise unanswered(method, timeout) from None
         finally:
             with self._pending_lock:
                 self._pending.pop(call_id, None)
@@ -159,8 +167,8 @@ class Link:
         with self._pending_lock:
             self.closed = True
             pending, self._pending = self._pending, {}
-        for future in pending.values():
-            future.set_exception(EngineGone("the engine process has exited"))
+        for future in pending.values():  # one its reply already settled stays as it is
+            settle(future, False, EngineGone("the engine process has exited"))
         self.conn.close()
 
 
@@ -206,8 +214,7 @@ class AsyncLink(asyncio.Protocol):
         self.closed = True
         pending, self._pending = self._pending, {}
         for future in pending.values():
-            if not future.done():
-                future.set_exception(EngineGone("the engine process has exited"))
+            settle(future, False, EngineGone("the engine process has exited"))
 
     async def call(self, method: str, *args: Any, timeout: float = CALL_TIMEOUT_S) -> Any:
         """Like Link.call, awaited: the loop serves other requests meanwhile."""
@@ -217,8 +224,7 @@ class AsyncLink(asyncio.Protocol):
         call_id = next(self._ids)
         future = self._pending[call_id] = loop.create_future()
         # a timer rather than wait_for: the reply then wakes the caller in one turn of the loop, not two
-        timeout_error = RemoteError(f"the engine process did not answer {method} within {timeout:g} s")
-        timer = loop.call_later(timeout, settle, future, False, timeout_error)
+        timer = loop.call_later(timeout, _expire, future, method, timeout)
         try:
             self.transport.write(frame(("call", call_id, method, args)))
             return await future

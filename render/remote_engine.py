@@ -32,7 +32,7 @@ from turbonode import sdnotify
 from turbonode.errors import TurbonodeError
 
 from .engine_host import ENTRY, METRIC_METHODS
-from .engine_link import AsyncLink, EngineGone, Link
+from .engine_link import AsyncLink, EngineGone, Link, settle
 from .jobs import JobCancelled, JobFailed, JobRequest, JobState
 from .throttle import ThrottleState
 
@@ -118,13 +118,8 @@ class RemoteJob:
         return waiter
 
     def _settle(self, waiter: asyncio.Future) -> None:
-        if waiter.done():  # the waiting request went away
-            return
-        exc = self.future.exception()
-        if exc is not None:
-            waiter.set_exception(exc)
-        else:
-            waiter.set_result(self)
+        exc = self.future.exception()  # a waiter whose request went away stays cancelled
+        settle(waiter, exc is None, self if exc is None else exc)
 
     def lost(self, message: str, now: float) -> None:
         """The engine process exited before this job ended: it failed, and says why."""

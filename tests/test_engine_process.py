@@ -97,6 +97,22 @@ def test_a_call_left_unanswered_times_out_with_a_clear_error():
         _hang_up(server)
 
 
+def test_a_hang_up_right_after_a_reply_still_reports_the_exit():
+    """The reader settles a reply, then reads EOF before the caller has taken its call off the
+    pending table: closing must leave that answered call alone and still report the exit."""
+    import concurrent.futures
+
+    a, b = socket.socketpair()
+    closed = threading.Event()
+    front = Link(Connection(a.detach()), lambda _m: None, closed.set)
+    answered: concurrent.futures.Future = concurrent.futures.Future()
+    answered.set_result(5)
+    front._pending[1] = answered  # answered, not yet collected by its caller
+    front.start()
+    b.close()
+    assert closed.wait(5) and answered.result(0) == 5
+
+
 def test_frames_are_cut_from_any_chunking_as_a_connection_sent_them():
     a, b = socket.socketpair()
     sent = [("reply", 1, True, {"id": "job-1"}), ("done", "job-1", "done", None, 2.0, {}, ["x" * 300_000])]
