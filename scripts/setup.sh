@@ -51,15 +51,19 @@ if [ ! -x .venv/bin/python ] || ! .venv/bin/python -c 'import bcc' 2>/dev/null; 
     rm -rf .venv
     "$PY" -m venv --system-site-packages .venv
 fi
-# torch first and pinned: 2.13.0 is the CPU wheel; an unpinned torch pulls a CUDA build of GBs.
-if ! .venv/bin/python -c 'import torch' 2>/dev/null; then
-    log "installing torch 2.13.0 (CPU)"
-    .venv/bin/pip install -q --disable-pip-version-check "torch==2.13.0"
+. scripts/versions.sh
+# torch first and pinned: the CPU wheel (scripts/versions.sh says why); the lock leaves it out.
+if [ "$(.venv/bin/python -c 'import torch; print(torch.__version__.split("+")[0])' 2>/dev/null)" != "$TORCH_VERSION" ]; then
+    log "installing torch $TORCH_VERSION (CPU)"
+    .venv/bin/pip install -q --disable-pip-version-check "torch==$TORCH_VERSION"
 fi
+# Everything else from the lock, hashes checked, so every machine gets the same set
+# (scripts/lock.sh regenerates it); turbonode itself then without resolving anything.
 stamp=.venv/.turbonode-installed
-if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
-    log "installing turbonode and its dependencies into .venv"
-    .venv/bin/pip install -q --disable-pip-version-check -e ".[worker,test]"
+if [ ! -f "$stamp" ] || [ requirements.lock -nt "$stamp" ] || [ pyproject.toml -nt "$stamp" ]; then
+    log "installing the locked dependencies (requirements.lock) and turbonode into .venv"
+    .venv/bin/pip install -q --disable-pip-version-check --require-hashes -r requirements.lock
+    .venv/bin/pip install -q --disable-pip-version-check --no-deps --no-build-isolation -e .
     touch "$stamp"
 fi
 .venv/bin/python -c 'import bcc, pyroute2, torch, diffusers' || die "the venv cannot import its dependencies"
