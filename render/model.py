@@ -98,7 +98,10 @@ def _load_component(root: Path, name: str, cls: type) -> Any:
     if not (root / name).is_dir():
         raise ModelError(f"{root}: the {name}/ folder is missing (a partial download?)")
     try:
-        module = cls.from_pretrained(root, subfolder=name, local_files_only=True)  # type: ignore[attr-defined]
+        # diffusers' models take low_cpu_mem_usage (on by default only with accelerate, else a
+        # warning at every load); off, they loaded as fast and no larger (bench/model_load.py)
+        options = {"low_cpu_mem_usage": False} if cls.__module__.startswith("diffusers.") else {}
+        module = cls.from_pretrained(root, subfolder=name, local_files_only=True, **options)  # type: ignore[attr-defined]
     except Exception as exc:  # noqa: BLE001 - any failure here means unusable files; say which
         raise ModelError(
             f"{root}: cannot load {name} ({cls.__name__}): {type(exc).__name__}: "
@@ -110,7 +113,11 @@ def _load_component(root: Path, name: str, cls: type) -> Any:
 
 
 def _directory(root: Path) -> Family:
+    from transformers.utils import logging as transformers_logging
+
     from .families import FAMILIES, ModelParts
+
+    transformers_logging.disable_progress_bar()  # a bar per component at every start fills a daemon's log
 
     index = _read_json(root / "model_index.json")
     pipeline_class = index.get("_class_name")
