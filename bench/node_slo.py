@@ -47,6 +47,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from sandbox import faults  # noqa: E402
+from sandbox.cgroup_v2 import CgroupV2Unavailable, cpu_on_v2  # noqa: E402
 from sandbox.demo import DemoSettings, preflight  # noqa: E402
 from sandbox.loadgen import Outcome, summarize  # noqa: E402
 from sandbox.node import AgentWatch, DemoNode  # noqa: E402
@@ -337,6 +338,11 @@ def main() -> int:
     ap.add_argument("--agent-toml", help="a TOML file of more agent configuration (e.g. [policy.rules.cpu_load])")
     ap.add_argument("--json", help="write every figure (and every request's outcome) here")
     ap.add_argument("--keep-logs", help="copy the node's logs (worker, agent, faults) to this directory")
+    ap.add_argument(
+        "--cgroup-v2",
+        action="store_true",
+        help="move the cpu controller to cgroup v2 for the run and back (sandbox/cgroup_v2.py; hybrid hosts)",
+    )
     ap.add_argument("--report", metavar="JSON", help="print the tables of a run saved with --json; run nothing")
     args = ap.parse_args()
     if args.report:
@@ -382,8 +388,22 @@ def main() -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    node = SloNode(settings, knobs, log)
-    with node, netdev_budget(knobs.netdev_budget):
+    with contextlib.ExitStack() as machine:
+        if args.cgroup_v2:
+            try:
+                machine.enter_context(cpu_on_v2())
+            except CgroupV2Unavailable as exc:
+                log(f"--cgroup-v2: {exc}")
+                return 2
+        node = SloNode(settings, knobs, log)  # finds the cpu hierarchy: inside, so v2 where asked
+        result["cgroup_version"] = node.cgroups.version if node.cgroups is not None else None
+        run_cells(node, cells, modes, args, result, log)
+    print(report(result) + "\n" + stages(result))
+    return 0
+
+
+def run_cells(node: SloNode, cells: list[str], modes: list[str], args: argparse.Namespace, result: dict, log) -> None:
+    with node, netdev_budget(node.knobs.netdev_budget):
         try:
             for cell in cells:
                 for mode in modes:
@@ -398,8 +418,6 @@ def main() -> int:
                 Path(args.json).write_text(json.dumps(result, indent=1))
             if args.keep_logs:
                 shutil.copytree(node.tmp, args.keep_logs, dirs_exist_ok=True, ignore=shutil.ignore_patterns("*.sock"))
-    print(report(result) + "\n" + stages(result))
-    return 0
 
 
 if __name__ == "__main__":

@@ -75,11 +75,12 @@ class DemoNode:
     def start(self) -> DemoNode:
         sb = self.sandbox.create()
         if self.cgroups is not None:
-            for cg in (self.worker_cgroup, self.batch_cgroup, self.client_cgroup):
-                self.cgroups.create(cg)
-                self._made.append(cg)
-            path, _ = self.cgroups.weight_file(self.client_cgroup)
-            Path(path).write_text(self.cgroups.weight_value(V2_WEIGHT_MAX))
+            try:
+                self._make_cgroups(self.cgroups)
+            except (CgroupError, OSError) as exc:  # read-only in a container (systemd-nspawn), say
+                self._remove_cgroups()
+                self.cgroups = None
+                self.log(f"cannot make the node's cgroups ({exc}): running without the cgroup lever")
         worker = "".join(f"{k} = {toml_value(v)}\n" for k, v in self.s.worker_config.items())
         self.config.write_text(
             f'[qos]\ndev = "{sb.dev}"\nnetns = "{sb.server}"\nrate = "{self.s.rate}"\nkeep_on_stop = false\n'
@@ -110,11 +111,7 @@ class DemoNode:
             _stop(proc)
         self.procs.clear()
         self.sandbox.delete()  # takes the veth pair and every qdisc on it along
-        while self._made and self.cgroups is not None:
-            try:
-                self.cgroups.remove(self._made.pop())
-            except CgroupError as exc:
-                self.log(f"warning: {exc}")
+        self._remove_cgroups()
         if self.s.keep_logs:
             self.log(f"logs kept in {self.tmp}")
         else:
@@ -131,6 +128,20 @@ class DemoNode:
         self.close()
 
     # ---- helpers ---------------------------------------------------------------------
+
+    def _make_cgroups(self, cgroups: CpuHierarchy) -> None:
+        for cg in (self.worker_cgroup, self.batch_cgroup, self.client_cgroup):
+            cgroups.create(cg)
+            self._made.append(cg)
+        path, _ = cgroups.weight_file(self.client_cgroup)
+        Path(path).write_text(cgroups.weight_value(V2_WEIGHT_MAX))
+
+    def _remove_cgroups(self) -> None:
+        while self._made and self.cgroups is not None:
+            try:
+                self.cgroups.remove(self._made.pop())
+            except CgroupError as exc:
+                self.log(f"warning: {exc}")
 
     def _turboctl(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "turboctl", *args]

@@ -18,7 +18,7 @@ from agent.levers import Levers
 from bench.node import wait_for
 from tests.agent_helpers import mini_worker as worker  # noqa: F401  (fixture)
 from tests.test_agent_daemon import FakeProc, start_agent, stop
-from tests.test_levers_cgroup import fake_v1, real_cgroups  # noqa: F401  (fixture)
+from tests.test_levers_cgroup import fake_v1, hierarchy, real_cgroups  # noqa: F401  (fixtures)
 from turbonode.cgroups import CpuHierarchy
 from turbonode.config import LeversConfig
 

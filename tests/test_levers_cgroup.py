@@ -13,9 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from agent.levers.cgroup import CpuShareLever
+from agent.levers.cgroup import CpuShare, CpuShareLever
 from agent.levers.journal import KnobError, KnobJournal, same_value
+from render.cpu_threads import available_cpus
+from sandbox.cgroup_v2 import CgroupV2Unavailable, cpu_on_v2, unavailable
 from turbonode.cgroups import CgroupError, CpuHierarchy, shares_from_weight, slice_path
+from turbonode.config import LeversConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -194,9 +197,27 @@ def real_hierarchy() -> CpuHierarchy:
         pytest.skip(f"no cgroup cpu controller to test on: {exc}")
 
 
-@pytest.fixture
-def real_cgroups():
+@pytest.fixture(scope="module", params=[1, 2], ids=["v1", "v2"])
+def hierarchy(request):
+    """The real cpu hierarchy of each version: v1 as this hybrid host has it; v2 as a host with
+    systemd >= 247 has it, where it is the host's own, or else with the cpu controller moved to
+    the v2 mount for the module's tests and back (sandbox/cgroup_v2.py)."""
     h = real_hierarchy()
+    if h.version == request.param:
+        yield h
+    elif request.param == 1:
+        pytest.skip(f"the cpu controller is on cgroup v2 here ({h.mount}): no v1 to test")
+    else:
+        try:
+            with cpu_on_v2() as v2:
+                yield v2
+        except CgroupV2Unavailable as exc:
+            pytest.skip(f"cannot move the cpu controller to cgroup v2 here: {exc}")
+
+
+@pytest.fixture
+def real_cgroups(hierarchy):
+    h = hierarchy
     tag = uuid.uuid4().hex[:8]
     names = [f"/tn-test-{tag}-worker", f"/tn-test-{tag}-batch"]
     made = []
@@ -231,7 +252,7 @@ def test_real_cgroups_restored_at_next_start_after_kill_9(real_cgroups, tmp_path
     before = [read(p) for p in weight]
     agent = textwrap.dedent(f"""
         import time
-        from agent.levers.cgroup import CpuShareLever
+        from agent.levers.cgroup import CpuShare, CpuShareLever
         from turbonode.cgroups import CpuHierarchy
         from agent.levers.journal import KnobJournal
         lever = CpuShareLever(CpuHierarchy({h.mount!r}, {h.version}), KnobJournal({str(state)!r}),
@@ -250,3 +271,55 @@ def test_real_cgroups_restored_at_next_start_after_kill_9(real_cgroups, tmp_path
     assert KnobJournal(str(state)).restore_leftovers() == []
     assert [read(p) for p in weight] == before
     assert not state.exists()
+
+
+def _in_cgroup(h: CpuHierarchy, cgroup: str) -> subprocess.Popen:
+    """A real process (sleeping) moved into `cgroup`, as systemd starts the worker in its unit's."""
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    Path(h.procs_file(cgroup)).write_text(str(proc.pid))
+    return proc
+
+
+def test_the_worker_cgroup_found_from_its_pid_is_weighed_and_its_quota_read(real_cgroups, tmp_path):
+    """levers.worker_cgroup = "auto": the worker's cgroup from /proc/PID/cgroup, raised and restored;
+    the worker sizes its threads to the quota of the same cgroup (render/cpu_threads.py)."""
+    h, (worker, batch) = real_cgroups
+    proc = _in_cgroup(h, worker)
+    try:
+        assert h.of_pid(proc.pid) == worker
+        cfg = LeversConfig(cgroup_root="/sys/fs/cgroup", worker_cgroup="auto", best_effort_cgroups=[batch])
+        lever = CpuShare(cfg, KnobJournal(str(tmp_path / "levers.json")), lambda: proc.pid, "/proc")
+        weight = Path(h.weight_file(worker)[0])
+        before = read(weight)
+        assert lever.engage() == {"cgroup_version": h.version, "worker_cgroup": worker, "best_effort": (batch,)}
+        assert read(weight) == h.weight_value(10000) == ("10000" if h.version == 2 else "102400")
+        assert lever.release() == [] and read(weight) == before
+        for path, value in h.quota_writes(worker, 0.5):
+            Path(path).write_text(value)
+        assert available_cpus(pid=proc.pid) == 0.5
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_where_the_cpu_controller_cannot_move_to_v2_says_why(tmp_path):
+    """The checks made before anything is unmounted, on a fake tree and mountinfo (as root)."""
+    if os.geteuid() != 0:
+        pytest.skip("the checks start with root")
+    root, info = tmp_path / "cgroup", tmp_path / "mountinfo"
+    (root / "cpu").mkdir(parents=True)
+    (root / "unified").mkdir()
+
+    def mounts(*lines: str) -> str:
+        info.write_text(
+            "".join(f"{i} 1 0:{i} / {root}/{m} rw - {t} cgroup rw,{o}\n" for i, (m, t, o) in enumerate(lines))
+        )
+        return unavailable(str(root), str(info))
+
+    assert "not a hybrid host" in mounts(("cpu", "cgroup", "cpu"))
+    assert "no cgroup v1 cpu controller mounted alone" in mounts(
+        ("cpu", "cgroup", "cpu,cpuacct"), ("unified", "cgroup2", "")
+    )
+    assert mounts(("cpu", "cgroup", "cpu"), ("unified", "cgroup2", "")) is None
+    (root / "cpu" / "batch").mkdir()
+    assert "child cgroups (batch)" in mounts(("cpu", "cgroup", "cpu"), ("unified", "cgroup2", ""))

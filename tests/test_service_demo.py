@@ -101,6 +101,30 @@ def test_demo_runs_both_phases_and_cleans_up():
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+@needs_bcc
+@pytest.mark.slow
+def test_demo_runs_without_the_cgroup_lever_where_cgroups_are_read_only():
+    """Inside systemd-nspawn on these hosts the v1 controllers are mounted read-only: the demo
+    runs without the cgroup lever and says so, instead of stopping. The same mount made
+    read-only for real, in a mount namespace of the demo's own (the host's stays writable)."""
+    try:
+        mount = CpuHierarchy.find().mount
+    except CgroupError as exc:
+        pytest.skip(f"no cgroup cpu controller: the demo runs without cgroups anyway ({exc})")
+    if not shutil.which("unshare"):
+        pytest.skip("util-linux's unshare is not installed")
+    readonly = f'mount -o remount,bind,ro {mount} && exec "$@"'
+    argv = ["unshare", "--mount", "--propagation", "private", "sh", "-c", readonly, "sh"]
+    demo_argv = turboctl_argv("demo", "--seconds", "4", "--size", "64", "--json")
+    out = subprocess.run([*argv, *demo_argv], env=daemon_env(), capture_output=True, text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert "Read-only file system): running without the cgroup lever" in out.stderr, out.stderr[-4000:]
+    result = json.loads(out.stdout)
+    assert all(result[phase]["tiers"]["turbo"]["ok"] >= 1 for phase in ("without", "with")), result
+    server, client = re.search(r"netns (\S+) .*netns (\S+)", out.stderr).groups()
+    assert not ({server, client} & _netns()) and not _cgroups(server)
+
+
 def _demo_dirs(server: str) -> list[str]:
     return glob.glob(os.path.join(tempfile.gettempdir(), f"turbonode-demo-{server}-*"))
 

@@ -3,7 +3,8 @@
 Shared by the agent's CPU-share lever (agent/levers/cgroup.py) and the worker, which sizes its
 thread pool to the CPU quota it runs under. Which hierarchy: v2 when the root's
 cgroup.controllers lists `cpu`; else v1's cpu controller mounted at <root>/cpu (or
-cpu,cpuacct). On a hybrid host (v1 controllers plus a v2 mount without cpu) that is v1.
+cpu,cpuacct). On a hybrid host (v1 controllers plus a v2 mount at <root>/unified) that is v1,
+unless the cpu controller was moved to the v2 mount (sandbox/cgroup_v2.py does, for tests).
 Weights are given in cgroup v2 units (cpu.weight, 1..10000, default 100) and converted for
 v1's cpu.shares the way systemd converts CPUWeight= (x 1024 / 100). Every path goes through
 a root argument, so tests run on a fake tree as well as the real one.
@@ -19,6 +20,8 @@ from .errors import TurbonodeError
 V2_WEIGHT_MIN, V2_WEIGHT_MAX, V2_WEIGHT_DEFAULT = 1, 10000, 100
 V1_SHARES_MIN, V1_SHARES_MAX = 2, 262144
 PERIOD_US = 100_000
+V1_MOUNTS = ("cpu", "cpu,cpuacct", "cpuacct,cpu")  # where a v1 cpu controller is mounted, under the root
+UNIFIED = "unified"  # a hybrid host's v2 mount, under the root
 
 
 class CgroupError(TurbonodeError):
@@ -50,11 +53,14 @@ class CpuHierarchy:
     def find(cls, root: str = "/sys/fs/cgroup") -> CpuHierarchy:
         if "cpu" in _words(os.path.join(root, "cgroup.controllers")):
             return cls(root, 2)
-        for name in ("cpu", "cpu,cpuacct", "cpuacct,cpu"):
+        for name in V1_MOUNTS:
             mount = os.path.join(root, name)
             if os.path.exists(os.path.join(mount, "cpu.shares")):
                 return cls(mount, 1)
-        unified = os.path.join(root, "unified")
+        unified = os.path.join(root, UNIFIED)
+        # a hybrid host whose cpu controller was moved to the v2 mount (no v1 cpu mount left)
+        if "cpu" in _words(os.path.join(unified, "cgroup.controllers")):
+            return cls(unified, 2)
         hint = " (the v2 mount there has no cpu controller)" if os.path.isdir(unified) else ""
         raise CgroupError(f"no cgroup cpu controller under {root}{hint}")
 
