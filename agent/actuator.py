@@ -1,6 +1,7 @@
 """Enforces the policy's actions: the worker throttle (renewed before its TTL runs out), the
-relax class's HTB ceil, and the levers the active rules engage (agent/levers/; a lever's
-throttle fields ride on the worker throttle). Idempotent per sample; I/O failures are
+relax tier's lowered ceiling (a lease too, renewed on the same schedule, that lapses in the
+kernel: docs/qos.md, "Leased limits"), and the levers the active rules engage (agent/levers/;
+a lever's throttle fields ride on the worker throttle). Idempotent per sample; I/O failures are
 reported, retried on the next sample, and never raise into the loop. In dry-run it only logs
 what it would do.
 
@@ -28,10 +29,14 @@ log = logging.getLogger("turbonode.agent")
 RENEW_FRACTION = 1 / 3  # renew after a third of the TTL: two more tries before it expires
 
 
-class ClassRates(Protocol):
-    """What the actuator needs of the QoS datapath (tc.datapath.Datapath): change a tier's class."""
+class ClassLimits(Protocol):
+    """What the actuator needs of the QoS datapath (tc.datapath.Datapath): a tier's leased limit."""
 
-    def set_rate(self, tier: str, rate_bps: int, ceil_bps: int | None = None) -> dict: ...
+    def limit(self, tier: str, ceil_bps: int, lease_s: float) -> dict: ...
+
+    def renew(self, tier: str, lease_s: float) -> float: ...
+
+    def lift(self, tier: str) -> None: ...
 
 
 @dataclass
@@ -39,9 +44,8 @@ class Actuator:
     worker: ControlClient | None
     ttl_s: float = 3.0
     dry_run: bool = False
-    datapath: ClassRates | None = None  # the QoS datapath, or None when no device is shaped
-    relax_rate_bps: int = 0  # relax's guaranteed rate (kept when the ceil moves)
-    relax_ceil_bps: int = 0  # relax's configured ceil (restored at normal)
+    datapath: ClassLimits | None = None  # the QoS datapath, or None when no device is shaped
+    relax_rate_bps: int = 0  # relax's guaranteed rate: a lowered ceiling never goes below it
     link_bps: int = 0
     levers: Levers | None = None
     counts: Counter = field(default_factory=Counter)  # (action, signal) -> n
@@ -52,7 +56,8 @@ class Actuator:
     _hold_checked: float = 0.0
     _sent: dict | None = None  # throttle in force at the worker, as far as we know
     _sent_at: float = 0.0
-    _ceil_done: int | None = None
+    _ceil_done: int | None = None  # relax's leased ceiling, None while none is (as far as we know)
+    _leased_at: float = 0.0
 
     def apply(
         self, actions: Actions, reason: str, signal: str, now: float, levers: tuple[tuple[str, Reason], ...] = ()
@@ -76,7 +81,7 @@ class Actuator:
                 throttle = {**(throttle or {}), **extra}
         if self.worker is not None:
             self._worker(self.worker, throttle, reason, signal, now)
-        self._ceil(actions, signal)
+        self._ceil(actions, signal, now)
 
     def _worker(self, worker: ControlClient, want: dict | None, reason: str, signal: str, now: float) -> None:
         held = self.worker_hold is not None
@@ -121,28 +126,45 @@ class Actuator:
             )
         self.worker_hold, self._hold_checked, self.worker_error = hold, now, None
 
-    def _ceil(self, actions: Actions, signal: str) -> None:
+    def _ceil(self, actions: Actions, signal: str, now: float) -> None:
         if self.datapath is None or not self.link_bps:
             return
         pct = actions.relax_ceil_pct
-        ceil = self.relax_ceil_bps if pct is None else max(self.relax_rate_bps, self.link_bps * pct // 100)
-        if ceil == self._ceil_done:
+        ceil = None if pct is None else max(self.relax_rate_bps, self.link_bps * pct // 100)
+        due = now - self._leased_at >= self.ttl_s * RENEW_FRACTION
+        if ceil == self._ceil_done and (ceil is None or not due):
             return
+        action = "relax_ceil" if ceil != self._ceil_done else "renew"
         if self.dry_run:
-            log.info("dry-run: would set relax ceil to %d bit/s", ceil)
-            self._ceil_done = ceil
+            if action != "renew":
+                if ceil is None:
+                    log.info("dry-run: would lift the relax ceil limit")
+                else:
+                    log.info("dry-run: would set relax ceil to %d bit/s, leased for %g s", ceil, self.ttl_s)
+            self._ceil_done, self._leased_at = ceil, now
             return
         try:
-            self.datapath.set_rate("relax", self.relax_rate_bps, ceil)
+            if ceil is None:
+                self.datapath.lift("relax")
+            elif action == "renew":
+                self.datapath.renew("relax", self.ttl_s)
+            else:
+                self.datapath.limit("relax", ceil, self.ttl_s)
         except TurbonodeError as exc:
             if self.datapath_error != str(exc):
                 log.warning("setting the relax ceil failed: %s", exc)
             self.datapath_error = str(exc)
             return
         self.datapath_error = None
-        self._ceil_done = ceil
+        self._ceil_done, self._leased_at = ceil, now
+        if action == "renew":
+            log.debug("relax ceil lease renewed for %g s", self.ttl_s)
+            return
         self.counts[("relax_ceil", signal)] += 1
-        log.info("relax ceil set to %d bit/s", ceil)
+        if ceil is None:
+            log.info("relax ceil limit lifted: relax is back at its own ceil")
+        else:
+            log.info("relax ceil set to %d bit/s, leased for %g s at a time", ceil, self.ttl_s)
 
     def state(self) -> dict:
         return {

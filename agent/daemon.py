@@ -128,7 +128,6 @@ def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
         a.dry_run,
         datapath,
         relax_rate_bps=link * cfg.qos.rate_pct.get("relax", relax.rate_pct) // 100,
-        relax_ceil_bps=link * cfg.qos.ceil_pct.get("relax", relax.ceil_pct) // 100,
         link_bps=link,
         levers=levers,
     )

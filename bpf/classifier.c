@@ -5,6 +5,11 @@
 // minor into skb->tc_classid (the filter carries the major 1:, see docs/design.md). Anything it
 // cannot parse goes to the default tier. It never drops: every path returns TC_ACT_OK.
 //
+// A lowered ceiling is a lease: it lives in the tier's limit class (tier_limit), and frames go
+// there only while the lease's deadline, on bpf_ktime_get_ns()'s clock, lies ahead. The agent
+// moves the deadline on at every renewal; when nobody does (agent killed, hung, never
+// restarted), the tier is back in its own class at its full ceiling by itself.
+//
 // Build-time constants come from turbonode/tiers.py via cflags: PIN_DIR (bpffs directory of
 // the pinned maps), NTIERS, DEFAULT_TIER, DEFAULT_MINOR. Runtime knobs are maps.
 #include <uapi/linux/bpf.h>
@@ -30,6 +35,15 @@ BPF_TABLE_PINNED("array", u32, u32, dscp_map, 64, PIN_DIR "/dscp_map");
 // tier index -> HTB class minor (0x10 for 1:10 ...). A zero minor falls back to the default.
 BPF_TABLE_PINNED("array", u32, u32, tier_minor, NTIERS, PIN_DIR "/tier_minor");
 BPF_TABLE_PINNED("percpu_array", u32, struct tier_count, counters, NTIERS + 1, PIN_DIR "/counters");
+
+struct tier_limit {
+    u64 until_ns;  // lease deadline (bpf_ktime_get_ns()); 0 or past: no limit in force
+    u32 minor;     // the tier's limit class (0x41 for 1:41); 0: the tier has none
+    u32 pad;
+};
+// tier index -> its leased limit. Written by user space: the minors at apply, the deadline by
+// the agent.
+BPF_TABLE_PINNED("array", u32, struct tier_limit, tier_limit, NTIERS, PIN_DIR "/tier_limit");
 
 static __always_inline void count(u32 slot, u32 len)
 {
@@ -103,6 +117,9 @@ int classify(struct __sk_buff *skb)
         minor = *m;
     else
         tier = DEFAULT_TIER;
+    struct tier_limit *l = tier_limit.lookup(&tier);
+    if (l && l->until_ns && l->minor && l->minor <= 0xffff && bpf_ktime_get_ns() < l->until_ns)
+        minor = l->minor;
     count(tier, skb->len);
     // Only the minor: the kernel ORs in the filter's major (1:). A zero minor would make HTB
     // treat the frame as "direct" and bypass shaping, hence the default above.

@@ -12,11 +12,13 @@ import ctypes.util
 import errno
 import os
 import struct
+import time
 from collections.abc import Iterable
 
 from turbonode.errors import BpfUnavailableError, DatapathError, NotRootError
 
 BPF_STATS_RUN_TIME = 0
+LIMIT = struct.Struct("=QI4x")  # struct tier_limit in bpf/classifier.c: until_ns, minor, pad
 
 _lib: ctypes.CDLL | None = None
 
@@ -132,6 +134,36 @@ def read_counters(path: str, n: int) -> list[tuple[int, int]]:
                 by += b
             out.append((pk, by))
     return out
+
+
+def write_limit(path: str, index: int, until_ns: int, minor: int) -> None:
+    """Entry `index` of a pinned struct tier_limit array: one map update, so the classifier
+    sees the old entry or the new one."""
+    with PinnedMap(path, value_size=LIMIT.size) as m:
+        m.update(index, LIMIT.pack(until_ns, minor))
+
+
+def read_limits(path: str, n: int) -> list[tuple[int, int]]:
+    """(until_ns, minor) of each entry of a pinned struct tier_limit array."""
+    with PinnedMap(path, value_size=LIMIT.size) as m:
+        return [LIMIT.unpack(m.lookup(i)) for i in range(n)]
+
+
+def kernel_clock_ns(procfs: str = "/proc") -> int:
+    """Now on bpf_ktime_get_ns()'s clock: CLOCK_MONOTONIC of the initial time namespace. In
+    another time namespace (`unshare --time`) this process's monotonic clock is shifted by the
+    offset <procfs>/self/timens_offsets names; a lease deadline on the shifted clock would lapse
+    that much late or early."""
+    offset = 0
+    try:
+        with open(os.path.join(procfs, "self/timens_offsets")) as f:
+            for line in f:
+                name, secs, nsecs = line.split()
+                if name == "monotonic":
+                    offset = int(secs) * 1_000_000_000 + int(nsecs)
+    except FileNotFoundError:  # a kernel without time namespaces: no offset
+        pass
+    return time.monotonic_ns() - offset
 
 
 def enable_run_time_stats() -> int:

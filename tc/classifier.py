@@ -37,18 +37,23 @@ def prog_name() -> str:
     from bpf import source
 
     with open(source("classifier.c"), "rb") as f:
-        digest = hashlib.sha256(f.read() + repr([(t.index, t.class_minor) for t in TIERS]).encode())
+        digest = hashlib.sha256(f.read() + repr([(t.index, t.class_minor, t.limit_minor) for t in TIERS]).encode())
     return f"{PROG_PREFIX}{digest.hexdigest()[:12]}"
 
 
 def pin_paths(pin_dir: str) -> dict[str, str]:
-    return {name: os.path.join(pin_dir, name) for name in ("dscp_map", "tier_minor", "counters")}
+    return {name: os.path.join(pin_dir, name) for name in ("dscp_map", "tier_minor", "tier_limit", "counters")}
 
 
-def write_tables(pin_dir: str, dscp_table: Sequence[int], tier_minors: Sequence[int]) -> None:
-    """Program the pinned maps. Minors before DSCPs: a DSCP never points at an unset tier."""
+def write_tables(
+    pin_dir: str, dscp_table: Sequence[int], tier_minors: Sequence[int], limit_minors: Sequence[int]
+) -> None:
+    """Program the pinned maps. Minors before DSCPs: a DSCP never points at an unset tier. The
+    limits are written without a lease: apply lifts any limit in force."""
     paths = pin_paths(pin_dir)
     bpfobj.write_u32_array(paths["tier_minor"], tier_minors)
+    for index, minor in enumerate(limit_minors):
+        bpfobj.write_limit(paths["tier_limit"], index, 0, minor)
     bpfobj.write_u32_array(paths["dscp_map"], dscp_table)
 
 
@@ -61,7 +66,12 @@ def _prog_id(fd: int) -> int:
 
 
 def load_and_attach(
-    dev: str, netns: str | None, pin_dir: str, dscp_table: Sequence[int], tier_minors: Sequence[int]
+    dev: str,
+    netns: str | None,
+    pin_dir: str,
+    dscp_table: Sequence[int],
+    tier_minors: Sequence[int],
+    limit_minors: Sequence[int],
 ) -> int:
     """In this process: compile, load, fill maps, replace the filter. Returns the program id."""
     from bpf import source
@@ -89,7 +99,7 @@ def load_and_attach(
             fn = b.load_func("classify", BPF.SCHED_CLS)
         except Exception as exc:  # bcc raises bare Exception for compile and load failures
             raise BpfUnavailableError(f"could not build the classifier: {exc}") from None
-        write_tables(pin_dir, dscp_table, tier_minors)
+        write_tables(pin_dir, dscp_table, tier_minors, limit_minors)
         link.replace_bpf_filter(fn.fd, prog_name())
         return _prog_id(fn.fd)
 
@@ -112,6 +122,7 @@ def attach_in_child(dev: str, netns: str | None, pin_dir: str, tree: Tree, timeo
         "pin_dir": pin_dir,
         "dscp_table": list(tree.dscp_table),
         "tier_minors": list(tree.tier_minors),
+        "limit_minors": list(tree.limit_minors),
     }
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
@@ -152,7 +163,9 @@ def _main() -> int:
     _die_with_parent(req["parent_pid"])
     kinds = {v: k for k, v in _ERRORS.items()}
     try:
-        prog_id = load_and_attach(req["dev"], req["netns"], req["pin_dir"], req["dscp_table"], req["tier_minors"])
+        prog_id = load_and_attach(
+            req["dev"], req["netns"], req["pin_dir"], req["dscp_table"], req["tier_minors"], req["limit_minors"]
+        )
     except DatapathError as exc:
         kind = next((kinds[c] for c in type(exc).__mro__ if c in kinds), "datapath")
         print(json.dumps({"error": kind, "message": str(exc)}))

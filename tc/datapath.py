@@ -6,6 +6,8 @@
     dp.show()                     # {tier: {packets, bytes, htb_sent_bytes, drops, backlog_*, borrowed, ...}}
     dp.set_map({46: "turbo"})     # live DSCP -> tier change, no reload
     dp.set_rate("relax", 5_000_000, 100_000_000)   # live class change, no reload
+    dp.limit("relax", 20_000_000, 3.0)  # relax's ceiling lowered for 3 s (its limit class 1:41)
+    dp.renew("relax", 3.0)        # ... for 3 s from now; lapses in the kernel unless renewed
     dp.remove()                   # restores the interface's default root qdisc
     dp.hold()                     # own the device until close(): other processes' changes are refused
 
@@ -24,6 +26,7 @@ import logging
 import os
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -33,6 +36,8 @@ from turbonode.config import QosConfig
 from turbonode.errors import BpfUnavailableError, DatapathError, NoDeviceError
 from turbonode.locks import AGENT_ROLE, FileLock, LockHeld
 from turbonode.rates import format_rate, parse_rate
+from turbonode.throttle_params import check_ttl
+from turbonode.tiers import Tier
 from turbonode.tiers import tier as tier_by_name
 
 from . import bpfobj, classifier, reconcile
@@ -198,7 +203,7 @@ class Datapath:
                 prog_id = classifier.attach_in_child(self.dev, self.netns, self.places.pin_dir, tree)
                 changes += 1
             else:
-                classifier.write_tables(self.places.pin_dir, tree.dscp_table, tree.tier_minors)
+                classifier.write_tables(self.places.pin_dir, tree.dscp_table, tree.tier_minors, tree.limit_minors)
             reconcile.read_back(link, tree, classifier.prog_name())
             kind = reconcile.leaf_kind(link.qdiscs(), tree.leaves)
         if extra:
@@ -279,6 +284,9 @@ class Datapath:
         paths = classifier.pin_paths(self.places.pin_dir)
         counters = bpfobj.read_counters(paths["counters"], classifier.COUNTER_SLOTS)
         dscp_table = bpfobj.read_u32_array(paths["dscp_map"], 64)
+        limits = []  # a tree of a version before leased limits has no such pin until its next apply
+        if os.path.exists(paths["tier_limit"]):
+            limits = bpfobj.read_limits(paths["tier_limit"], classifier.NTIERS)
         root = next((c for c in classes if c.handle == ROOT_CLASS), None)
         return {
             "dev": self.dev,
@@ -286,7 +294,7 @@ class Datapath:
             "rate_bps": root.rate_bps if root else None,
             "leaf_kind": reconcile.leaf_kind(qdiscs, tier_leaves(0)),
             "prog_id": next((f.prog_id for f in filters if f.kind == "bpf"), None),
-            "tiers": tier_rows(counters, classes, dscp_table),
+            "tiers": tier_rows(counters, classes, dscp_table, limits, bpfobj.kernel_clock_ns(), time.time()),
         }
 
     def set_map(self, mapping: dict[int, str]) -> None:
@@ -309,26 +317,83 @@ class Datapath:
 
     def set_rate(self, tier: str, rate_bps: int, ceil_bps: int | None = None) -> dict[str, Any]:
         """Change one tier's HTB rate/ceil in place (no reload, queued packets stay queued)."""
-        try:
-            t = tier_by_name(tier)
-        except ValueError as exc:
-            raise DatapathError(f"set-rate {tier}: {exc}") from None
+        t = self._tier("set-rate", tier)
         with self._changing("set-rate"), self._link() as link:
-            self._require_ours(link)
-            have = {c.handle: c for c in link.classes()}
-            cur, root = have.get(class_handle(t.class_minor)), have.get(ROOT_CLASS)
-            if cur is None or root is None:
-                raise DatapathError(f"no class for {tier} on {self._where()}: run `turboctl qos apply`")
-            try:
-                old = htb_class(tier, t.class_minor, ROOT_CLASS, cur.rate_bps, cur.ceil_bps, t.prio)
-                new = with_rate(old, root.rate_bps, rate_bps, ceil_bps)
-            except ValueError as exc:
-                raise DatapathError(f"set-rate {tier}: {exc}") from None
-            link.replace_class(new)
-            got: ClassState | None = {c.handle: c for c in link.classes()}.get(new.handle)
-        if got is None or got.rate_bps != new.rate_bps // 8 * 8 or got.ceil_bps != new.ceil_bps // 8 * 8:
-            raise DatapathError(f"read-back: class for {tier} is {got}, wanted rate {new.rate_bps} ceil {new.ceil_bps}")
+            got = self._set_class(link, "set-rate", t, t.class_minor, rate_bps, ceil_bps)
         return {"tier": tier, "rate_bps": got.rate_bps, "ceil_bps": got.ceil_bps}
+
+    def _tier(self, op: str, name: str) -> Tier:
+        try:
+            return tier_by_name(name)
+        except ValueError as exc:
+            raise DatapathError(f"{op} {name}: {exc}") from None
+
+    def _set_class(
+        self, link: Link, op: str, t: Tier, minor: int, rate_bps: int | None, ceil_bps: int | None
+    ) -> ClassState:
+        """Set class 1:<minor> of tier `t` to rate (None: its current one) and ceil; read back."""
+        self._require_ours(link)
+        have = {c.handle: c for c in link.classes()}
+        cur, root = have.get(class_handle(minor)), have.get(ROOT_CLASS)
+        if cur is None or root is None:
+            raise DatapathError(
+                f"no class {fmt_handle(class_handle(minor))} for {t.name} on {self._where()}: run `turboctl qos apply`"
+            )
+        try:
+            old = htb_class(t.name, minor, ROOT_CLASS, cur.rate_bps, cur.ceil_bps, t.prio)
+            new = with_rate(old, root.rate_bps, cur.rate_bps if rate_bps is None else rate_bps, ceil_bps)
+        except ValueError as exc:
+            raise DatapathError(f"{op} {t.name}: {exc}") from None
+        link.replace_class(new)
+        got: ClassState | None = {c.handle: c for c in link.classes()}.get(new.handle)
+        if got is None or got.rate_bps != new.rate_bps // 8 * 8 or got.ceil_bps != new.ceil_bps // 8 * 8:
+            raise DatapathError(
+                f"read-back: class {fmt_handle(new.handle)} for {t.name} is {got}, "
+                f"wanted rate {new.rate_bps} ceil {new.ceil_bps}"
+            )
+        return got
+
+    # ---- leased limits (docs/qos.md, "Leased limits") ----------------------------------
+
+    def limit(self, tier: str, ceil_bps: int, lease_s: float) -> dict[str, Any]:
+        """Lower `tier`'s ceiling to ceil_bps (at least the limit class's rate) for lease_s
+        seconds: the ceiling is set on the tier's limit class, and the classifier steers the
+        tier there until the lease's deadline unless renew() moves it on. Returns {"tier",
+        "class", "ceil_bps", "until" (wall-clock time)}."""
+        t = self._limited("limit", tier)
+        with self._changing("limit"), self._link() as link:
+            got = self._set_class(link, "limit", t, t.limit_minor, None, ceil_bps)
+            until = self._lease(t, lease_s)
+        return {"tier": tier, "class": fmt_handle(got.handle), "ceil_bps": got.ceil_bps, "until": until}
+
+    def renew(self, tier: str, lease_s: float) -> float:
+        """Move the lease of `tier`'s limit on to lease_s from now (one map write, no netlink);
+        returns the new deadline as wall-clock time."""
+        t = self._limited("renew", tier)
+        with self._changing("renew"):
+            return self._lease(t, lease_s)
+
+    def lift(self, tier: str) -> None:
+        """End the lease of `tier`'s limit now: the tier is back at its own class's ceiling."""
+        t = self._limited("lift", tier)
+        with self._changing("lift"):
+            bpfobj.write_limit(classifier.pin_paths(self.places.pin_dir)["tier_limit"], t.index, 0, t.limit_minor)
+
+    def _limited(self, op: str, name: str) -> Tier:
+        t = self._tier(op, name)
+        if not t.limit_minor:
+            raise DatapathError(f"{op} {name}: the tier has no limit class (turbonode/tiers.py)")
+        return t
+
+    def _lease(self, t: Tier, lease_s: float) -> float:
+        try:
+            check_ttl(lease_s)  # the agent's lease is its throttle's: at most the worker's longest
+        except ValueError as exc:
+            raise DatapathError(f"lease of the {t.name} limit: {exc}") from None
+        now = bpfobj.kernel_clock_ns()
+        path = classifier.pin_paths(self.places.pin_dir)["tier_limit"]
+        bpfobj.write_limit(path, t.index, now + int(lease_s * 1e9), t.limit_minor)
+        return time.time() + lease_s
 
     def remove(self) -> dict[str, Any]:
         """Remove everything turbonode put on the interface; the kernel's default root qdisc

@@ -2,7 +2,8 @@
 
     1: htb default 1:<other>
     └─ 1:1 root class, rate = ceil = link
-       ├─ 1:10 turbo  prio 0  ├─ 1:20 fast  prio 1  ├─ 1:30 other prio 2  └─ 1:40 relax prio 3
+       ├─ 1:10 turbo  prio 0  ├─ 1:20 fast  prio 1  ├─ 1:30 other prio 2  ├─ 1:40 relax prio 3
+       └─ 1:41 relax's limit class, prio 3: its lowered ceiling, used only while leased (docs/qos.md)
        each with a bounded leaf qdisc <minor>:0 (fq_codel where the kernel has it, else pfifo)
 
 Rates are bits per second in the model and bytes per second on the wire (HTB's unit).
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from turbonode.qos_params import check_leaf_limit, check_link_rate, check_rate, check_shares
 from turbonode.rates import format_rate
-from turbonode.tiers import BY_NAME, DEFAULT_TIER, TIERS, full_dscp_map
+from turbonode.tiers import BY_NAME, DEFAULT_TIER, TIERS, Tier, full_dscp_map
 
 ROOT_HANDLE = 0x10000  # qdisc 1:
 ROOT_CLASS = 0x10001  # class 1:1
@@ -78,17 +79,25 @@ class Tree:
     leaves: tuple[Leaf, ...]
     dscp_table: tuple[int, ...]  # 64 entries: DSCP -> tier index
     tier_minors: tuple[int, ...]  # tier index -> class minor
+    limit_minors: tuple[int, ...]  # tier index -> minor of its limit class (0: none)
 
     def tier_class(self, name: str) -> HtbClass:
+        """The tier's own class (not its limit class)."""
+        minor = BY_NAME[name].class_minor
         for c in self.classes:
-            if c.tier == name:
+            if c.minor == minor:
                 return c
         raise KeyError(name)
 
 
+def class_minors(t: Tier) -> tuple[int, ...]:
+    """The minors of the classes tier `t` has: its own, and its limit class if any."""
+    return (t.class_minor, t.limit_minor) if t.limit_minor else (t.class_minor,)
+
+
 def tier_leaves(limit: int) -> tuple[Leaf, ...]:
-    """One bounded leaf queue <minor>: under each tier's class 1:<minor>."""
-    return tuple(Leaf(t.name, class_handle(t.class_minor), leaf_handle(t.class_minor), limit) for t in TIERS)
+    """One bounded leaf queue <minor>: under each tier's class 1:<minor> (limit classes included)."""
+    return tuple(Leaf(t.name, class_handle(m), leaf_handle(m), limit) for t in TIERS for m in class_minors(t))
 
 
 def burst_bytes(rate_bps: int) -> int:
@@ -136,7 +145,8 @@ def build_tree(
     for t in TIERS:
         rate = rate_bps * rate_pct[t.name] // 100
         ceil = rate_bps * ceil_pct[t.name] // 100
-        classes.append(htb_class(t.name, t.class_minor, ROOT_CLASS, rate, ceil, t.prio))
+        # A limit class starts as its tier's twin: nothing is lowered until the agent leases a limit.
+        classes += [htb_class(t.name, m, ROOT_CLASS, rate, ceil, t.prio) for m in class_minors(t)]
     return Tree(
         rate_bps=rate_bps,
         default_minor=BY_NAME[DEFAULT_TIER].class_minor,
@@ -144,6 +154,7 @@ def build_tree(
         leaves=tier_leaves(leaf_limit),
         dscp_table=tuple(full_dscp_map(dscp)),
         tier_minors=tuple(t.class_minor for t in sorted(TIERS, key=lambda t: t.index)),
+        limit_minors=tuple(t.limit_minor for t in sorted(TIERS, key=lambda t: t.index)),
     )
 
 

@@ -67,6 +67,7 @@ def frames(sb) -> dict[str, bytes]:
         "unmarked": v4(0),
         "ipv6_ef": eth(0x86DD, ipv6(46 << 2 | 0b10, sb.server_ip6, sb.client_ip6)),
         "ipv6_af41": eth(0x86DD, ipv6(34 << 2, sb.server_ip6, sb.client_ip6)),
+        "ipv6_cs1": eth(0x86DD, ipv6(8 << 2, sb.server_ip6, sb.client_ip6)),
         "vlan_ef": eth(0x0800, ipv4(46 << 2, sb.server_ip, sb.client_ip), vlan=100),
         "8021ad_ef": eth(0x0800, ipv4(46 << 2, sb.server_ip, sb.client_ip), vlan=7, tpid=0x88A8),
         "truncated_ipv4": eth(0x0800, b"\x45\xb8" + MAGIC),  # 10 bytes of an IPv4 header

@@ -52,19 +52,33 @@ class RecordingDatapath:
     def __init__(self):
         self.calls = []
 
-    def set_rate(self, tier, rate_bps, ceil_bps):
-        self.calls.append((tier, rate_bps, ceil_bps))
+    def limit(self, tier, ceil_bps, lease_s):
+        self.calls.append(("limit", tier, ceil_bps, lease_s))
+        return {}
+
+    def renew(self, tier, lease_s):
+        self.calls.append(("renew", tier, lease_s))
+        return 0.0
+
+    def lift(self, tier):
+        self.calls.append(("lift", tier))
 
 
-def test_relax_ceil_lowered_and_restored():
+def test_relax_ceil_is_a_lease_renewed_like_the_throttle_then_lifted():
     dp = RecordingDatapath()
-    act = Actuator(None, datapath=dp, relax_rate_bps=10_000_000, relax_ceil_bps=100_000_000, link_bps=100_000_000)
+    act = Actuator(None, ttl_s=3.0, datapath=dp, relax_rate_bps=10_000_000, link_bps=100_000_000)
+    act.apply(Actions(), "n", "cpu_load", 0)  # nothing lowered, nothing to lift
     act.apply(Actions(50), "p", "cpu_load", 0)
-    act.apply(Actions(50), "p", "cpu_load", 1)
-    act.apply(Actions(5), "c", "cpu_load", 2)  # never below the guaranteed rate
-    act.apply(Actions(), "n", "cpu_load", 3)
+    act.apply(Actions(50), "p", "cpu_load", 0.5)  # fresh: nothing
+    act.apply(Actions(50), "p", "cpu_load", 1.0)  # a third of the lease: renewed
+    act.apply(Actions(5), "c", "cpu_load", 1.2)  # never below the guaranteed rate
+    act.apply(Actions(), "n", "cpu_load", 1.3)
+    act.apply(Actions(), "n", "cpu_load", 5.0)  # lifted once, not every sample
     assert dp.calls == [
-        ("relax", 10_000_000, 50_000_000),
-        ("relax", 10_000_000, 10_000_000),
-        ("relax", 10_000_000, 100_000_000),
+        ("limit", "relax", 50_000_000, 3.0),
+        ("renew", "relax", 3.0),
+        ("limit", "relax", 10_000_000, 3.0),
+        ("lift", "relax"),
     ]
+    assert act.counts == {("relax_ceil", "cpu_load"): 3}
+    assert act.state()["relax_ceil_bps"] is None

@@ -51,6 +51,7 @@ SNAPSHOT = {
             "backlog_bytes": 1500,
             "rate_bps": 10_000_000,
             "ceil_bps": 25_000_000,
+            "limit": {"class": "1:41", "ceil_bps": 25_000_000, "in_force": True, "until": 1002.5},
         },
     },
     "worker": {
@@ -83,6 +84,7 @@ def test_status_table_shows_level_why_qos_worker(tmp_path):
     assert relax.split() == ["relax", "5", "700", "3", "1500", "10mbit", "25mbit"]
     assert ["turbo", "1", "2", "12.0", "ms", "30.0", "ms"] in [line.split() for line in text.splitlines()]
     assert "throttle: max_batch=2, paused_tiers=['relax'], expires_in_s=2.1" in text
+    assert "limit:    relax ceil 25mbit in force until " in text and "unless the agent renews it; class 1:41" in text
     assert json.loads(js.output)["agent"]["level"] == "degraded"
 
 

@@ -32,12 +32,16 @@ def test_htb_watcher_counts_tiers_and_relax_ceil_moves(sandbox, datapath):
     assert w.detail["tiers"]["turbo"]["packets"] >= 20
     assert w.signals["turbo_drops_per_s"] == 0
 
-    act = Actuator(None, datapath=datapath, relax_rate_bps=10_000_000, relax_ceil_bps=100_000_000, link_bps=100_000_000)
+    act = Actuator(None, datapath=datapath, relax_rate_bps=10_000_000, link_bps=100_000_000)
     act.apply(Actions(relax_ceil_pct=25), "degraded", "cpu_load", 0)
     assert act.datapath_error is None
-    assert datapath.show()["tiers"]["relax"]["ceil_bps"] == 25_000_000
+    relax = datapath.show()["tiers"]["relax"]
+    assert relax["ceil_bps"] == 25_000_000 and relax["limit"]["in_force"], relax
+    w.sample(2 * w.interval)
+    assert 'turbonode_tier_ceil_bytes_per_second{tier="relax"} 3.125e+06' in scrape(w)  # the ceiling in force
     act.apply(Actions(), "normal", "cpu_load", 1)
-    assert datapath.show()["tiers"]["relax"]["ceil_bps"] == 100_000_000
+    relax = datapath.show()["tiers"]["relax"]
+    assert relax["ceil_bps"] == 100_000_000 and not relax["limit"]["in_force"], relax
 
     text = scrape(w)
     assert "turbonode_htb_collector_success 1.0" in text

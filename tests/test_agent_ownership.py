@@ -46,7 +46,8 @@ def tc(sandbox, *args: str) -> str:
 
 
 def relax_ceil(sandbox) -> str:
-    line = next(x for x in tc(sandbox, "class", "show").splitlines() if x.startswith("class htb 1:40 "))
+    """The ceiling of relax's limit class, where the agent lowers it (docs/qos.md, "Leased limits")."""
+    line = next(x for x in tc(sandbox, "class", "show").splitlines() if x.startswith("class htb 1:41 "))
     return re.search(r"ceil (\S+)", line).group(1)
 
 

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -30,7 +31,7 @@ def target(sandbox):
 def test_qos_commands_end_to_end(sandbox, target, tmp_path):
     res = run("apply", *target, "--rate", "100mbit")
     assert res.exit_code == 0, res.output
-    assert "11 change(s); classifier compiled and attached" in res.output
+    assert "13 change(s); classifier compiled and attached" in res.output
     res = run("apply", *target, "--rate", "100mbit")
     assert res.exit_code == 0 and "0 change(s); classifier already current" in res.output
 
@@ -41,6 +42,21 @@ def test_qos_commands_end_to_end(sandbox, target, tmp_path):
     assert lines["tier"][:5] == ["tier", "class", "dscp", "packets", "bytes"]
     assert lines["turbo"][1:4] == ["1:10", "46", "3"] and lines["turbo"][-2:] == ["90mbit", "100mbit"]
     assert lines["fast"][2] == "34,36,38" and lines["relax"][2] == "1,8"
+    assert "limit: relax none in force" in res.output
+
+    from tc.datapath import Datapath
+
+    with Datapath(sandbox.dev, sandbox.server) as dp:  # what the agent does under degradation
+        dp.limit("relax", 20_000_000, 30.0)
+    res = run("show", *target)
+    lines = {line.split()[0]: line.split() for line in res.output.splitlines() if line}
+    assert lines["relax"][-1] == "20mbit"  # the ceiling in force
+    limit = next(line for line in res.output.splitlines() if line.startswith("limit:"))
+    assert re.fullmatch(
+        r"limit: relax ceil 20mbit in force until \d\d:\d\d:\d\d \((29|30)\.\d s left unless the agent renews it; "
+        r"class 1:41\)",
+        limit,
+    ), limit
 
     view = json.loads(run("show", *target, "--json").output)
     assert view["rate_bps"] == 100_000_000 and view["tiers"]["turbo"]["packets"] == 3

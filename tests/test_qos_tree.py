@@ -25,6 +25,8 @@ def test_default_tree_follows_the_tier_table():
         ("fast", "1:20", 1, 5_000_000, 100_000_000),
         ("other", "1:30", 2, 3_000_000, 100_000_000),
         ("relax", "1:40", 3, 2_000_000, 100_000_000),
+        # relax's limit class: its twin until the agent leases a lowered ceiling (docs/qos.md)
+        ("relax", "1:41", 3, 2_000_000, 100_000_000),
     ]
     assert all(c.parent == ROOT_CLASS for c in tiers)
     assert tree.default_minor == 0x30
@@ -33,8 +35,10 @@ def test_default_tree_follows_the_tier_table():
         ("1:20", "20:0", 1000),
         ("1:30", "30:0", 1000),
         ("1:40", "40:0", 1000),
+        ("1:41", "41:0", 1000),
     ]
     assert tree.tier_minors == (0x10, 0x20, 0x30, 0x40)
+    assert tree.limit_minors == (0, 0, 0, 0x41)
 
 
 def test_dscp_table_defaults_and_overrides():
@@ -56,6 +60,7 @@ def test_overrides_and_their_errors():
     tree = build_tree(10**8, rate_pct={"turbo": 85, "fast": 5, "other": 5, "relax": 5}, ceil_pct={"relax": 50})
     assert tree.tier_class("turbo").rate_bps == 85_000_000
     assert tree.tier_class("relax").ceil_bps == 50_000_000
+    assert tree.tier_class("relax").minor == 0x40  # its own class, not the limit class 1:41
     with pytest.raises(ValueError, match="rate_pct: guaranteed shares add up to 120 %"):
         build_tree(10**8, rate_pct={"fast": 25})
     with pytest.raises(ValueError, match=r"ceil_pct: relax: 1 % is below its rate_pct \(2 %\)"):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import time
 
 import click
 
@@ -102,7 +103,22 @@ def _num(v) -> str:
     return "-" if v is None else str(v)
 
 
-def format_table(view: dict) -> str:
+def describe_limit(tier: str, limit: dict, now: float) -> str:
+    """Whether a tier's leased limit is in force and until when (`qos show`, `turboctl status`,
+    after "limit: "); `now` is wall-clock time."""
+    until = limit.get("until")
+    if not until:
+        return f"{tier} none in force"
+    at = time.strftime("%H:%M:%S", time.localtime(until))
+    if limit.get("in_force"):
+        return (
+            f"{tier} ceil {format_rate(limit['ceil_bps'])} in force until {at} "
+            f"({max(0.0, until - now):.1f} s left unless the agent renews it; class {limit['class']})"
+        )
+    return f"{tier} none in force (the last one lapsed at {at}, {max(0.0, now - until):.0f} s ago)"
+
+
+def format_table(view: dict, now: float | None = None) -> str:
     """The per-tier table `qos show` and `turboctl demo` print."""
     head = ("tier", "class", "dscp", "packets", "bytes", "htb_sent", "drops", "backlog", "borrowed", "rate", "ceil")
     rows = [head]
@@ -133,6 +149,12 @@ def format_table(view: dict) -> str:
         f"classifier prog id {view['prog_id']}",
     )
     lines.append(f"unparsed frames (sent to 'other'): {u['packets']} packets, {u['bytes']} bytes")
+    now = time.time() if now is None else now
+    lines += [
+        "limit: " + describe_limit(t, view["tiers"][t]["limit"], now)
+        for t in TIER_NAMES
+        if view["tiers"][t].get("limit")
+    ]
     return "\n".join(lines)
 
 

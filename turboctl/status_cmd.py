@@ -14,6 +14,8 @@ from turbonode.jsonrpc import ControlClient
 from turbonode.rates import format_rate
 from turbonode.tiers import TIER_NAMES
 
+from .qos_cmd import describe_limit
+
 
 def _reason(r: dict) -> str:
     return describe_reason(r["signal"], r.get("value"), r["threshold"], r.get("crossed", ""))
@@ -88,6 +90,7 @@ def render_agent(st: dict, now: float | None = None) -> list[str]:
                 for t, q in qos.items()
             ],
         )
+        out += ["limit:    " + describe_limit(t, q["limit"], now) for t, q in qos.items() if q.get("limit")]
     return out
 
 

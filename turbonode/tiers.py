@@ -14,13 +14,16 @@ class Tier:
     rate_pct: int  # guaranteed share of the link
     ceil_pct: int  # ceiling as share of the link
     dscp: int  # DSCP the worker marks its sockets with for this tier
+    # HTB class 1:<limit_minor> that holds the tier's lowered ceiling (0: none). The classifier
+    # steers the tier there only while the agent's lease on the limit is fresh (docs/qos.md).
+    limit_minor: int = 0
 
 
 TIERS: tuple[Tier, ...] = (
     Tier("turbo", 0, 0x10, 0, 90, 100, 46),
     Tier("fast", 1, 0x20, 1, 5, 100, 34),
     Tier("other", 2, 0x30, 2, 3, 100, 0),
-    Tier("relax", 3, 0x40, 3, 2, 100, 8),
+    Tier("relax", 3, 0x40, 3, 2, 100, 8, limit_minor=0x41),
 )
 TIER_NAMES: tuple[str, ...] = tuple(t.name for t in TIERS)
 BY_NAME: dict[str, Tier] = {t.name: t for t in TIERS}

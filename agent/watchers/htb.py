@@ -48,7 +48,12 @@ class HtbWatcher(Watcher):
                 "Bytes queued in the tier's HTB class",
                 "backlog_bytes",
             ),
-            (GaugeMetricFamily, "turbonode_tier_ceil_bytes_per_second", "The tier's HTB ceil", "ceil_bps"),
+            (
+                GaugeMetricFamily,
+                "turbonode_tier_ceil_bytes_per_second",
+                "The tier's HTB ceil in force (relax's limit class while the agent's lease on it is fresh)",
+                "ceil_bps",
+            ),
         ]
         out = []
         for cls, name, doc, key in specs:
