@@ -91,6 +91,13 @@ def require_net_admin(what: str) -> None:
         raise NotRootError(caps.lacks(missing, what))
 
 
+def require_netns_entry(netns: str | None) -> None:
+    """setns() into a named namespace needs CAP_SYS_ADMIN: the kernel's EPERM does not say so."""
+    missing = caps.missing_sys_admin() if netns else None
+    if missing:
+        raise NotRootError(caps.lacks(missing, f"entering netns {netns}"))
+
+
 class Link:
     """rtnetlink for tc on device `dev` inside named netns `netns` (None: this process's own)."""
 
@@ -102,6 +109,7 @@ class Link:
         require_net_admin(f"tc on {self.where}")
         if netns and not os.path.exists(f"/run/netns/{netns}"):
             raise NoDeviceError(f"unknown network namespace {netns!r} (no /run/netns/{netns})")
+        require_netns_entry(netns)
         try:
             # flags=0: never create the namespace as a side effect of opening it.
             self.ipr = IPRoute(netns=netns, flags=0) if netns else IPRoute()
