@@ -192,9 +192,9 @@ class Datapath:
         """Make the interface match `config` (a turbonode.config.QosConfig; defaults if None).
         `reload` recompiles and swaps the program even when the attached one is current.
         Returns {"changes": n, "prog_id": id, "leaf_kind": kind, "compiled": bool,
-        "extra_classes": [classes deleted], "stale": [netns/dev entries cleaned]}. An apply
-        that fails after it replaced the kernel's default root deletes its root again: the device
-        is as it was."""
+        "extra_classes": [classes deleted], "extra_filters": [filters deleted],
+        "stale": [netns/dev entries cleaned]}. An apply that fails after it replaced the
+        kernel's default root deletes its root again: the device is as it was."""
         tree = self._tree(config, rate_bps)
         self.require_caps()
         with self._changing("apply"), Link(self.dev, self.netns) as link:
@@ -209,16 +209,16 @@ class Datapath:
                 if isinstance(exc, TurbonodeError):
                     raise type(exc)(f"{exc}; {back}") from None
                 raise
-        if done["extra_classes"]:
-            log.warning(
-                "%s: deleted classes turbonode does not define: %s", self._where(), ", ".join(done["extra_classes"])
-            )
+        for what, extra in (("classes", done["extra_classes"]), ("filters", done["extra_filters"])):
+            if extra:
+                log.warning("%s: deleted %s turbonode does not define: %s", self._where(), what, ", ".join(extra))
         return {**done, "stale": stale}
 
     def _reconcile(self, link: Link, tree: Tree, reload: bool) -> dict[str, Any]:
         """apply's changes. The classifier comes before the classes and leaves, so a build that
         fails on an existing tree leaves its classes as they were."""
         changes = reconcile.claim_root(link, tree)
+        filters = reconcile.reconcile_filters(link)  # first: another filter may hold our prio
         compiled, prog_id = self._needs_compile(link, reload)
         if compiled:
             # Compiling happens in a child: this process never holds LLVM's memory.
@@ -226,7 +226,7 @@ class Datapath:
         else:
             classifier.write_tables(self.places.pin_dir, tree.dscp_table, tree.tier_minors)
         n, classes = reconcile.reconcile_classes(link, tree)
-        changes += int(compiled) + n + reconcile.reconcile_leaves(link, tree)
+        changes += len(filters) + int(compiled) + n + reconcile.reconcile_leaves(link, tree)
         reconcile.read_back(link, tree, classifier.prog_name())
         return {
             "changes": changes,
@@ -234,6 +234,7 @@ class Datapath:
             "leaf_kind": reconcile.leaf_kind(link.qdiscs(), tree.leaves),
             "compiled": compiled,
             "extra_classes": classes,
+            "extra_filters": filters,
         }
 
     def _roll_back(self, link: Link) -> str:
@@ -284,6 +285,7 @@ class Datapath:
                 ]
             assert root is not None
             out = [] if root.defcls == tree.default_minor else ["re-create htb 1: (its default class changes)"]
+            out += [f"delete filter {e} (not turbonode's)" for e in reconcile.extra_filters(link.filters())]
             replace, extra = reconcile.class_changes(reconcile.tree_classes(link.classes()), tree)
             out += [f"delete class {fmt_handle(h)} (not in the tree)" for h in extra]
             out += [

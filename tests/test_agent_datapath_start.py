@@ -1,6 +1,7 @@
-"""The agent's start on its device follows `turboctl qos apply`'s rules (issue 21): a missing
-capability (CAP_SYS_ADMIN to enter --netns, CAP_BPF/CAP_PERFMON for the classifier) is named in
-one line before the device is touched. Real agent processes with their
+"""The agent's start on its device follows `turboctl qos apply`'s rules (issue 21): a filter an
+administrator added on turbonode's root is deleted and logged, not a start that fails at every
+restart; a missing capability (CAP_SYS_ADMIN to enter --netns, CAP_BPF/CAP_PERFMON for the
+classifier) is named in one line before the device is touched. Real agent processes with their
 capabilities cut by setpriv, on a real sandbox device."""
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ import shutil
 import pytest
 from conftest import needs_bcc
 from daemon_harness import ROOT, daemon_env, start, stop, turboctl_argv
+
+from bench.node import wait_for
 
 pytestmark = [needs_bcc, pytest.mark.root]
 needs_setpriv = pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")
@@ -28,6 +31,35 @@ def write_config(tmp_path, dev: str, netns: str | None) -> str:
 
 def qdiscs(sandbox) -> str:
     return sandbox.run(sandbox.server, "tc", "qdisc", "show", "dev", sandbox.dev).stdout
+
+
+def filters(sandbox) -> str:
+    return sandbox.run(sandbox.server, "tc", "filter", "show", "dev", sandbox.dev).stdout
+
+
+def test_the_agent_starts_on_a_tree_with_an_administrators_filter(sandbox, tmp_path):
+    from tc.datapath import Datapath
+
+    dp = Datapath(sandbox.dev, sandbox.server)
+    try:
+        dp.apply()
+        match = ("u32", "match", "ip", "dport", "22", "0xffff", "flowid", "1:40")
+        add = ("tc", "filter", "add", "dev", sandbox.dev, "parent", "1:", "protocol", "ip", "prio", "9", *match)
+        sandbox.run(sandbox.server, *add)
+        proc, out = start(
+            turboctl_argv("agent", "run", "--config", write_config(tmp_path, sandbox.dev, sandbox.server)), daemon_env()
+        )
+        try:
+            assert wait_for(lambda: proc.poll() is not None or any("agent running" in x for x in out.lines), 60)
+            assert proc.poll() is None, out.text
+            assert out.wait_for(r"deleted filters turbonode does not define: u32 pref 9", 1), out.text
+            assert "u32" not in filters(sandbox) and filters(sandbox).count("direct-action") == 1
+        finally:
+            rc = stop(proc)
+        assert rc == 0, out.text
+    finally:
+        dp.remove()
+        dp.close()
 
 
 def run_agent(argv: list[str]) -> tuple[int, str]:

@@ -70,6 +70,23 @@ def test_qos_commands_end_to_end(sandbox, target, tmp_path):
     assert res.exit_code == 1 and "no turbonode QoS on" in res.output and "qos apply" in res.output
 
 
+@needs_bcc
+def test_an_administrators_filter_on_the_root_is_deleted_and_named(sandbox, target):
+    """Issue 21: after `tc filter add ... parent 1: ... u32 ...` every apply failed at read-back
+    with a Python repr. Apply deletes it like a hand-made class and says so in one line."""
+    assert run("apply", *target).exit_code == 0
+    match = ("u32", "match", "ip", "dport", "22", "0xffff", "flowid", "1:40")
+    tc_add = ("tc", "filter", "add", "dev", sandbox.dev, "parent", "1:", "protocol", "ip", "prio", "9", *match)
+    sandbox.run(sandbox.server, *tc_add)
+    res = run("apply", *target)
+    assert res.exit_code == 0, res.output
+    assert f"{sandbox.dev}: deleted filters turbonode does not define: u32 pref 9" in res.output, res.output
+    assert "FilterState" not in res.output
+    shown = sandbox.run(sandbox.server, "tc", "filter", "show", "dev", sandbox.dev).stdout
+    assert "u32" not in shown and shown.count("direct-action") == 1, shown
+    assert "0 change(s)" in run("apply", *target).output
+
+
 @pytest.mark.parametrize(
     "args, code, message",
     [
