@@ -64,6 +64,7 @@ def open_datapath(cfg: Config):
     dp = Datapath(cfg.qos.dev, cfg.qos.netns or None)
     if not cfg.agent.dry_run:
         try:
+            dp.require_caps()  # what applying needs, named before the agent touches anything
             dp.hold()
         except TurbonodeError:
             dp.close()

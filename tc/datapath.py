@@ -33,7 +33,7 @@ from typing import Any
 
 from turbonode import caps
 from turbonode.config import QosConfig
-from turbonode.errors import BpfUnavailableError, DatapathError, NoDeviceError
+from turbonode.errors import BpfUnavailableError, DatapathError, NoDeviceError, TurbonodeError
 from turbonode.locks import AGENT_ROLE, FileLock, LockHeld
 from turbonode.rates import format_rate, parse_rate
 from turbonode.throttle_params import check_ttl
@@ -42,7 +42,7 @@ from turbonode.tiers import tier as tier_by_name
 
 from . import bpfobj, classifier, reconcile
 from .class_stats import tier_rows
-from .netlink import ClassState, Link, require_net_admin
+from .netlink import ClassState, Link, require_net_admin, require_netns_entry
 from .tree import ROOT_CLASS, Tree, build_tree, class_handle, fmt_handle, htb_class, tier_leaves, with_rate
 
 log = logging.getLogger("turbonode.qos")
@@ -147,6 +147,16 @@ class Datapath:
             finally:
                 self._owner.release()
 
+    def require_caps(self) -> None:
+        """Name what apply lacks before anything changes: CAP_NET_ADMIN for tc, CAP_SYS_ADMIN to
+        enter a named netns, CAP_BPF and CAP_PERFMON for the classifier (the agent calls this
+        before it touches the node; bcc would only say "Permission denied")."""
+        require_net_admin(f"tc on {self._where()}")
+        require_netns_entry(self.netns)
+        missing = caps.missing_bpf_and_perfmon()
+        if missing:
+            raise BpfUnavailableError(caps.lacks(missing, f"loading the classifier on {self._where()}"))
+
     def _require_ours(self, link: Link) -> None:
         if reconcile.read_owner(link)[1] != "ours":
             raise DatapathError(f"no turbonode QoS on {self._where()}: run `turboctl qos apply` first")
@@ -187,35 +197,59 @@ class Datapath:
         """Make the interface match `config` (a turbonode.config.QosConfig; defaults if None).
         `reload` recompiles and swaps the program even when the attached one is current.
         Returns {"changes": n, "prog_id": id, "leaf_kind": kind, "compiled": bool,
-        "extra_classes": [classes deleted], "stale": [netns/dev entries cleaned]}."""
+        "extra_classes": [classes deleted], "extra_filters": [filters deleted],
+        "stale": [netns/dev entries cleaned]}. An apply that fails after it replaced the
+        kernel's default root deletes its root again: the device is as it was."""
         tree = self._tree(config, rate_bps)
+        self.require_caps()
         with self._changing("apply"), Link(self.dev, self.netns) as link:
-            missing = caps.missing_bpf()
-            if missing:  # before the first change; bcc would only say "Failed to compile BPF module"
-                raise BpfUnavailableError(caps.lacks(missing, f"loading the classifier on {self._where()}"))
             stale = self._sweep(link)
-            changes = reconcile.claim_root(link, tree)
-            n, extra = reconcile.reconcile_classes(link, tree)
-            changes += n + reconcile.reconcile_leaves(link, tree)
-            compiled, prog_id = self._needs_compile(link, reload)
-            if compiled:
-                # Compiling happens in a child: this process never holds LLVM's memory.
-                prog_id = classifier.attach_in_child(self.dev, self.netns, self.places.pin_dir, tree)
-                changes += 1
-            else:
-                classifier.write_tables(self.places.pin_dir, tree.dscp_table, tree.tier_minors, tree.limit_minors)
-            reconcile.read_back(link, tree, classifier.prog_name())
-            kind = reconcile.leaf_kind(link.qdiscs(), tree.leaves)
-        if extra:
-            log.warning("%s: deleted classes turbonode does not define: %s", self._where(), ", ".join(extra))
+            owner = reconcile.read_owner(link)[1]
+            try:
+                done = self._reconcile(link, tree, reload)
+            except Exception as exc:
+                if owner != "default":
+                    raise  # refused (not ours), or turbonode's tree: the next apply finishes it
+                back = self._roll_back(link)
+                if isinstance(exc, TurbonodeError):
+                    raise type(exc)(f"{exc}; {back}") from None
+                raise
+        for what, extra in (("classes", done["extra_classes"]), ("filters", done["extra_filters"])):
+            if extra:
+                log.warning("%s: deleted %s turbonode does not define: %s", self._where(), what, ", ".join(extra))
+        return {**done, "stale": stale}
+
+    def _reconcile(self, link: Link, tree: Tree, reload: bool) -> dict[str, Any]:
+        """apply's changes. The classifier comes before the classes and leaves, so a build that
+        fails on an existing tree leaves its classes as they were."""
+        changes = reconcile.claim_root(link, tree)
+        filters = reconcile.reconcile_filters(link)  # first: another filter may hold our prio
+        compiled, prog_id = self._needs_compile(link, reload)
+        if compiled:
+            # Compiling happens in a child: this process never holds LLVM's memory.
+            prog_id = classifier.attach_in_child(self.dev, self.netns, self.places.pin_dir, tree)
+        else:
+            classifier.write_tables(self.places.pin_dir, tree.dscp_table, tree.tier_minors, tree.limit_minors)
+        n, classes = reconcile.reconcile_classes(link, tree)
+        changes += len(filters) + int(compiled) + n + reconcile.reconcile_leaves(link, tree)
+        reconcile.read_back(link, tree, classifier.prog_name())
         return {
             "changes": changes,
             "prog_id": prog_id,
-            "leaf_kind": kind,
+            "leaf_kind": reconcile.leaf_kind(link.qdiscs(), tree.leaves),
             "compiled": compiled,
-            "extra_classes": extra,
-            "stale": stale,
+            "extra_classes": classes,
+            "extra_filters": filters,
         }
+
+    def _roll_back(self, link: Link) -> str:
+        """Undo a failed apply on a device whose root was the kernel's: delete ours (the kernel
+        puts its default back) and the pins. Returns what it did, for the error."""
+        try:
+            now = reconcile.remove(link, self.places)["root"]
+        except TurbonodeError as undo:
+            return f"rolling back failed too ({undo}): run `turboctl qos remove`"
+        return f"rolled back: the root qdisc is {now} again"
 
     def _sweep(self, link: Link) -> list[str]:
         """Forget the pins and locks that deleted namespaces, or devices deleted from this one,
@@ -256,6 +290,7 @@ class Datapath:
                 ]
             assert root is not None
             out = [] if root.defcls == tree.default_minor else ["re-create htb 1: (its default class changes)"]
+            out += [f"delete filter {e} (not turbonode's)" for e in reconcile.extra_filters(link.filters())]
             replace, extra = reconcile.class_changes(reconcile.tree_classes(link.classes()), tree)
             out += [f"delete class {fmt_handle(h)} (not in the tree)" for h in extra]
             out += [

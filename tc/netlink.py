@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from pyroute2 import IPRoute
+from pyroute2.netlink import NLM_F_ACK, NLM_F_REQUEST, nlmsg
 from pyroute2.netlink.exceptions import NetlinkError
+from pyroute2.netlink.rtnl import RTM_DELTFILTER
+from pyroute2.netlink.rtnl.tcmsg import tcmsg
 
 from turbonode import caps
 from turbonode.errors import DatapathError, NoDeviceError, NotRootError
@@ -24,7 +27,9 @@ from .tree import FILTER_HANDLE, FILTER_PRIO, OWNER_R2Q, ROOT_HANDLE, HtbClass, 
 ETH_P_ALL = 0x0003
 TC_H_ROOT = 0xFFFFFFFF
 TCA_BPF_ID = 11  # linux/pkt_cls.h: the attached program's id (pyroute2 0.9 does not decode it)
+TCA_CHAIN = 11  # linux/rtnetlink.h: a filter's chain (pyroute2 0.9 neither decodes nor sends it)
 NLA_TYPE_MASK = 0x3FFF
+TCMSG_ATTRS = 16 + 20  # a tc message's attributes follow struct nlmsghdr and struct tcmsg
 # pyroute2 warns on every fq_codel parameter ("naming will change"); the names are pinned here.
 logging.getLogger("pyroute2.netlink.rtnl.tcmsg.sched_fq_codel").setLevel(logging.ERROR)
 
@@ -70,11 +75,24 @@ class FilterState:
     prog_id: int | None
     classid: int | None
     direct_action: bool
+    chain: int = 0
+
+
+class _FilterDelete(nlmsg):  # type: ignore[misc]  # pyroute2 has no type information
+    """RTM_DELTFILTER with the chain it deletes from: tcmsg has no TCA_CHAIN, and a subclass of
+    it would inherit its compiled attribute table once tcmsg has been used (pyroute2 0.9)."""
+
+    fields = tcmsg.fields
+    nla_map = ((0, "TCA_UNSPEC", "none"), (TCA_CHAIN, "TCA_CHAIN", "uint32"))
 
 
 def raw_u32(nested: Any, nla_type: int) -> int | None:
     """A u32 attribute pyroute2 left undecoded, read from the nested attribute's own bytes."""
-    data, pos, end = nested.data, nested.offset + 4, nested.offset + nested.length
+    return _u32_attr(nested.data, nested.offset + 4, nested.offset + nested.length, nla_type)
+
+
+def _u32_attr(data: bytes, pos: int, end: int, nla_type: int) -> int | None:
+    """The u32 attribute `nla_type` among the attributes in data[pos:end]."""
     while pos + 4 <= end:
         length, kind = struct.unpack_from("=HH", data, pos)
         if length < 4:
@@ -91,6 +109,13 @@ def require_net_admin(what: str) -> None:
         raise NotRootError(caps.lacks(missing, what))
 
 
+def require_netns_entry(netns: str | None) -> None:
+    """setns() into a named namespace needs CAP_SYS_ADMIN: the kernel's EPERM does not say so."""
+    missing = caps.missing_sys_admin() if netns else None
+    if missing:
+        raise NotRootError(caps.lacks(missing, f"entering netns {netns}"))
+
+
 class Link:
     """rtnetlink for tc on device `dev` inside named netns `netns` (None: this process's own)."""
 
@@ -102,6 +127,7 @@ class Link:
         require_net_admin(f"tc on {self.where}")
         if netns and not os.path.exists(f"/run/netns/{netns}"):
             raise NoDeviceError(f"unknown network namespace {netns!r} (no /run/netns/{netns})")
+        require_netns_entry(netns)
         try:
             # flags=0: never create the namespace as a side effect of opening it.
             self.ipr = IPRoute(netns=netns, flags=0) if netns else IPRoute()
@@ -288,6 +314,18 @@ class Link:
             direct_action=True,
         )
 
+    def delete_filters(self, chain: int, prio: int, handle: int = 0) -> None:
+        """Delete the filter `handle` of prio `prio` in chain `chain` of 1:; handle 0 deletes
+        every filter of that prio (whatever its kind and protocol: protocol 0 matches any)."""
+        msg = _FilterDelete()
+        msg["index"], msg["parent"], msg["handle"], msg["info"] = self.ifindex, ROOT_HANDLE, handle, prio << 16
+        msg["attrs"] = [("TCA_CHAIN", chain)]
+        msg["header"]["type"], msg["header"]["flags"] = RTM_DELTFILTER, NLM_F_REQUEST | NLM_F_ACK
+        try:
+            list(self.ipr.nlm_request_batch([msg]))  # its nlm_request() fails in pyroute2 0.9 (KeyError)
+        except (OSError, NetlinkError) as exc:
+            raise self._error(f"delete filter pref {prio} chain {chain}", exc) from None
+
     def filters(self, parent: int = ROOT_HANDLE) -> list[FilterState]:
         out = []
         for msg in self._dump("dump filters", "get_filters", parent=parent):
@@ -306,6 +344,7 @@ class Link:
                     prog_id=raw_u32(opts, TCA_BPF_ID) if kind == "bpf" else None,
                     classid=opts.get_attr("TCA_BPF_CLASSID") if kind == "bpf" else None,
                     direct_action=bool((flags or 0) & 1),
+                    chain=_u32_attr(msg.data, msg.offset + TCMSG_ATTRS, msg.offset + msg.length, TCA_CHAIN) or 0,
                 )
             )
         return out

@@ -21,7 +21,18 @@ from dataclasses import dataclass
 from turbonode.errors import DatapathError
 
 from .netlink import TC_H_ROOT, ClassState, FilterState, Link, Qdisc, UnsupportedKind
-from .tree import LEAF_KINDS, OWNER_R2Q, PROG_PREFIX, ROOT_HANDLE, HtbClass, Leaf, Tree, fmt_handle
+from .tree import (
+    FILTER_HANDLE,
+    FILTER_PRIO,
+    LEAF_KINDS,
+    OWNER_R2Q,
+    PROG_PREFIX,
+    ROOT_HANDLE,
+    HtbClass,
+    Leaf,
+    Tree,
+    fmt_handle,
+)
 
 HOST = "host"  # the directory name for the process's own network namespace
 LOCK_SUFFIX = ".lock"
@@ -177,6 +188,51 @@ def leaf_kind(qdiscs: Iterable[Qdisc], leaves: Iterable[Leaf]) -> str | None:
     return ",".join(sorted(kinds)) or None
 
 
+# ---- filters ----------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ExtraFilter:
+    """A filter on 1: that is not our classifier: one beside it in its prio (handle), or a
+    whole prio of a chain (handle 0: u32 alone makes several entries, its hash tables)."""
+
+    kind: str
+    chain: int
+    prio: int
+    handle: int
+
+    def __str__(self) -> str:
+        handle = f" handle {self.handle:#x}" if self.handle else ""
+        chain = f" chain {self.chain}" if self.chain else ""
+        return f"{self.kind} pref {self.prio}{handle}{chain}"
+
+
+def is_classifier(f: FilterState) -> bool:
+    """The place of our classifier filter (whatever program it holds: apply replaces it)."""
+    return f.kind == "bpf" and (f.chain, f.prio, f.handle) == (0, FILTER_PRIO, FILTER_HANDLE)
+
+
+def extra_filters(filters: Iterable[FilterState]) -> list[ExtraFilter]:
+    """What apply deletes from 1: (the tree under it is turbonode's, filters like classes),
+    in chain, prio, handle order."""
+    filters = list(filters)
+    ours = {(f.chain, f.prio) for f in filters if is_classifier(f)}
+    extra = {
+        ExtraFilter(f.kind, f.chain, f.prio, f.handle if (f.chain, f.prio) in ours else 0)
+        for f in filters
+        if not is_classifier(f)
+    }
+    return sorted(extra, key=lambda e: (e.chain, e.prio, e.handle))
+
+
+def reconcile_filters(link: Link) -> list[str]:
+    """Delete the filters on 1: that are not our classifier; returns them, described."""
+    extra = extra_filters(link.filters())
+    for e in extra:
+        link.delete_filters(e.chain, e.prio, e.handle)
+    return [str(e) for e in extra]
+
+
 # ---- read back --------------------------------------------------------------------------
 
 
@@ -195,9 +251,14 @@ def read_back(link: Link, tree: Tree, prog_name: str) -> None:
     if len(found) != len(tree.leaves) or len({q.kind for q in found}) != 1:
         raise DatapathError(f"read-back: leaf queues on {link.where} are not one kind under every tier: {qdiscs}")
     filters = link.filters()
-    ours = [f for f in filters if f.kind == "bpf" and f.name == prog_name]
+    ours = [f for f in filters if is_classifier(f) and f.name == prog_name]
     if len(ours) != 1 or len(filters) != 1:
-        raise DatapathError(f"read-back: expected one classifier filter on {link.where}, found {filters}")
+        seen = [f"bpf pref {FILTER_PRIO} {f.name}" for f in filters if is_classifier(f)]
+        seen += [str(e) for e in extra_filters(filters)]
+        raise DatapathError(
+            f"read-back: expected only the classifier filter {prog_name} on {link.where}, found: "
+            f"{', '.join(seen) or 'none'} (another process changed them meanwhile? apply again)"
+        )
     if not ours[0].direct_action or ours[0].classid != ROOT_HANDLE:
         raise DatapathError(f"read-back: classifier filter on {link.where} is not direct-action on 1:")
 

@@ -86,6 +86,23 @@ def test_qos_commands_end_to_end(sandbox, target, tmp_path):
     assert res.exit_code == 1 and "no turbonode QoS on" in res.output and "qos apply" in res.output
 
 
+@needs_bcc
+def test_an_administrators_filter_on_the_root_is_deleted_and_named(sandbox, target):
+    """Issue 21: after `tc filter add ... parent 1: ... u32 ...` every apply failed at read-back
+    with a Python repr. Apply deletes it like a hand-made class and says so in one line."""
+    assert run("apply", *target).exit_code == 0
+    match = ("u32", "match", "ip", "dport", "22", "0xffff", "flowid", "1:40")
+    tc_add = ("tc", "filter", "add", "dev", sandbox.dev, "parent", "1:", "protocol", "ip", "prio", "9", *match)
+    sandbox.run(sandbox.server, *tc_add)
+    res = run("apply", *target)
+    assert res.exit_code == 0, res.output
+    assert f"{sandbox.dev}: deleted filters turbonode does not define: u32 pref 9" in res.output, res.output
+    assert "FilterState" not in res.output
+    shown = sandbox.run(sandbox.server, "tc", "filter", "show", "dev", sandbox.dev).stdout
+    assert "u32" not in shown and shown.count("direct-action") == 1, shown
+    assert "0 change(s)" in run("apply", *target).output
+
+
 @pytest.mark.parametrize(
     "args, code, message",
     [
@@ -152,15 +169,38 @@ def test_missing_net_admin_is_named(sandbox, privileges):
     assert "needs root" not in res.stderr
 
 
+# CAP_SYS_ADMIN grants CAP_BPF and CAP_PERFMON too: it goes with each of them; CAP_NET_ADMIN stays.
+# The classifier needs CAP_PERFMON besides CAP_BPF: without it the verifier refuses its packet
+# pointer arithmetic ("pointer arithmetic with it prohibited for !root", EACCES).
+CLASSIFIER_CAPS = [
+    ("-bpf,-sys_admin", "CAP_BPF"),
+    ("-perfmon,-sys_admin", "CAP_PERFMON"),
+    ("-bpf,-perfmon,-sys_admin", "CAP_BPF and CAP_PERFMON"),
+]
+
+
 @needs_bcc
 @pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")
-def test_missing_cap_bpf_is_named_before_anything_changes(sandbox):
+@pytest.mark.parametrize("drop, named", CLASSIFIER_CAPS, ids=["bpf", "perfmon", "both"])
+def test_missing_classifier_caps_are_named_before_anything_changes(sandbox, drop, named):
     before = sandbox.run(sandbox.server, "tc", "qdisc", "show", "dev", sandbox.dev).stdout
-    # CAP_SYS_ADMIN would grant BPF too: both go, CAP_NET_ADMIN stays.
-    res = turboctl_with_caps(sandbox, ["--bounding-set=-bpf,-sys_admin"], "qos", "apply", "--dev", sandbox.dev)
+    res = turboctl_with_caps(sandbox, [f"--bounding-set={drop}"], "qos", "apply", "--dev", sandbox.dev)
     assert res.returncode == 1, res.stdout + res.stderr
-    assert "loading the classifier on " + sandbox.dev + " needs CAP_BPF" in res.stderr, res.stderr
-    assert "Failed to compile" not in res.stderr
+    assert res.stderr.startswith(f"Error: loading the classifier on {sandbox.dev} needs {named}, which"), res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1, res.stderr
+    assert sandbox.run(sandbox.server, "tc", "qdisc", "show", "dev", sandbox.dev).stdout == before
+
+
+@pytest.mark.skipif(shutil.which("setpriv") is None, reason="setpriv (util-linux) not installed")
+def test_entering_a_netns_without_cap_sys_admin_is_named(sandbox):
+    """Issue 21: setns() into --netns needs CAP_SYS_ADMIN; the error blamed seccomp or an LSM."""
+    before = sandbox.run(sandbox.server, "tc", "qdisc", "show", "dev", sandbox.dev).stdout
+    argv = ["setpriv", "--inh-caps=-sys_admin", "--bounding-set=-sys_admin"]
+    argv += turboctl_argv("qos", "apply", "--dev", sandbox.dev, "--netns", sandbox.server)
+    res = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=daemon_env(), cwd=ROOT)
+    assert res.returncode == 1, res.stdout + res.stderr
+    assert f"Error: entering netns {sandbox.server} needs CAP_SYS_ADMIN, which" in res.stderr, res.stderr
+    assert "seccomp" not in res.stderr and len(res.stderr.strip().splitlines()) == 1, res.stderr
     assert sandbox.run(sandbox.server, "tc", "qdisc", "show", "dev", sandbox.dev).stdout == before
 
 
@@ -194,14 +234,23 @@ FAKE_BCC = {
         ("headers", "no kernel headers for bcc: install linux-headers-$(uname -r)"),
     ],
 )
-def test_no_bcc_and_no_headers_are_named(sandbox, tmp_path, monkeypatch, case, message):
+def test_no_bcc_and_no_headers_are_named_and_rolled_back(sandbox, tmp_path, monkeypatch, case, message):
+    """A classifier that cannot be built fails apply after it replaced the root: the root it made
+    goes again (issue 21: `htb 1:` stayed), the kernel's own is back and the pins are gone."""
+    from tc.reconcile import places
+
     # A stand-in bcc package on the loader child's path reproduces a host without bcc or headers.
     (tmp_path / "bcc").mkdir()
     (tmp_path / "bcc" / "__init__.py").write_text(FAKE_BCC[case])
     monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    before = sandbox.run(sandbox.server, "tc", "qdisc", "show", "dev", sandbox.dev).stdout
     res = run("apply", "--dev", sandbox.dev, "--netns", sandbox.server)
+    after = sandbox.run(sandbox.server, "tc", "qdisc", "show", "dev", sandbox.dev).stdout
     run("remove", "--dev", sandbox.dev, "--netns", sandbox.server)
     assert res.exit_code == 1 and message in res.output, res.output
+    assert "; rolled back: the root qdisc is noqueue again" in res.output, res.output
+    assert after == before
+    assert not os.path.exists(places(sandbox.dev, sandbox.server).pin_dir)
 
 
 @needs_bcc

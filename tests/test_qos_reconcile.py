@@ -111,6 +111,51 @@ def test_classes_added_by_hand_inside_the_tree_are_reconciled_away(sandbox, make
     assert dp.apply(rate_bps=RATE)["changes"] == 0
 
 
+def u32_ssh_to_relax(sb, *where: str) -> None:
+    """An administrator's own filter on our root: ssh to relax (issue 21's repro)."""
+    match = ("u32", "match", "ip", "dport", "22", "0xffff", "flowid", "1:40")
+    tc_do(sb, "filter", "add", "dev", sb.dev, "parent", "1:", *where, "protocol", "ip", *match)
+
+
+def test_filters_added_by_hand_under_the_root_are_reconciled_away(sandbox, make):
+    """Issue 21: a filter somebody added on 1: wedged every later apply at read-back. Apply owns
+    the filters of 1: as it owns its classes: u32 filters at another prio, in another chain, a
+    bpf filter beside ours at our prio are deleted and reported; our classifier stays attached."""
+    dp = make()
+    first = dp.apply(rate_bps=RATE)
+    ours = tc(sandbox, "filter", "show")
+    u32_ssh_to_relax(sandbox, "prio", "9")
+    u32_ssh_to_relax(sandbox, "chain", "5", "prio", "3")
+    # Classic BPF in our own prio: cls_bpf runs its newest program first, so it would run before ours.
+    bpf = ("bpf", "bytecode", "1,6 0 0 0,", "classid", "1:40")
+    tc_do(
+        sandbox,
+        "filter",
+        "add",
+        "dev",
+        sandbox.dev,
+        "parent",
+        "1:",
+        "protocol",
+        "all",
+        "prio",
+        "1",
+        "handle",
+        "2",
+        *bpf,
+    )
+    assert dp.plan(rate_bps=RATE) == [
+        "delete filter bpf pref 1 handle 0x2 (not turbonode's)",
+        "delete filter u32 pref 9 (not turbonode's)",
+        "delete filter u32 pref 3 chain 5 (not turbonode's)",
+    ]
+    again = dp.apply(rate_bps=RATE)
+    assert again["extra_filters"] == ["bpf pref 1 handle 0x2", "u32 pref 9", "u32 pref 3 chain 5"], again
+    assert again["changes"] == 3 and not again["compiled"] and again["prog_id"] == first["prog_id"]
+    assert tc(sandbox, "filter", "show") == ours
+    assert dp.apply(rate_bps=RATE)["changes"] == 0
+
+
 def test_remove_after_the_namespace_is_deleted_cleans_and_reports(sandbox, tmp_path, make):
     from sandbox.netns import Sandbox
 

@@ -85,8 +85,9 @@ def apply_cmd(qos, dp, rate):
         f"{dp.dev}: link {describe_rate(rate or parse_rate(qos.rate))}; {result['changes']} change(s); "
         f"classifier {how} (prog id {result['prog_id']}); leaf queues {result['leaf_kind']}"
     )
-    if result["extra_classes"]:
-        click.echo(f"{dp.dev}: deleted classes turbonode does not define: {', '.join(result['extra_classes'])}")
+    for what in ("classes", "filters"):
+        if result[f"extra_{what}"]:
+            click.echo(f"{dp.dev}: deleted {what} turbonode does not define: {', '.join(result[f'extra_{what}'])}")
     _report_stale(result["stale"])
 
 

@@ -1,8 +1,9 @@
 """The capabilities this process holds, so an error can name the one it lacks.
 
 Running as root is not enough: a unit's CapabilityBoundingSet, a container or `setpriv` can
-take capabilities from uid 0. tc needs CAP_NET_ADMIN; loading BPF programs and maps needs
-CAP_BPF (or CAP_SYS_ADMIN, which also grants it; kernels before 5.8 know only that one).
+take capabilities from uid 0. tc needs CAP_NET_ADMIN, and entering a named network namespace
+CAP_SYS_ADMIN; loading BPF programs and maps needs CAP_BPF, and a program the verifier checks
+as privileged CAP_PERFMON (CAP_SYS_ADMIN grants both; kernels before 5.8 know only that one).
 Read from <procfs>/self/status (CapEff), field by field; unreadable means unknown, and an
 unknown capability is assumed held (the kernel's own error then speaks).
 """
@@ -51,6 +52,11 @@ def missing_net_admin(procfs: str = "/proc") -> str | None:
     return None if has(CAP_NET_ADMIN, procfs) else NAMES[CAP_NET_ADMIN]
 
 
+def missing_sys_admin(procfs: str = "/proc") -> str | None:
+    """'CAP_SYS_ADMIN' when this process lacks it (setns() into a named netns needs it), else None."""
+    return None if has(CAP_SYS_ADMIN, procfs) else NAMES[CAP_SYS_ADMIN]
+
+
 def _split_from_sys_admin(cap: int, procfs: str) -> str | None:
     """Name `cap` (CAP_BPF, CAP_PERFMON: split from CAP_SYS_ADMIN in 5.8, which still grants
     them) if this process lacks it, CAP_SYS_ADMIN on kernels before the split; None if held."""
@@ -70,6 +76,15 @@ def missing_bpf(procfs: str = "/proc") -> str | None:
 def missing_perfmon(procfs: str = "/proc") -> str | None:
     """The capability to ask for when this process may not attach tracepoints."""
     return _split_from_sys_admin(CAP_PERFMON, procfs)
+
+
+def missing_bpf_and_perfmon(procfs: str = "/proc") -> str | None:
+    """What to ask for when this process may not load a program that does packet-pointer
+    arithmetic (bpf/classifier.c): CAP_BPF for the program and its maps, and CAP_PERFMON, without
+    which the verifier refuses that arithmetic ("prohibited for !root", EACCES). "CAP_BPF and
+    CAP_PERFMON" when both lack, one CAP_SYS_ADMIN before Linux 5.8; None when nothing lacks."""
+    names = dict.fromkeys(name for name in (missing_bpf(procfs), missing_perfmon(procfs)) if name)
+    return " and ".join(names) or None
 
 
 def lacks(cap_name: str, what: str) -> str:
