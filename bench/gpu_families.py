@@ -69,10 +69,11 @@ def build_family(name: str, device, dry_run: bool):
     """The family with a full-size random denoiser (tiny text encoders and VAE: they only size the inputs)."""
     import torch
 
-    from render.families import family_for, tiny
+    from render.families import family_for
+    from render.tiny import BUILDERS
 
     tiny_name, denoiser, config, dtype = FULL[name]
-    parts = tiny.BUILDERS[tiny_name]()
+    parts = BUILDERS[tiny_name]()
     if not dry_run:
         from diffusers import FluxTransformer2DModel, UNet2DConditionModel
 

@@ -48,9 +48,10 @@ if str(ROOT) not in sys.path:
 
 from sandbox import faults  # noqa: E402
 from sandbox.cgroup_v2 import CgroupV2Unavailable, cpu_on_v2  # noqa: E402
-from sandbox.demo import DemoSettings, preflight  # noqa: E402
+from sandbox.demo import preflight  # noqa: E402
 from sandbox.loadgen import Outcome, summarize  # noqa: E402
 from sandbox.node import AgentWatch, DemoNode  # noqa: E402
+from sandbox.settings import DemoSettings  # noqa: E402
 from turbonode.errors import ControlError  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
 from turbonode.tiers import PROTECTED_TIER  # noqa: E402

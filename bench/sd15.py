@@ -1,7 +1,7 @@
 """Stable Diffusion 1.5-sized components from configs, random weights (for GPU benchmarks).
 
 A lent GPU machine cannot download a checkpoint; the architecture, not the weights, sets
-the speed. The tokenizer is the embedded tiny one (render.tiny): it only sizes the text
+the speed. The tokenizer is the embedded tiny one (render/tiny/components.py): it only sizes the text
 encoder's embedding table, which does not change the encoder's cost.
 """
 
@@ -62,8 +62,8 @@ def model(device):
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from render import tiny
     from render.families import ModelParts, StableDiffusion
+    from render.tiny import components as tiny
 
     tokenizer = tiny.build_tokenizer()
     n = len(tokenizer)

@@ -36,16 +36,6 @@ class ModelError(TurbonodeError):
     """The model could not be loaded (missing directory, unsupported pipeline, bad files)."""
 
 
-def weights_fingerprint(modules: list[Any]) -> str:
-    """Content hash of the modules' weights: keys the embedding cache (and names an embedded model's engines)."""
-    digest = hashlib.sha256()
-    for module in modules:
-        for name, tensor in module.state_dict().items():
-            digest.update(name.encode())
-            digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
-    return digest.hexdigest()[:16]
-
-
 def _read_json(path: Path) -> dict:
     try:
         return json.loads(path.read_text())
@@ -159,10 +149,11 @@ def _directory(root: Path) -> Family:
 
 def load_model(model: str) -> Family:
     """An embedded tiny variant (turbonode.config.TINY_MODELS) or a local diffusers directory."""
-    from .families import family_for, tiny
+    from .families import family_for
+    from .tiny import BUILDERS
 
     if model in TINY_MODELS:
-        parts = tiny.BUILDERS[model]()
+        parts = BUILDERS[model]()
         return family_for(parts.pipeline_class)(parts)
     root = Path(model).expanduser()
     if not root.is_dir():

@@ -27,26 +27,13 @@ import os
 import shutil
 import threading
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from . import faults
 from .interrupt import checkpoint
 from .node import DemoError, DemoNode
+from .settings import DemoSettings
 
 NEEDS = ("ip", "tc", "iperf3", "stress-ng")
-
-
-@dataclass
-class DemoSettings:
-    rate: str = "20mbit"  # the node's link, shaped in both phases
-    duration: float = 20.0  # seconds of load per phase
-    size: int = 256  # image size in pixels: big enough that the link matters
-    turbo_rate: float = 1.0  # open-loop turbo requests per second (Poisson), as bench/node_slo.py sends them
-    clients: dict = field(default_factory=lambda: {"fast": 1, "other": 1, "relax": 2})  # closed loop
-    stress: bool = True  # the fault: stress-ng on every CPU during the load
-    keep_logs: bool = False  # keep the daemons' logs (and the node's config) after the demo
-    worker_config: dict = field(default_factory=dict)  # more [worker] keys (turbonode.config.WorkerConfig)
-    extra_toml: str = ""  # more tables for the node's configuration file, e.g. [policy]
 
 
 def preflight() -> None:

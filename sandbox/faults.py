@@ -14,10 +14,9 @@ from __future__ import annotations
 import os
 import subprocess
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-if TYPE_CHECKING:
-    from .node import DemoNode
+from .netns import Sandbox
 
 FAULTS = ("cpu", "cpu-batch", "softirq", "bulk")
 BULK_FLOWS = 4
@@ -26,7 +25,18 @@ BULK_PORT, UDP_PORT = 5301, 5302
 SERVER_UP_S = 0.5  # iperf3's server listening before its client starts
 
 
-def start(node: DemoNode, names: tuple[str, ...], seconds: float) -> list[subprocess.Popen]:
+class FaultHost(Protocol):
+    """What a fault needs of the node it runs on (sandbox/node.py's DemoNode is one)."""
+
+    sandbox: Sandbox
+    batch_cgroup: str
+
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen: ...
+
+    def in_cgroup(self, cgroup: str, argv: list[str]) -> list[str]: ...
+
+
+def start(node: FaultHost, names: tuple[str, ...], seconds: float) -> list[subprocess.Popen]:
     unknown = set(names) - set(FAULTS)
     if unknown:
         raise ValueError(f"unknown faults {sorted(unknown)} (known: {', '.join(FAULTS)})")

@@ -17,7 +17,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from turbonode.cgroups import V2_WEIGHT_MAX, CgroupError, CpuHierarchy
 from turbonode.config import WorkerConfig, split_host_port
@@ -31,9 +30,7 @@ from turbonode.stats import percentile
 from . import faults
 from .loadgen import Outcome, summarize
 from .netns import Sandbox
-
-if TYPE_CHECKING:
-    from .demo import DemoSettings
+from .settings import DemoSettings
 
 WORKER_PORT = split_host_port(WorkerConfig().listen)[1]
 REQUEST_TIMEOUT_S = 30

@@ -6,9 +6,9 @@ import functools
 
 import torch
 
-from render.families import tiny
 from render.families.base import Denoising, Family
 from render.model import load_model
+from render.tiny import variants as tiny
 
 SIZE = 64  # pixels: a 8x8 latent keeps each denoiser call a few ms on CPU
 # what each family's tests render: the SD 1.x tiny, the three new tiny variants, and the

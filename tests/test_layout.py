@@ -121,3 +121,53 @@ def test_the_distribution_and_the_image_ship_every_package():
     assert shipped == set(MAY_IMPORT)
     copied = set(re.findall(r"^COPY (\w+) \1$", (ROOT / "deploy" / "Dockerfile").read_text(), re.M))
     assert shipped <= copied, f"deploy/Dockerfile does not copy {sorted(shipped - copied)}"
+
+
+def _module_names() -> dict[str, Path]:
+    """Dotted name -> source of every module of the shipped packages."""
+    names = {}
+    for package in MAY_IMPORT:
+        for path in _sources(package):
+            parts = path.relative_to(ROOT).with_suffix("").parts
+            names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def _module_imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports (every import, lazy and TYPE_CHECKING ones included):
+    `from a import b` is a.b where a.b is a module, else a."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+            source = ".".join(p for p in (base, node.module or "") if p)
+            targets = [f"{source}.{a.name}" if f"{source}.{a.name}" in modules else source for a in node.names]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def test_no_module_imports_itself_round_a_cycle():
+    """A cycle (a imports b imports a, even lazily or for typing) means the two are one module
+    split in the wrong place: a maintainer cannot read either alone."""
+    modules = _module_names()
+    graph = {name: _module_imports(name, path, modules) for name, path in modules.items()}
+    cycles = set()
+    for start in graph:
+        stack = [(start, (start,))]
+        while stack:
+            node, trail = stack.pop()
+            for nxt in graph[node]:
+                if nxt == start:
+                    cycles.add(" -> ".join(sorted(trail)))
+                elif nxt not in trail and nxt > start:  # each cycle once, from its smallest module
+                    stack.append((nxt, (*trail, nxt)))
+    assert not cycles, f"import cycles: {sorted(cycles)}"

@@ -191,7 +191,7 @@ def test_qdisc_probe_on_fake_kernels():
 @pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
 def test_qdisc_probe_for_real():
     c = doctor.check_qdiscs()
-    assert c.status in (OK, WARN) and "htb" in c.detail.split(";")[0], c  # NOTES.md: HTB is built in here
+    assert c.status in (OK, WARN) and "htb" in c.detail.split(";")[0], c  # docs/design.md: the development kernel has HTB built in
 
 
 def test_interface(tmp_path):
@@ -350,7 +350,7 @@ def test_command_names_a_bad_key_and_goes_on(tmp_path):
 
 @pytest.mark.skipif(BCC_SKIP is not None, reason=BCC_SKIP or "")
 def test_command_on_this_host(tmp_path):
-    """NOTES.md's facts about these machines, as the doctor reports them."""
+    """What scripts/setup.sh leaves on a host (docs/cli.md, the host), as the doctor reports it."""
     cfg = tmp_path / "t.toml"
     cfg.write_text(f'[worker]\ndevice = "cpu"\ncontrol_socket = "{tmp_path}/w.sock"\n')
     res = CliRunner().invoke(doctor.command, ["--config", str(cfg)])

@@ -8,9 +8,9 @@ import pytest
 
 from render.engine import EngineSettings
 from render.families.base import FamilyError
-from render.families.tiny import BUILDERS
 from render.samplers import SAMPLERS, make_scheduler
-from render.tiny import SCHEDULER_CONFIG
+from render.tiny import BUILDERS
+from render.tiny.components import SCHEDULER_CONFIG
 from tests.family_support import family
 from turbonode.config import SAMPLER_NAMES, TINY_MODELS, load_config
 

@@ -95,7 +95,8 @@ def full_demo(
     stop: threading.Event | None = None,
 ) -> None:
     from sandbox import report  # pyroute2, psutil: only when run
-    from sandbox.demo import DemoSettings, run_demo
+    from sandbox.demo import run_demo
+    from sandbox.settings import DemoSettings
 
     settings = DemoSettings(rate=format_rate(rate), duration=seconds, size=size, stress=fault, keep_logs=keep_logs)
     result = run_demo(settings, (lambda msg: click.echo(msg, err=True)) if as_json else click.echo, stop)

@@ -30,7 +30,7 @@ from .tiers import TIER_NAMES
 DEFAULT_PATH = "/etc/turbonode/turbonode.toml"
 # Samplers the worker can build per job (render/samplers.py maps them to diffusers classes).
 SAMPLER_NAMES = ("euler_a", "euler", "dpmpp_2m", "ddim", "lcm")
-# The embedded test models `worker.model` takes besides a directory (render/families/tiny.py builds them).
+# The embedded test models `worker.model` takes besides a directory (render/tiny/ builds them).
 TINY_MODELS = ("tiny", "tiny-sdxl", "tiny-sd3", "tiny-flux")
 # UNet/VAE backends (render/backends/select.py builds them; `auto` picks one).
 BACKEND_NAMES = ("auto", "torch", "tensorrt")

@@ -1,8 +1,8 @@
 """Embedded tiny variants of SD 1.x, SDXL, SD3 and Flux: real diffusers/transformers modules from configs.
 
-Like render/tiny.py (whose builders they share): nothing is downloaded, every weight is
+Built from render/tiny/components.py's builders: nothing is downloaded, every weight is
 seeded (the same on every machine), the tokenizers are built locally (CLIP's byte-level BPE
-from render/tiny.py, T5's Unigram from a small piece list), and the shapes follow the real
+from components.py, T5's Unigram from a small piece list), and the shapes follow the real
 models' structure at a fraction of their width: SDXL's two CLIP encoders (the second with a
 projection for the pooled embedding) and a "text_time" UNet; SD3's three encoders, 16-channel
 VAE with a shift and a patch-2 MMDiT; Flux's CLIP + T5, 16-channel VAE and a transformer fed
@@ -11,16 +11,16 @@ VAE with a shift and a patch-2 MMDiT; Flux's CLIP + T5, 16-channel VAE and a tra
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from render import tiny as sd_tiny
-from render.model import weights_fingerprint
+from render.families.base import ModelParts
 from turbonode.config import TINY_MODELS
 
-from .base import ModelParts
+from . import components as sd_tiny
 
 CLIP_DIM = sd_tiny.EMBED_DIM
 T5_DIM = 32
@@ -68,6 +68,17 @@ def flow_vae(offset: int, *, scaling_factor: float, shift_factor: float) -> Any:
     )
 
 
+def weights_fingerprint(modules: list[Any]) -> str:
+    """Content hash of the modules' weights: an embedded model's fingerprint (it keys the
+    embedding cache and names the model's engines)."""
+    digest = hashlib.sha256()
+    for module in modules:
+        for name, tensor in module.state_dict().items():
+            digest.update(name.encode())
+            digest.update(tensor.detach().contiguous().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def _parts(
     name: str, pipeline_class: str, modules: dict[str, Any], scheduler_config: dict, **pipeline_config: Any
 ) -> ModelParts:
@@ -83,7 +94,7 @@ def _parts(
 
 
 def sd() -> ModelParts:
-    """The SD 1.x `tiny` of render/tiny.py."""
+    """The SD 1.x `tiny`, from components.py as it is."""
     tokenizer = sd_tiny.build_tokenizer()
     modules = {
         "unet": sd_tiny.build_unet(),

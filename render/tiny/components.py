@@ -1,5 +1,5 @@
-"""The embedded `tiny` model: a real Stable Diffusion component set built from configs (and the
-builders the tiny SDXL, SD3 and Flux variants in render/families/tiny.py share).
+"""The embedded SD 1.x components: a real Stable Diffusion component set built from configs (the
+builders every tiny variant in render/tiny/variants.py shares).
 
 Nothing is downloaded: the UNet, VAE and CLIP text encoder are diffusers/transformers
 models with seeded random weights (the same on every machine and every run), and the CLIP
