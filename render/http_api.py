@@ -20,7 +20,6 @@ welcome here: render/readiness.py), and the original GET /healthz. GET /metrics.
 from __future__ import annotations
 
 import asyncio
-import codecs
 import contextlib
 import json
 import logging
@@ -155,11 +154,9 @@ def parse_json_body(raw: bytes, charset: str | None):
     too deeply nested JSON (the decoder recurses per level: a deep body must not be a 500)."""
     charset = charset or "utf-8"
     try:
-        codecs.lookup(charset)
-    except LookupError:
-        raise BadRequest(f"unsupported charset {quote(charset)} in Content-Type (send UTF-8 JSON)") from None
-    try:
         return json.loads(raw.decode(charset))
+    except LookupError:  # no codec of that name, or one that is no text encoding (rot13, base64, zlib)
+        raise BadRequest(f"unsupported charset {quote(charset)} in Content-Type (send UTF-8 JSON)") from None
     except ValueError as exc:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise BadRequest(f"body is not valid JSON: {exc}") from None
     except RecursionError:

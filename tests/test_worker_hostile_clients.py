@@ -15,6 +15,7 @@ import pytest
 
 from render.control_server import ControlHandlers, ControlServer
 from render.gc_telemetry import GcMonitor
+from render.http_api import BadRequest, parse_json_body
 from render.jobs import JobState
 from tests.worker_support import drain, make_engine, req, serve
 from turbonode import jsonrpc, rpc_server
@@ -63,12 +64,21 @@ def test_the_encode_stage_fails_only_the_job_whose_prompt_fails():
 
 
 DEEP = b"[" * 1000 + b"]" * 1000
+# Codecs that codecs.lookup() knows but bytes.decode() refuses: no text encodings.
+NOT_TEXT_CODECS = ["rot13", "base64", "hex", "zlib", "bz2", "uu", "quopri"]
+
+
+@pytest.mark.parametrize("charset", NOT_TEXT_CODECS)
+def test_a_charset_that_is_no_text_encoding_is_a_bad_request(charset):
+    with pytest.raises(BadRequest, match="unsupported charset"):
+        parse_json_body(b'{"prompt": "x"}', charset)
 
 
 @pytest.mark.parametrize(
     "body,content_type,param,message",
     [
         (b'{"prompt": "x"}', "application/json; charset=bogus", None, "charset"),
+        (b'{"prompt": "x"}', "application/json; charset=rot13", None, "charset"),
         ('{"prompt": "x", "size": "²x64"}'.encode(), "application/json", "size", "WIDTHxHEIGHT"),
         (DEEP, "application/json", None, "nested"),
         (b'{"prompt": "x", "n": ' + DEEP + b"}", "application/json", None, "nested"),
@@ -76,7 +86,16 @@ DEEP = b"[" * 1000 + b"]" * 1000
         (b'{"prompt": "x", "tier": "' + b"t" * 100_000 + b'"}', "application/json", "tier", "unknown tier"),
         (b'{"prompt": "x", "negative_prompt": ' + LONE_SURROGATE + b"}", "application/json", "negative_prompt", ""),
     ],
-    ids=["bogus-charset", "superscript-size", "nested-1000", "nested-field", "nested-500-echoed", "huge-tier", "neg"],
+    ids=[
+        "bogus-charset",
+        "rot13-charset",
+        "superscript-size",
+        "nested-1000",
+        "nested-field",
+        "nested-500-echoed",
+        "huge-tier",
+        "neg",
+    ],
 )
 def test_hostile_bodies_get_400_with_a_short_message(body, content_type, param, message):
     with serve() as s:
