@@ -45,6 +45,11 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# At stop the listener closes first (a later client is refused at connect: nothing was sent, it
+# may retry elsewhere); a connection accepted just before has this long for its request to
+# arrive and be answered (503 draining) instead of being closed unanswered.
+CLOSE_LINGER_S = 0.5
+
 
 class ListenError(TurbonodeError):
     """The HTTP address could not be bound."""
@@ -73,6 +78,7 @@ class Worker:
 
     def __init__(self, cfg: WorkerConfig, policy=None, node: str = ""):
         from .http_api import Api
+        from .http_log import MalformedRequestLog
         from .metrics import WorkerMetrics
 
         self.cfg, self.policy = cfg, policy
@@ -88,6 +94,7 @@ class Worker:
         self.defaults: RequestDefaults | None = None
         self.family = ""
         self.address: tuple[str, int] | None = None
+        self.malformed_log = MalformedRequestLog(self.metrics.http_malformed.inc)
 
     def _build_labels(self) -> dict[str, str]:
         """What build info adds once the model has loaded."""
@@ -144,6 +151,7 @@ class Worker:
             loop.add_signal_handler(sig, stop.set)
         runner = web.AppRunner(self.api.app(), handler_cancellation=True, access_log=None)
         await runner.setup()
+        self.malformed_log.install()
         host, port = split_host_port(self.cfg.listen)
         try:
             await web.SockSite(runner, listening_socket(host, port, self.cfg.handshake_tier)).start()
@@ -234,7 +242,12 @@ class Worker:
             await asyncio.sleep(interval)
 
     async def _shutdown(self, runner) -> None:
+        if runner.addresses:  # listening: close the listener, then answer who got in before it closed
+            for site in runner.sites:
+                await site.stop()
+            await asyncio.sleep(CLOSE_LINGER_S)
         await runner.cleanup()
+        self.malformed_log.uninstall()
         if self.control is not None:
             self.control.close()
         if self.engine is not None:

@@ -34,10 +34,11 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from turbonode.config import MAX_GUIDANCE, MAX_PIXELS, MAX_STEPS, MIN_PIXELS
+from turbonode.config import MAX_GUIDANCE, MAX_PIXELS, MIN_PIXELS
 from turbonode.errors import ConfigError
 from turbonode.metric_names import CLIENT_CLOSED, UNKNOWN_TIER
 from turbonode.text import parse_decimal, quote
+from turbonode.throttle_params import MAX_STEPS
 from turbonode.tiers import DEFAULT_TIER, TIER_NAMES, tos_byte
 
 from .jobs import JobCancelled, JobFailed, JobRequest, Rejected

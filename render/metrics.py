@@ -67,6 +67,9 @@ class WorkerMetrics:
             P + "gc_pause_seconds", "Pause of one garbage collection", ["generation"], buckets=GC_BUCKETS, registry=r
         )
         self.jobs = Counter(P + "jobs", "Jobs that ended, by tier and outcome", ["tier", "outcome"], registry=r)
+        self.http_malformed = Counter(
+            P + "http_malformed_requests", "HTTP messages the server could not parse (answered 400)", registry=r
+        )
         # The series a dashboard or an alert divides or takes quantiles of exist from the start, at
         # 0: Prometheus takes a series' first sample as its baseline, so a lazily created one
         # would lose its first events (the first requests after a restart).

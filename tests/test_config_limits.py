@@ -64,6 +64,9 @@ def refused(tmp_path: Path, text: str | bytes, env: dict[str, str] | None = None
         ('[qos]\nrate = "99999999999tbit"\n', "qos.rate", "10tbit"),
         ('[qos]\nrate = "' + "9" * 400 + 'bit"\n', "qos.rate", "expected a number and a unit"),
         ("[worker]\nsize = 100\n", "worker.size", "multiple of 8"),
+        ('[worker]\ndevice = "tpu"\n', "worker.device", "must be auto, cpu, cuda or cuda:N, got 'tpu'"),
+        ('[worker]\ndevice = "cuda:x"\n', "worker.device", "cuda:N"),
+        ("[worker]\nmax_batch = 18446744073709551616\n", "worker.max_batch", "between 1 and 1024"),
         ("[worker]\nsize = 4096\n", "worker.size", "64 and 2048"),
         ("[worker.steps]\nturbo = 500\n", "worker.steps", "turbo: must be between 1 and 200"),
         # wrong types inside tables: a line, never a traceback

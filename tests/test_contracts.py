@@ -109,6 +109,8 @@ def test_jsonrpc_dispatch_and_standard_errors():
     assert bad["error"]["code"] == jsonrpc.INVALID_PARAMS
     assert _call(handlers, {"jsonrpc": "2.0", "id": 5, "method": "boom"})["error"]["code"] == jsonrpc.INTERNAL_ERROR
     assert _call(handlers, {"jsonrpc": "2.0", "method": "add", "params": [1, 2]}) is None  # notification
+    # an id is a string, a number or null: true is none of them (though Python's bool is an int)
+    assert _call(handlers, {"jsonrpc": "2.0", "id": True, "method": "add"})["error"]["code"] == jsonrpc.INVALID_REQUEST
 
 
 def test_jsonrpc_read_line_refuses_oversized_and_recovers():

@@ -191,7 +191,8 @@ def test_qdisc_probe_on_fake_kernels():
 @pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
 def test_qdisc_probe_for_real():
     c = doctor.check_qdiscs()
-    assert c.status in (OK, WARN) and "htb" in c.detail.split(";")[0], c  # docs/design.md: the development kernel has HTB built in
+    # docs/design.md: the development kernel has HTB built in
+    assert c.status in (OK, WARN) and "htb" in c.detail.split(";")[0], c
 
 
 def test_interface(tmp_path):

@@ -4,8 +4,10 @@ the fast 503 for unready tiers; and the daemon that listens before it loads its 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import re
 import signal
 import socket
@@ -323,3 +325,108 @@ def test_get_job_can_wait_for_the_end():
         assert done["state"] == "done" and done["step"] == 20 and len(done["data"]) == 1
         assert get(s.url, f"/v1/jobs/{job['id']}?wait=soon")[0] == 400
         assert get(s.url, f"/v1/jobs/{job['id']}?wait=9999")[0] == 400
+
+
+@contextlib.contextmanager
+def serving_worker(tmp_path):
+    """A real `turboctl worker run` of the tiny model on a free port, ready; stopped afterwards."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    cfg = tmp_path / "w.toml"
+    cfg.write_text(
+        f'[worker]\nlisten = "127.0.0.1:{port}"\ncontrol_socket = "{tmp_path}/w.sock"\n'
+        'model = "tiny"\ndevice = "cpu"\nsize = 64\ndrain_timeout = 60\n'
+    )
+    proc, out = start(turboctl_argv("worker", "run", "--config", str(cfg)), daemon_env())
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            assert time.monotonic() < deadline and proc.poll() is None, out.text
+            try:
+                if readyz(url)[0] == 200:
+                    break
+            except OSError:  # not listening yet
+                pass
+            time.sleep(0.05)
+        yield proc, out, port, url
+    finally:
+        stop(proc, 60)
+
+
+def _late_client(port: int, outcomes: list[str], until: threading.Event) -> None:
+    """Post again and again while the worker drains and stops; record what each attempt got."""
+    body = json.dumps({"prompt": "late", "tier": "turbo", "steps": 2}).encode()
+    request = (
+        f"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode() + body
+    deadline = time.monotonic() + 60  # bounded, whatever the worker does
+    while not until.is_set() and time.monotonic() < deadline:
+        try:
+            sock = socket.create_connection(("127.0.0.1", port), timeout=10)
+        except ConnectionRefusedError:
+            outcomes.append("refused")  # the listener is closed: nothing was sent, safe to retry
+            return
+        with sock:
+            try:
+                time.sleep(random.uniform(0, 0.1))  # the request's bytes arrive after the handshake (RTT)
+                sock.sendall(request)
+                head = sock.recv(64)
+            except OSError as exc:
+                outcomes.append(f"reset ({exc.__class__.__name__})")
+                continue
+        outcomes.append(head.split(b"\r\n", 1)[0].decode(errors="replace") if head else "reset (EOF)")
+
+
+@pytest.mark.slow
+def test_clients_arriving_while_the_worker_drains_get_503_or_a_refusal_never_a_reset(tmp_path):
+    """A client that connected is answered (503 draining) before the worker exits; one that
+    arrives after the listener closed is refused at connect. None is cut off mid-request."""
+    with serving_worker(tmp_path) as (proc, out, port, url):
+        job = threading.Thread(target=lambda: post(url, {"prompt": "l", "tier": "relax", "steps": 20}))
+        job.start()
+        client = ControlClient(f"{tmp_path}/w.sock")
+        deadline = time.monotonic() + 30
+        while not client.call("status")["tiers"]["relax"]["in_flight"]:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        proc.send_signal(signal.SIGTERM)
+        outcomes: list[str] = []
+        done = threading.Event()
+        clients = [threading.Thread(target=_late_client, args=(port, outcomes, done)) for _ in range(8)]
+        for c in clients:
+            c.start()
+        assert proc.wait(90) == 0, out.text
+        time.sleep(0.5)  # the last attempts see the closed listener
+        done.set()
+        for c in clients:
+            c.join(30)
+        job.join(30)
+    answered = [o for o in outcomes if o.startswith("HTTP/1.1 503")]
+    assert answered and outcomes.count("refused") == len(clients), outcomes
+    assert set(outcomes) <= {"HTTP/1.1 503 Service Unavailable", "refused"}, sorted(set(outcomes))
+
+
+MALFORMED = [
+    b"GET / HTTP/1.1\r\nHost: x\r\nContent-Length: -1\r\n\r\n",
+    b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n",
+    b"GET / HTTP/1.1\r\nHost: x\r\nBad Header\r\n\r\n",
+]
+
+
+@pytest.mark.slow
+def test_malformed_requests_are_one_counted_warning_line_not_tracebacks(tmp_path):
+    """Any client can send bytes aiohttp cannot parse: each is answered 400 and counted; the log
+    gets one line, not a traceback per request."""
+    sent = 30
+    with serving_worker(tmp_path) as (_, out, port, url):
+        for i in range(sent):
+            with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+                sock.sendall(MALFORMED[i % len(MALFORMED)])
+                assert sock.recv(64).startswith(b"HTTP/1.0 400"), i
+        text = scrape(url)
+        assert metric(text, "turbonode_worker_http_malformed_requests_total") == sent
+    log = out.text
+    assert "Traceback" not in log and "ERROR" not in log, log
+    lines = [line for line in log.splitlines() if "malformed HTTP request from 127.0.0.1 answered 400" in line]
+    assert len(lines) == 1 and "(1 such since the last line)" in lines[0], lines

@@ -220,10 +220,10 @@ def test_an_operator_hold_refuses_the_agents_throttle_and_release(control):
     client.call("throttle", max_batch=1, reason="short hold", ttl_s=0.2, hold=True)
     time.sleep(0.3)
     assert client.call("throttle", max_batch=3, reason="agent", ttl_s=3)["hold"] is False
-    with pytest.raises(ControlError, match="ttl_s must be a number of seconds in .0, 86400.") as info:
+    with pytest.raises(ControlError, match=r"ttl_s must be a number of seconds in \[0.001, 86400\]") as info:
         client.call("throttle", reason="too long", ttl_s=90000, hold=True)
     assert info.value.code == jsonrpc.INVALID_PARAMS
-    with pytest.raises(ControlError, match="ttl_s must be a number of seconds in .0, 3600."):
+    with pytest.raises(ControlError, match=r"ttl_s must be a number of seconds in \[0.001, 3600\]"):
         client.call("throttle", reason="a lease is short", ttl_s=7200)
     with pytest.raises(ControlError, match="hold must be true or false"):
         client.call("throttle", reason="x", ttl_s=1, hold="yes")
@@ -236,7 +236,13 @@ def test_an_operator_hold_refuses_the_agents_throttle_and_release(control):
         ({"reason": "x"}, "ttl_s"),
         ({"ttl_s": 1}, "reason"),
         ({"max_batch": "two", "reason": "x", "ttl_s": 1}, "max_batch"),
-        ({"intra_op_threads": 0, "reason": "x", "ttl_s": 1}, "intra_op_threads must be a positive integer"),
+        ({"intra_op_threads": 0, "reason": "x", "ttl_s": 1}, "intra_op_threads must be an integer 1..1024"),
+        # numbers JSON can carry but no worker can use: refused, never stored
+        ({"max_batch": 2**64, "reason": "x", "ttl_s": 1}, "max_batch must be an integer 1..1024"),
+        ({"max_batch": 1e38, "reason": "x", "ttl_s": 1}, "max_batch"),
+        ({"step_caps": {"relax": 10**38}, "reason": "x", "ttl_s": 1}, "step_caps.relax must be an integer 1..200"),
+        ({"step_caps": {"relax": 1e38}, "reason": "x", "ttl_s": 1}, "step_caps.relax"),
+        ({"reason": "x", "ttl_s": 1e-320}, r"ttl_s must be a number of seconds in \[0.001, 3600\]"),
         ({"reason": "x", "ttl_s": 1, "colour": "red"}, "unexpected keyword"),
     ],
 )

@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import math
 import os
+import re
 import stat
 import tomllib
 import typing
@@ -24,7 +25,7 @@ from .levels import ACTION_LEVELS
 from .qos_params import ShareError, check_leaf_limit, check_link_rate, check_percent, check_shares
 from .rates import parse_rate
 from .text import parse_decimal, quote
-from .throttle_params import THROTTLE_KEYS, check_throttle, check_ttl
+from .throttle_params import MAX_BATCH, MAX_INTRA_OP_THREADS, MAX_STEPS, THROTTLE_KEYS, check_throttle, check_ttl
 from .tiers import TIER_NAMES
 
 DEFAULT_PATH = "/etc/turbonode/turbonode.toml"
@@ -44,14 +45,13 @@ MAX_FILE_BYTES = 1 << 20  # a configuration file is a few KiB; refuse reading a 
 T = TypeVar("T")
 
 # What a job may ask of the worker: the HTTP API refuses more, so the per-tier defaults here
-# (worker.steps, worker.guidance, worker.size) stay within the same bounds.
-MAX_STEPS = 200
+# (worker.steps, worker.guidance, worker.size) stay within the same bounds. MAX_STEPS and MAX_BATCH,
+# which bound a throttle too, are in turbonode.throttle_params.
 MAX_GUIDANCE = 50
 MIN_PIXELS = 64
 MAX_PIXELS = 2048
 PIXEL_STEP = 8  # SD-family VAEs downsample by 8; a model may need more (the worker checks at start)
 MAX_DRAIN_TIMEOUT_S = 3600.0
-MAX_INTRA_OP_THREADS = 1024
 MAX_CPUS = 4096  # a CPU quota in CPUs (levers.best_effort_cpus)
 # The agent's sampling period: below 50 ms the sampler costs more CPU than it saves; above a
 # minute it reacts to nothing (and time arithmetic overflows long before 1e300).
@@ -134,6 +134,12 @@ def one_of(*choices: object) -> Check:
     return check
 
 
+def torch_device(v: Any) -> None:
+    """auto, cpu, cuda or cuda:N: the devices the worker's backends run on (render/backends)."""
+    if not re.fullmatch(r"auto|cpu|cuda(:[0-9]{1,4})?", v):
+        raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {quote(v)}")
+
+
 def host_port(v: Any) -> None:
     host, sep, port = v.rpartition(":")
     number = parse_decimal(port)
@@ -209,14 +215,14 @@ class WorkerConfig:
     control_group: str = opt("turbonode", help="group owning the control socket (mode 0660)")
     model: str = opt("tiny", help=f"a local diffusers directory, or an embedded test model: {', '.join(TINY_MODELS)}")
     backend: str = opt("auto", one_of(*BACKEND_NAMES), "denoiser/VAE backend")
-    device: str = opt("auto", help="torch device: auto, cpu, cuda, cuda:N")
+    device: str = opt("auto", torch_device, "torch device: auto, cpu, cuda, cuda:N")
     torch_graphs: bool = opt(
         True,
         help="the torch backend runs its denoiser and VAE as traced graphs, one per image size: a graph "
         "holds the GIL once per call instead of once per op, so the worker's other threads (GC, HTTP) "
         "do not stall a step",
     )
-    max_batch: int = opt(4, positive, "largest denoiser batch (rows: an image with CFG takes two)")
+    max_batch: int = opt(4, in_range(1, MAX_BATCH), "largest denoiser batch (rows: an image with CFG takes two)")
     size: int = opt(
         0,
         zero_or(all_of(in_range(MIN_PIXELS, MAX_PIXELS, " px"), multiple_of(PIXEL_STEP))),

@@ -89,7 +89,7 @@ def parse_request(line: bytes) -> Request | JsonObject:
     params = obj.get("params", {})
     if not isinstance(params, (dict, list)):
         return error_response(req_id, INVALID_REQUEST, "invalid request: 'params' must be an object or array")
-    if req_id is not None and not isinstance(req_id, (str, int)):
+    if req_id is not None and (isinstance(req_id, bool) or not isinstance(req_id, (str, int))):
         return error_response(None, INVALID_REQUEST, "invalid request: 'id' must be a string or integer")
     return Request(req_id, method, params, "id" not in obj)
 

@@ -30,6 +30,13 @@ THROTTLE_KEYS: tuple[str, ...] = (
 THROTTLE_HELD = -32001
 # The longest lease the worker grants (render/throttle.py); agent.throttle_ttl may not exceed it.
 MAX_THROTTLE_TTL_S = 3600.0
+# The shortest: a lease of less than a millisecond lapses before the call that sets it returns.
+MIN_THROTTLE_TTL_S = 0.001
+# Upper bounds of the limits (and of the worker's own settings they lower, turbonode.config):
+# a value past them means nothing a worker can do, so it is refused rather than carried around.
+MAX_BATCH = 1024  # rows in one denoiser call: more than any GPU holds
+MAX_STEPS = 200  # steps a job may ask for (the HTTP API refuses more): a cap above it caps nothing
+MAX_INTRA_OP_THREADS = 1024
 
 
 @dataclass(frozen=True)
@@ -42,8 +49,8 @@ class ThrottleLimits:
     intra_op_threads: int | None = None
 
 
-def _positive_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+def _count(v: Any, most: int) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= most
 
 
 def _tiers(name: str, value: Any, protected_allowed: bool = False) -> frozenset[str]:
@@ -58,9 +65,9 @@ def _tiers(name: str, value: Any, protected_allowed: bool = False) -> frozenset[
 
 
 def check_ttl(ttl_s: Any, limit: float = MAX_THROTTLE_TTL_S) -> float:
-    """A throttle's lease in seconds, in (0, limit]; ValueError names the range."""
-    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not 0 < ttl_s <= limit:
-        raise ValueError(f"must be a number of seconds in (0, {limit:g}], got {ttl_s!r}")
+    """A throttle's lease in seconds, in [MIN_THROTTLE_TTL_S, limit]; ValueError names the range."""
+    if isinstance(ttl_s, bool) or not isinstance(ttl_s, (int, float)) or not MIN_THROTTLE_TTL_S <= ttl_s <= limit:
+        raise ValueError(f"must be a number of seconds in [{MIN_THROTTLE_TTL_S:g}, {limit:g}], got {ttl_s!r}")
     return float(ttl_s)
 
 
@@ -73,17 +80,19 @@ def check_throttle(
     intra_op_threads: Any = None,
 ) -> ThrottleLimits:
     """Validate the throttle's limits; ValueError names the bad parameter first."""
-    if max_batch is not None and not _positive_int(max_batch):
-        raise ValueError(f"max_batch must be a positive integer or null, got {max_batch!r}")
-    if intra_op_threads is not None and not _positive_int(intra_op_threads):
-        raise ValueError(f"intra_op_threads must be a positive integer or null, got {intra_op_threads!r}")
+    if max_batch is not None and not _count(max_batch, MAX_BATCH):
+        raise ValueError(f"max_batch must be an integer 1..{MAX_BATCH} or null, got {max_batch!r}")
+    if intra_op_threads is not None and not _count(intra_op_threads, MAX_INTRA_OP_THREADS):
+        raise ValueError(
+            f"intra_op_threads must be an integer 1..{MAX_INTRA_OP_THREADS} or null, got {intra_op_threads!r}"
+        )
     step_caps = {} if step_caps is None else step_caps
     if not isinstance(step_caps, dict):
         raise ValueError("step_caps must be an object {tier: steps}")
     _tiers("step_caps", list(step_caps))
     for t, cap in step_caps.items():
-        if not _positive_int(cap):
-            raise ValueError(f"step_caps.{t} must be a positive integer, got {cap!r}")
+        if not _count(cap, MAX_STEPS):
+            raise ValueError(f"step_caps.{t} must be an integer 1..{MAX_STEPS}, got {cap!r}")
     return ThrottleLimits(
         max_batch,
         _tiers("paused_tiers", paused_tiers),
