@@ -110,14 +110,15 @@ def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
     a = cfg.agent
     client = ControlClient(a.worker_socket, timeout=max(0.5, 2 * a.sample_period))
     policy = policy_from_config(cfg.policy)
+    # the worker pushes what crosses a rule's enter threshold
+    worker = WorkerWatcher(WorkerFeed(a.worker_socket, {r.signal: r.enter for r in policy.rules}))
     watchers = [
-        CpuWatcher(a.procfs),
+        CpuWatcher(a.procfs, worker_pids=worker.pids),  # the worker's own compute is no contention
         PsiWatcher(a.procfs, PsiTriggers(a.procfs, cfg.policy.psi_trigger_us)),
         SoftnetWatcher(a.procfs),
         SoftirqWatcher(a.procfs, a.sysfs),
         GpuWatcher(gpu_nvml),
-        # the worker pushes what crosses a rule's enter threshold
-        WorkerWatcher(WorkerFeed(a.worker_socket, {r.signal: r.enter for r in policy.rules})),
+        worker,
     ]
     link = parse_rate(cfg.qos.rate)
     relax = tier("relax")

@@ -104,6 +104,8 @@ class ControlHandlers:
                 "model": self.engine.describe_model(),
                 "backend": self.backend_info,
                 "uptime_s": round(time.monotonic() - self.started, 3),
+                # whose CPU time is the worker's own, not load on the node (agent/watchers/cpu.py)
+                "pids": [process.pid for process in self._processes],
             }
         )
         if self.readiness is not None:

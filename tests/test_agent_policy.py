@@ -178,7 +178,7 @@ def test_config_defaults_and_actions():
         == {"cpu_load", "gc_pause_s", "netrx_latency_p99_s", "netrx_cpu_share", "turbo_wait_s"}
     )
     cpu = next(r for r in p.rules if r.signal == "cpu_load")
-    assert (cpu.enter, cpu.exit, cpu.enter_s, cpu.exit_s) == (0.75, 0.70, 0.3, 3.0)
+    assert (cpu.enter, cpu.exit, cpu.enter_s, cpu.exit_s) == (0.35, 0.25, 0.3, 3.0)
     table = actions_table(cfg)
     assert table[0] == Actions()
     assert table[1].relax_ceil_pct == 50 and table[1].throttle == {"max_batch": 2}
@@ -228,7 +228,7 @@ def test_each_rule_owns_its_thresholds_and_dwell(tmp_path):
     p = policy_from_config(cfg)
     rules = {r.signal: r for r in p.rules}
     # a partial table keeps the other defaults; a rule without its own dwell takes the policy's
-    assert (rules["cpu_load"].enter, rules["cpu_load"].exit, rules["cpu_load"].enter_s) == (0.9, 0.70, 0.5)
+    assert (rules["cpu_load"].enter, rules["cpu_load"].exit, rules["cpu_load"].enter_s) == (0.9, 0.25, 0.5)
     assert rules["gc_pause_s"].enter_s == 0 and rules["gc_pause_s"].exit_s == 3.0
     assert p.update({"gc_pause_s": 0.02, "cpu_load": 0.1}, 0).level == 1  # one long pause suffices
     cpu = policy_from_config(cfg)
@@ -240,7 +240,7 @@ def test_each_rule_owns_its_thresholds_and_dwell(tmp_path):
         ("[policy.rules.cpu_load]\nenter_samples = 3\n", "cpu_load.enter_samples: unknown key"),
         ("[policy.rules.psi]\nenter = 1\n", "unknown signal 'psi'"),
         ("[policy.rules.cpu_load]\nbogus = 1\n", "cpu_load.bogus: unknown key"),
-        ("[policy.rules.cpu_load]\nexit = 0.8\n", r"cpu_load.exit: must not exceed cpu_load.enter \(0.75\)"),
+        ("[policy.rules.cpu_load]\nexit = 0.8\n", r"cpu_load.exit: must not exceed cpu_load.enter \(0.35\)"),
         ('[policy.rules.gc_pause_s]\nenter = "5ms"\n', "gc_pause_s.enter: expected a number"),
     ]:
         f.write_text(text)
@@ -298,7 +298,7 @@ def test_the_hysteresis_band_holds_a_lever_and_config_names_levers(tmp_path):
     f = tmp_path / "t.toml"
     f.write_text('[policy.rules.cpu_load]\nlevers = ["worker_threads"]\n[policy.rules.turbo_wait_s]\nlevers = []\n')
     rules = {r.signal: r for r in policy_from_config(load_config(str(f), env={}).policy).rules}
-    assert rules["cpu_load"].levers == ("worker_threads",) and rules["cpu_load"].enter == 0.75
+    assert rules["cpu_load"].levers == ("worker_threads",) and rules["cpu_load"].enter == 0.35
     f.write_text('[policy.rules.cpu_load]\nlevers = ["overclock"]\n')
     with pytest.raises(ConfigError, match="cpu_load.levers: expected a list of levers from cpu_share, worker_threads"):
         load_config(str(f), env={})

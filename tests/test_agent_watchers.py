@@ -50,6 +50,64 @@ def test_cpu_old_kernel_without_steal_column(tmp_path):
     assert "steal" not in parse_stat("cpu 1 2 3 4\n")["cpu"]
 
 
+def pid_stat(pid: int, comm: str, utime: int, stime: int) -> str:
+    """A /proc/PID/stat line: utime and stime are fields 14 and 15."""
+    return f"{pid} ({comm}) R 1 {pid} {pid} 0 -1 4194304 100 0 0 0 {utime} {stime} 0 0 20 0 9 0 500 1000 200\n"
+
+
+def test_cpu_load_is_what_others_than_the_workers_take(tmp_path):
+    """Busy time less the worker processes' own: a busy worker on an idle node is no load."""
+    pids = [41, 42]
+    write(tmp_path, "stat", STAT.format(u=100, s=50, i=800, si=10, st=5))
+    write(tmp_path, "41/stat", pid_stat(41, "turboctl worker", 10, 5))
+    write(tmp_path, "42/stat", pid_stat(42, "python3 (engine) x", 30, 0))  # spaces and parens in comm
+    w = CpuWatcher(str(tmp_path), worker_pids=lambda: pids)
+    w.sample(0.0)
+    # 135 ticks passed on the CPUs, 115 of them busy; the workers took 10 + 70 of them
+    write(tmp_path, "stat", STAT.format(u=150, s=75, i=820, si=30, st=25))
+    write(tmp_path, "41/stat", pid_stat(41, "turboctl worker", 15, 10))
+    write(tmp_path, "42/stat", pid_stat(42, "python3 (engine) x", 100, 0))
+    sig = w.sample(1.0)
+    assert sig["cpu_load"] == pytest.approx((115 - 80) / 135)
+    assert w.detail["total"]["workers"] == pytest.approx(80 / 135)
+    assert w.detail["total"]["busy"] == pytest.approx(115 / 135)
+    # the engine restarted (pid 43, counted from its first sample), pid 42 is gone; a stat line
+    # the worker cannot have written (a pid reused by nothing readable) is skipped
+    pids[:] = [41, 43, 44]
+    (tmp_path / "42" / "stat").unlink()
+    write(tmp_path, "43/stat", pid_stat(43, "python3", 500, 0))
+    write(tmp_path, "44/stat", "garbage\n")
+    write(tmp_path, "stat", STAT.format(u=250, s=75, i=820, si=30, st=25))
+    write(tmp_path, "41/stat", pid_stat(41, "turboctl worker", 40, 10))
+    assert w.sample(2.0)["cpu_load"] == pytest.approx((100 - 25) / 100)
+    # the workers' ticks, read a moment after /proc/stat, never make others' share negative
+    write(tmp_path, "stat", STAT.format(u=260, s=75, i=830, si=30, st=25))
+    write(tmp_path, "41/stat", pid_stat(41, "turboctl worker", 60, 10))
+    write(tmp_path, "43/stat", pid_stat(43, "python3", 500, 0))
+    assert w.sample(3.0)["cpu_load"] == 0
+
+
+def test_cpu_load_leaves_out_a_real_busy_worker_process():
+    """On this machine's /proc: a process spinning on one CPU is load until it is named a worker.
+    Two watchers read the same moments, so what the rest of the machine does cancels out."""
+    spin = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 30\nwhile time.time() < end: pass"]
+    )
+    try:
+        as_worker, as_other = CpuWatcher(worker_pids=lambda: [spin.pid]), CpuWatcher()
+        time.sleep(0.3)  # the interpreter has started spinning
+        for w in (as_worker, as_other):
+            w.sample(0.0)
+        time.sleep(1.0)
+        worker_view, other_view = as_worker.sample(1.0)["cpu_load"], as_other.sample(1.0)["cpu_load"]
+    finally:
+        spin.kill()
+        spin.wait()
+    spun = as_worker.detail["total"]["workers"]
+    assert spun == pytest.approx(1 / os.cpu_count(), abs=0.15)  # one CPU's worth of the machine
+    assert other_view - worker_view == pytest.approx(spun, abs=0.02)
+
+
 def test_cpu_missing_file_is_reported_not_raised(tmp_path):
     w = CpuWatcher(str(tmp_path))
     assert w.sample(0) == {}

@@ -6,16 +6,19 @@ No timed assertions: waits are bounded, and "at once" is shown by a sample perio
 that only a push can explain a second sample."""
 
 import gc
+import os
 import select
 import signal
 import threading
+import time
 
 import pytest
 
 from agent.actuator import Actuator
-from agent.daemon import Flags, _run_loop
+from agent.daemon import Flags, _run_loop, build_loop
 from agent.loop import AgentLoop
 from agent.policy import DegradationPolicy, Rule, actions_table
+from agent.watchers.cpu import CpuWatcher
 from agent.watchers.worker import WorkerWatcher
 from agent.watchers.worker_feed import WorkerFeed
 from bench.node import wait_for
@@ -24,7 +27,7 @@ from render.gc_telemetry import GcMonitor
 from tests.agent_helpers import MiniWorker
 from tests.agent_helpers import mini_worker as worker  # noqa: F401  (fixture)
 from tests.worker_support import make_engine
-from turbonode.config import PolicyConfig
+from turbonode.config import Config, PolicyConfig
 from turbonode.jsonrpc import ControlClient
 
 WAIT_S = 10  # bound on every wait; a pass takes milliseconds
@@ -205,3 +208,20 @@ def test_gc_burst_in_the_worker_is_sampled_at_once_and_throttles(real_worker):
     st = seen["status"]
     assert st["last_change"]["reasons"][0]["signal"] == "gc_pause_s"
     assert st["watchers"]["worker"]["pushes"] >= 1
+
+
+def test_the_agents_cpu_watcher_leaves_out_the_processes_the_worker_names(real_worker, tmp_path):
+    """The composition root hands the CPU watcher the pids the real worker's status names
+    (here this process, where the test engine runs), so its compute is not counted as load."""
+    _, path = real_worker
+    cfg = Config()
+    cfg.agent.worker_socket, cfg.agent.socket = path, str(tmp_path / "agent.sock")
+    loop = build_loop(cfg)
+    try:
+        ww = next(w for w in loop.watchers if isinstance(w, WorkerWatcher))
+        cpu = next(w for w in loop.watchers if isinstance(w, CpuWatcher))
+        assert wait_for(lambda: (ww.sample(time.monotonic()), ww.pids())[1], WAIT_S)
+        assert list(cpu.worker_pids()) == [os.getpid()]
+    finally:
+        for w in loop.watchers:
+            w.close()

@@ -314,8 +314,15 @@ class RuleDefaults:
 # (docs/benchmarks.md, node SLO).
 # Adding a rule is one entry here: the config, its example and the agent's policy follow.
 POLICY_RULES: dict[str, RuleDefaults] = {
+    # contention, not the worker's own compute (agent/watchers/cpu.py): an idle node reads ~0.05,
+    # a CPU hog on every CPU ~0.5, engaged levers or not (docs/benchmarks.md, node SLO)
     "cpu_load": RuleDefaults(
-        0.75, 0.70, fraction, "CPU busy fraction (incl. softirq, steal)", ("cpu_share", "worker_threads"), "pressured"
+        0.35,
+        0.25,
+        fraction,
+        "CPU busy fraction taken by others than the worker (incl. softirq, steal)",
+        ("cpu_share", "worker_threads"),
+        "pressured",
     ),
     "gc_pause_s": RuleDefaults(0.005, 0.001, positive, "longest new worker GC pause (s)", (), "pressured"),
     "netrx_latency_p99_s": RuleDefaults(

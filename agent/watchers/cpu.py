@@ -1,4 +1,11 @@
-"""CPU utilisation from /proc/stat, busy time including irq, softirq and steal.
+"""CPU contention from /proc/stat: busy time (including irq, softirq and steal) that is not the
+workers' own.
+
+A busy worker on an otherwise idle node is no degradation: on a slower machine its own compute
+alone would hold the node's CPUs busy and engage the levers against nobody. So `cpu_load` is the
+share of all CPU time that others took: busy time less what the worker's processes (their pids
+from its status, CPU time from /proc/PID/stat) used in the same window. `detail["total"]` keeps
+the whole picture, the workers' share among it.
 
 Parsed here rather than through psutil so the procfs root is honoured (psutil keeps one
 global PROCFS_PATH). Older kernels have fewer columns (no steal before 2.6.11, no guest
@@ -8,6 +15,7 @@ before 2.6.24): missing ones count as zero.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterable
 
 from .base import MIN_RATE_WINDOW_S, Rate, Watcher
 
@@ -27,6 +35,13 @@ def parse_stat(text: str) -> dict[str, dict[str, int]]:
     return out
 
 
+def process_cpu_ticks(text: str) -> int:
+    """utime + stime (clock ticks, all threads) from a /proc/PID/stat line. The command name in
+    parentheses may hold spaces and parentheses itself: fields are counted after the last ')'."""
+    fields = text[text.rindex(")") + 2 :].split()
+    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of the line; state is field 3
+
+
 def shares(delta: dict[str, float]) -> dict[str, float]:
     total = sum(delta.get(c, 0) for c in COLUMNS)
     if total <= 0:
@@ -40,19 +55,45 @@ class CpuWatcher(Watcher):
     name = "cpu"
     interval = MIN_RATE_WINDOW_S
 
-    def __init__(self, procfs: str = "/proc"):
+    def __init__(self, procfs: str = "/proc", worker_pids: Callable[[], Iterable[int]] = tuple):
         super().__init__()
+        self.procfs = procfs
         self.path = os.path.join(procfs, "stat")
+        self.worker_pids = worker_pids
         self._rate = Rate()
+
+    def _worker_ticks(self) -> dict[tuple[str, int], int]:
+        """CPU ticks so far of each worker process that still exists (one that exited, or a
+        restarted worker's new pid, counts from the sample after it is first seen)."""
+        ticks = {}
+        for pid in self.worker_pids():
+            try:
+                with open(os.path.join(self.procfs, str(pid), "stat")) as f:
+                    ticks[("worker", pid)] = process_cpu_ticks(f.read())
+            except (OSError, ValueError, IndexError):  # gone, or not a stat line: not the worker's
+                continue
+        return ticks
 
     def read(self, now):
         with open(self.path) as f:
             stat = parse_stat(f.read())
-        flat = {(cpu, col): v for cpu, cols in stat.items() for col, v in cols.items()}
+        flat: dict = {(cpu, col): v for cpu, cols in stat.items() for col, v in cols.items()}
+        flat.update(self._worker_ticks())
         rates = self._rate.update(now, flat)
         if rates is None:
             return {"cpu_load": None}, {}
         per_cpu = {cpu: shares({col: r for (c, col), r in rates.items() if c == cpu}) for cpu in stat}
         total = per_cpu.pop("cpu")
-        signals = {"cpu_load": total.get("busy"), "cpu_softirq": total.get("softirq"), "cpu_steal": total.get("steal")}
+        if not total:  # no CPU time passed between the two reads
+            return {"cpu_load": None}, {}
+        all_time = sum(rates.get(("cpu", col), 0) for col in COLUMNS)
+        workers = sum(r for (kind, _), r in rates.items() if kind == "worker")
+        # /proc/stat and /proc/PID/stat both count USER_HZ ticks; read a moment apart, the
+        # workers' share may come out a tick above the busy share: others then took nothing.
+        total["workers"] = min(workers / all_time, total["busy"])
+        signals = {
+            "cpu_load": total["busy"] - total["workers"],
+            "cpu_softirq": total.get("softirq"),
+            "cpu_steal": total.get("steal"),
+        }
         return signals, {"total": total, "per_cpu": per_cpu}

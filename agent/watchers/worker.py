@@ -57,6 +57,13 @@ class WorkerWatcher(Watcher):
         }
         return signals, detail
 
+    def pids(self) -> list[int]:
+        """The worker's processes as its latest status named them (none before the first)."""
+        pids = self._status.get("pids")
+        if not isinstance(pids, list):
+            return []
+        return [p for p in pids if isinstance(p, int) and not isinstance(p, bool) and p > 0]
+
     def wake_fds(self) -> dict[int, int]:
         return {self.feed.efd: select.POLLIN}
 
