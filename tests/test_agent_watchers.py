@@ -87,6 +87,31 @@ def test_cpu_load_is_what_others_than_the_workers_take(tmp_path):
     assert w.sample(3.0)["cpu_load"] == 0
 
 
+def psi_cpu(some_total_us: int) -> str:
+    some = f"some avg10=0.00 avg60=0.00 avg300=0.00 total={some_total_us}\n"
+    return some + "full avg10=0.00 avg60=0.00 avg300=0.00 total=0\n"
+
+
+def test_cpu_load_stays_up_while_a_lever_holds_a_hog_back(tmp_path):
+    """With the worker favoured a hog takes little CPU time, but its tasks wait: PSI cpu some
+    keeps the contention (and so the lever) up. Without PSI the busy share alone counts."""
+    write(tmp_path, "stat", STAT.format(u=100, s=0, i=0, si=0, st=0))
+    write(tmp_path, "7/stat", pid_stat(7, "worker", 0, 0))
+    write(tmp_path, "pressure/cpu", psi_cpu(0))
+    w = CpuWatcher(str(tmp_path), worker_pids=lambda: [7])
+    w.sample(0.0)
+    # 1 s: 200 ticks, all busy, 180 of them the worker's; some task waited 0.8 s of it
+    write(tmp_path, "stat", STAT.format(u=300, s=0, i=0, si=0, st=0))
+    write(tmp_path, "7/stat", pid_stat(7, "worker", 180, 0))
+    write(tmp_path, "pressure/cpu", psi_cpu(800_000))
+    assert w.sample(1.0)["cpu_load"] == pytest.approx(0.8)
+    assert w.detail["total"]["psi_some"] == pytest.approx(0.8) and w.detail["total"]["workers"] == pytest.approx(0.9)
+    # nobody waits: the others' share (0.1) is what is left
+    write(tmp_path, "stat", STAT.format(u=500, s=0, i=0, si=0, st=0))
+    write(tmp_path, "7/stat", pid_stat(7, "worker", 360, 0))
+    assert w.sample(2.0)["cpu_load"] == pytest.approx(0.1)
+
+
 def test_cpu_load_leaves_out_a_real_busy_worker_process():
     """On this machine's /proc: a process spinning on one CPU is load until it is named a worker.
     Two watchers read the same moments, so what the rest of the machine does cancels out."""
@@ -99,13 +124,15 @@ def test_cpu_load_leaves_out_a_real_busy_worker_process():
         for w in (as_worker, as_other):
             w.sample(0.0)
         time.sleep(1.0)
-        worker_view, other_view = as_worker.sample(1.0)["cpu_load"], as_other.sample(1.0)["cpu_load"]
+        loads = [w.sample(1.0)["cpu_load"] for w in (as_worker, as_other)]
     finally:
         spin.kill()
         spin.wait()
+    worker_view, other_view = ((t := w.detail["total"])["busy"] - t["workers"] for w in (as_worker, as_other))
     spun = as_worker.detail["total"]["workers"]
     assert spun == pytest.approx(1 / os.cpu_count(), abs=0.15)  # one CPU's worth of the machine
     assert other_view - worker_view == pytest.approx(spun, abs=0.02)
+    assert loads[0] >= worker_view and loads[1] >= other_view  # PSI may only add to the share
 
 
 def test_cpu_missing_file_is_reported_not_raised(tmp_path):

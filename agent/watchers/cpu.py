@@ -1,11 +1,17 @@
-"""CPU contention from /proc/stat: busy time (including irq, softirq and steal) that is not the
-workers' own.
+"""CPU contention: busy time (including irq, softirq and steal) that is not the workers' own, or
+time tasks spent waiting for a CPU.
 
 A busy worker on an otherwise idle node is no degradation: on a slower machine its own compute
-alone would hold the node's CPUs busy and engage the levers against nobody. So `cpu_load` is the
-share of all CPU time that others took: busy time less what the worker's processes (their pids
-from its status, CPU time from /proc/PID/stat) used in the same window. `detail["total"]` keeps
-the whole picture, the workers' share among it.
+alone would hold the node's CPUs busy and engage the levers against nobody. So `cpu_load` is
+the larger of two fractions over the same window:
+- the share of all CPU time that others took: busy time (/proc/stat) less what the worker's
+  processes used (their pids from its status, CPU time from /proc/PID/stat);
+- PSI cpu `some` (/proc/pressure/cpu): the share of time at least one task waited for a CPU.
+The first works on kernels without PSI; the second keeps the rule active while its own lever
+works: a hog that `cpu_share` holds back takes little CPU time, but its tasks still wait (node
+SLO, `all` cell: with the share alone the lever let go and turbo's p99 rose from 439 to 637 ms;
+docs/benchmarks.md). `detail["total"]` keeps the whole picture: the workers' share and the PSI
+fraction among it.
 
 Parsed here rather than through psutil so the procfs root is honoured (psutil keeps one
 global PROCFS_PATH). Older kernels have fewer columns (no steal before 2.6.11, no guest
@@ -18,6 +24,7 @@ import os
 from collections.abc import Callable, Iterable
 
 from .base import MIN_RATE_WINDOW_S, Rate, Watcher
+from .psi import parse_pressure
 
 COLUMNS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")  # guest* are inside user/nice
 
@@ -59,6 +66,7 @@ class CpuWatcher(Watcher):
         super().__init__()
         self.procfs = procfs
         self.path = os.path.join(procfs, "stat")
+        self.pressure = os.path.join(procfs, "pressure", "cpu")
         self.worker_pids = worker_pids
         self._rate = Rate()
 
@@ -74,11 +82,20 @@ class CpuWatcher(Watcher):
                 continue
         return ticks
 
+    def _waiting_s(self) -> dict[tuple[str, str], float]:
+        """Seconds so far that some task waited for a CPU; none on a kernel without PSI."""
+        try:
+            with open(self.pressure) as f:
+                return {("psi", "some"): parse_pressure(f.read())["some"]["total"] / 1e6}
+        except (OSError, ValueError, KeyError):
+            return {}
+
     def read(self, now):
         with open(self.path) as f:
             stat = parse_stat(f.read())
         flat: dict = {(cpu, col): v for cpu, cols in stat.items() for col, v in cols.items()}
         flat.update(self._worker_ticks())
+        flat.update(self._waiting_s())
         rates = self._rate.update(now, flat)
         if rates is None:
             return {"cpu_load": None}, {}
@@ -91,8 +108,12 @@ class CpuWatcher(Watcher):
         # /proc/stat and /proc/PID/stat both count USER_HZ ticks; read a moment apart, the
         # workers' share may come out a tick above the busy share: others then took nothing.
         total["workers"] = min(workers / all_time, total["busy"])
+        contention = total["busy"] - total["workers"]
+        if ("psi", "some") in rates:  # seconds waited per second of wall time
+            total["psi_some"] = min(rates[("psi", "some")], 1.0)
+            contention = max(contention, total["psi_some"])
         signals = {
-            "cpu_load": total["busy"] - total["workers"],
+            "cpu_load": contention,
             "cpu_softirq": total.get("softirq"),
             "cpu_steal": total.get("steal"),
         }
