@@ -314,8 +314,9 @@ class RuleDefaults:
 # (docs/benchmarks.md, node SLO).
 # Adding a rule is one entry here: the config, its example and the agent's policy follow.
 POLICY_RULES: dict[str, RuleDefaults] = {
-    # contention, not the worker's own compute (agent/watchers/cpu.py): an idle node reads ~0.05,
-    # a CPU hog on every CPU ~0.5, engaged levers or not (docs/benchmarks.md, node SLO)
+    # contention, not the worker's own compute (agent/watchers/cpu.py): the node SLO's idle cell
+    # read p50/p90 0.01/0.05, a hog on every CPU 0.54/0.82 with the levers engaged
+    # (docs/benchmarks.md, "cpu_load as contention")
     "cpu_load": RuleDefaults(
         0.35,
         0.25,
