@@ -158,6 +158,6 @@ def test_a_command_error_reaches_the_journal_at_err(tmp_path):
         env = {**os.environ, "JOURNAL_STREAM": f"{st.st_dev}:{st.st_ino}"}
         assert subprocess.run(argv, stderr=err, env=env, timeout=60).returncode == 1
         err.seek(0)
-        assert err.read() == "<3>Error: invalid configuration: worker.max_batch: must be positive, got 0\n"
+        assert err.read() == "<3>Error: invalid configuration: worker.max_batch: must be between 1 and 1024, got 0\n"
     plain = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=60)
     assert plain.returncode == 1 and plain.stderr.startswith("Error: invalid configuration: worker.max_batch")
