@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -261,3 +261,42 @@ def decode_chunk(
         limit = max(1, min(max_batch, int(step_budget_s / decode_s_per_image)))
     same = [f for f in ordered if f.shape == head.shape]
     return tuple(f.key for f in same[:limit])
+
+
+# ---- one boundary ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Boundary:
+    """What one boundary does: decode the images `decode` names, else the step `step`; and how
+    many boundaries finished images will then have waited for their decode (`deferred`)."""
+
+    decode: tuple[Hashable, ...] = ()
+    step: Composition | None = None
+    deferred: int = 0
+
+
+def plan_boundary(
+    runnable: Sequence[Candidate],
+    finished: Sequence[Finished],
+    limits: Limits,
+    credits: dict[str, float],
+    deferred: int,
+    policy: BatchPolicy,
+    step_budget_s: float | None,
+    decode_s_per_image: float | None,
+) -> Boundary:
+    """The engine's next boundary (render/engine.py runs it; render/admission.py replays it to
+    predict when a new job would finish): a decode when should_decode says so, else a step.
+
+    `deferred` counts the boundaries finished images have waited, whatever ran meanwhile: a
+    higher tier's decode does not serve them, so it does not restart the count (a closed-loop
+    turbo client would otherwise park relax images for as long as it runs)."""
+    if not should_decode([f.tier for f in finished], [c.tier for c in runnable], deferred, limits.min_share):
+        return Boundary(step=compose_batch(runnable, limits, credits, policy), deferred=deferred + bool(finished))
+    overdue = decode_overdue(deferred, limits.min_share)
+    keys = decode_chunk(
+        finished, limits.max_batch, step_budget_s, decode_s_per_image, limits.turbo_max_batch, oldest_first=overdue
+    )
+    left = len(keys) < len(finished)
+    return Boundary(decode=keys, deferred=deferred + 1 if left and not overdue else 0)

@@ -96,6 +96,7 @@ class ControlHandlers:
         out = self.engine.snapshot()
         throttle = self.engine.throttle.current()
         gpu = out.pop("gpu_allocated_bytes")  # status shows it under memory
+        out.pop("backlog")  # every image in the queue, for admission's replay: not for the agent's polls
         out.update(
             {
                 "gc": self._gc(since_gc_seq),

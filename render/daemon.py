@@ -85,6 +85,7 @@ class Worker:
         self.backend_info: dict[str, Any] = {}
         registry, served = daemon_registry("worker", node, self._build_labels)
         self.metrics = WorkerMetrics(registry)
+        self.metrics.watch_load(cfg.capacity)
         self.api = Api(
             None, served, None, model_id=cfg.model, metrics=self.metrics, slo=cfg.slo, refuse_unready=cfg.refuse_unready
         )

@@ -33,6 +33,7 @@ import torch
 
 from turbonode.config import WorkerConfig
 from turbonode.stats import percentile
+from turbonode.tiers import PRIORITY_ORDER
 
 from . import batching
 from .backends.base import DiffusionBackend
@@ -48,6 +49,9 @@ from .throttle import ThrottleState
 log = logging.getLogger(__name__)
 
 _DEFAULTS = WorkerConfig()  # the worker's defaults are the config's: one definition
+# Jobs per tier the snapshot's backlog lists: every queued turbo and fast job at the default
+# queue limits (32, 64); lower tiers beyond that never run before a turbo or fast job would finish.
+BACKLOG_JOBS = 64
 
 
 @dataclass
@@ -324,46 +328,32 @@ class Engine:
                     runnable.append(s)
         if not runnable and not finished:
             return bool(to_encode)
-        if not batching.should_decode(
-            [s.job.tier for s in finished], [s.job.tier for s in runnable], self._decode_deferred, limits.min_share
-        ):
-            self._decode_deferred += bool(finished)
-            return self._run_step(runnable, limits)
-        # _decode_deferred counts the boundaries finished images have waited, whatever ran
-        # meanwhile: a higher tier's decode does not serve them, so it does not restart the count
-        # (a closed-loop turbo client would otherwise park relax images for as long as it runs).
-        overdue = batching.decode_overdue(self._decode_deferred, limits.min_share)
-        self._run_decode(finished, limits, oldest_first=overdue)
-        left = any(s.image is None for s in finished)
-        self._decode_deferred = self._decode_deferred + 1 if left and not overdue else 0
-        return True
-
-    def _run_decode(self, finished: list[Sample], limits: batching.Limits, oldest_first: bool) -> None:
-        by_key: dict[Hashable, Sample] = {s.key: s for s in finished}
-        keys = batching.decode_chunk(
+        by_key: dict[Hashable, Sample] = {s.key: s for s in (*runnable, *finished)}
+        plan = batching.plan_boundary(
+            [self._candidate(s) for s in runnable],
             [batching.Finished(s.key, s.job.tier, _shape(s), s.job.seq) for s in finished],
-            limits.max_batch,
+            limits,
+            self._credits,
+            self._decode_deferred,
+            self.settings.policy,
             percentile(self.step_times, 50),
             self.decode_s_per_image,
-            limits.turbo_max_batch,
-            oldest_first,
         )
-        self._decode([by_key[k] for k in keys])
-
-    def _run_step(self, runnable: list[Sample], limits: batching.Limits) -> bool:
-        by_key: dict[Hashable, Sample] = {s.key: s for s in runnable}
-        cands = [
-            batching.Candidate(s.key, s.job.tier, _shape(s), s.job.seq, s.started, rows(self.family, s))
-            for s in runnable
-        ]
-        comp = batching.compose_batch(cands, limits, self._credits, self.settings.policy)
-        self._credits = comp.credits
-        if not comp.keys:
+        self._decode_deferred = plan.deferred
+        if plan.decode:
+            self._decode([by_key[k] for k in plan.decode])
+            return True
+        assert plan.step is not None
+        self._credits = plan.step.credits
+        if not plan.step.keys:
             return False
-        batch = [by_key[k] for k in comp.keys]
+        batch = [by_key[k] for k in plan.step.keys]
         self.jobs.mark_running(dict.fromkeys(s.job for s in batch), self.clock())
         self._step(batch)
         return True
+
+    def _candidate(self, s: Sample) -> batching.Candidate:
+        return batching.Candidate(s.key, s.job.tier, _shape(s), s.job.seq, s.started, rows(self.family, s))
 
     # ---- the thread -------------------------------------------------------------------
 
@@ -438,7 +428,49 @@ class Engine:
             "accepting": self.jobs.accepting,
             "text_cache": {"entries": len(enc), "hits": enc.hits, "misses": enc.misses, "hit_ratio": enc.hit_ratio},
             "gpu_allocated_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else None,
+            "pace": self.pace(),
+            "backlog": self.backlog(),
         }
+
+    def pace(self) -> dict:
+        """What the engine measured, as render/admission.py predicts from it: smoothed step seconds
+        per image shape and denoiser rows, decode seconds per image, and the batching limits."""
+        limits = self.limits()
+        return {
+            "step_cost": [[h, w, n_rows, round(s, 6)] for ((h, w), n_rows), s in self.step_cost.items()],
+            "decode_s_per_image": self.decode_s_per_image,
+            "step_p50_s": percentile(self.step_times, 50),
+            "max_batch": limits.max_batch,
+            "turbo_max_batch": limits.turbo_max_batch,
+            "min_share": limits.min_share,
+            "co_batch_slack": limits.co_batch_slack,
+            "paused": sorted(limits.paused),
+            "uses_cfg": self.family.uses_cfg,
+            "credits": dict(self._credits),  # the min-share state the next boundary starts from
+            "decode_deferred": self._decode_deferred,
+        }
+
+    def backlog(self) -> list[list]:
+        """Each live job's images not yet decoded, in arrival order, as render/admission.py replays
+        them: [tier, seq, height, width, rows, steps left, started, images]; at most BACKLOG_JOBS
+        jobs of each tier (more never finish within an objective's horizon)."""
+        out, per_tier = [], dict.fromkeys(PRIORITY_ORDER, 0)
+        with self.jobs.lock:
+            for job in self.jobs.pending():
+                if job.state.terminal or per_tier[job.tier] >= BACKLOG_JOBS:
+                    continue
+                per_tier[job.tier] += 1
+                groups: dict[int, list[Sample]] = {}  # a job's images by steps left (most share one)
+                for s in job.samples:
+                    if s.image is None:
+                        left = s.total_steps - s.step if s.started else self.steps_for(job.tier, job.request.steps)
+                        groups.setdefault(left, []).append(s)
+                for left, group in groups.items():
+                    h, w = _shape(group[0])
+                    out.append(
+                        [job.tier, job.seq, h, w, rows(self.family, group[0]), left, group[0].started, len(group)]
+                    )
+        return out
 
 
 def _shape(s: Sample) -> tuple[int, int]:

@@ -107,7 +107,6 @@ class Host:
             "drop_images": self.drop_images,
             "snapshot": e.snapshot,
             "tiers": e.jobs.tiers,
-            "oldest_wait": e.jobs.oldest_wait,
             "heartbeat": lambda: (e.alive, e.heartbeat),
             "unsupported_size": e.backend.unsupported_size,
             "throttle": self.throttle,

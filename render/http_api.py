@@ -41,9 +41,14 @@ from turbonode.text import parse_decimal, quote
 from turbonode.throttle_params import MAX_STEPS
 from turbonode.tiers import DEFAULT_TIER, TIER_NAMES, tos_byte
 
+from .admission import NewJob, predict
 from .jobs import JobCancelled, JobFailed, JobRequest, Rejected
 from .png import encode_png
 from .readiness import ENGINE_STALL_S, Phase, Readiness, TierView, readiness
+
+# How far past its objective a prediction replays the work ahead (render/admission.py): enough
+# for a Retry-After that says when the job would fit, bounded so a deep queue costs little.
+REPLAY_OBJECTIVES = 2.0
 
 log = logging.getLogger(__name__)
 
@@ -375,22 +380,34 @@ class Api:
             return Phase.DRAINING
         return Phase.SERVING if engine.alive else Phase.STOPPED
 
-    def readiness(self, tier: str | None = None) -> Readiness:
+    def readiness(self, tier: str | None = None, request: JobRequest | None = None) -> Readiness:
+        """The worker's, or a tier's for a new job of it (`request`; else one with the defaults)."""
         phase = self.phase()
         if phase is not Phase.SERVING or tier is None:
             return readiness(phase)
         engine = self.engine
-        now = engine.clock()
         lease = engine.throttle.current()
+        objective = self.slo.get(tier)
+        snap = engine.snapshot() if objective is not None else None  # one call: queue waits and pace
         view = TierView(
             unready_by_agent=lease is not None and tier in lease.unready_tiers,
             shed_by_agent=lease is not None and tier in lease.shed_tiers,
             agent_reason=lease.reason if lease is not None else "",
-            lease_left_s=lease.expires_at - now if lease is not None else 0.0,
-            oldest_wait_s=engine.jobs.oldest_wait(tier, now),
-            objective_s=self.slo.get(tier),
+            lease_left_s=lease.expires_at - engine.clock() if lease is not None else 0.0,
+            oldest_wait_s=snap["tiers"][tier]["oldest_wait_s"] if snap else 0.0,
+            objective_s=objective,
+            prediction=predict(snap, self._new_job(tier, request), REPLAY_OBJECTIVES * objective)
+            if snap and objective
+            else None,
         )
         return readiness(phase, tier, view)
+
+    def _new_job(self, tier: str, request: JobRequest | None) -> NewJob:
+        if request is not None:
+            return NewJob(tier, request.steps, request.n, request.height, request.width, request.guidance)
+        d = self.defaults
+        assert d is not None  # serving: the model has loaded
+        return NewJob(tier, d.steps[tier], 1, d.size, d.size, d.guidance[tier])
 
     def alive(self) -> tuple[bool, str]:
         engine = self.engine
@@ -499,7 +516,7 @@ class Api:
         tier = tally.tier = job_request.tier
         _mark(request, tier)
         if self.refuse_unready:
-            r = await _off_loop(self.readiness, tier)
+            r = await _off_loop(self.readiness, tier, job_request)
             if r.status == "not ready":  # a shed tier keeps its 429 from the job table
                 message = f"this node is not ready for {tier} work: {r.reason}"
                 return Answer("rejected", _error(message, 503, "tier", "not_ready", r))

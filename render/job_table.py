@@ -117,6 +117,11 @@ class JobTable:
                 self.finish(job, JobState.CANCELLED, "cancelled by the client")
             return list(self._active.values())
 
+    def pending(self) -> list[Job]:
+        """The jobs that are not terminal, in arrival order (nothing reaped: for status)."""
+        with self.lock:
+            return list(self._active.values())
+
     def has_work(self, paused: Iterable[str]) -> bool:
         paused = frozenset(paused)
         with self.lock:
@@ -198,12 +203,6 @@ class JobTable:
         return self._intake_open
 
     # ---- status -----------------------------------------------------------------------
-
-    def oldest_wait(self, tier: str, now: float) -> float:
-        """How long the tier's oldest queued job has waited so far (0 when none waits)."""
-        with self.lock:
-            queued = (j.submitted for j in self._active.values() if j.tier == tier and j.state is JobState.QUEUED)
-            return max((now - t for t in queued), default=0.0)
 
     def tiers(self, now: float) -> dict[str, dict]:
         """Per tier: queued, in flight, the oldest queued job's wait, the p99 of recent waits."""

@@ -11,13 +11,18 @@ from __future__ import annotations
 
 import collections
 import logging
+import threading
+import time
 from collections.abc import Callable, Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from turbonode.metric_names import (
+    CAPACITY,
     DENOISE_STEPS,
+    LOAD,
+    LOAD_WINDOW_S,
     READY,
     REQUEST_BUCKETS,
     REQUEST_DURATION,
@@ -36,9 +41,10 @@ GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 
 
 class WorkerMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None):
+    def __init__(self, registry: CollectorRegistry | None = None, clock: Callable[[], float] = time.monotonic):
         self.registry = registry or CollectorRegistry()
         r = self.registry
+        self.served = RecentRate(LOAD_WINDOW_S, clock)  # requests answered with images or queued, per tier
         self.request_duration = Histogram(
             REQUEST_DURATION,
             "Generation requests, from arrival to the response written, by tier and outcome",
@@ -86,6 +92,8 @@ class WorkerMetrics:
     def request_answered(self, tier: str, outcome: str, code: int, seconds: float) -> None:
         self.request_duration.labels(tier, outcome).observe(seconds)
         self.requests.labels(tier, str(code)).inc()
+        if outcome in ("ok", "accepted"):
+            self.served.mark(tier)
 
     def observe_stage(self, tier: str, stage: str, seconds: float) -> None:
         self.request_stage.labels(tier, stage).observe(seconds)
@@ -111,6 +119,67 @@ class WorkerMetrics:
     def watch_readiness(self, ready: Callable[[str], bool], slo: Mapping[str, float]) -> None:
         """Export each tier's readiness (what GET /readyz?tier=T answers) and objective at scrape time."""
         self.registry.register(ReadinessCollector(ready, slo))
+
+    def watch_load(self, capacity: Mapping[str, float]) -> None:
+        """Export each tier's served rate and, where configured, its capacity at scrape time."""
+        self.registry.register(LoadCollector(capacity, self.served))
+
+
+class RecentRate:
+    """Events per second over the last `window` seconds, per key (a deque of times per key)."""
+
+    def __init__(self, window: float, clock: Callable[[], float] = time.monotonic):
+        self.window, self.clock = window, clock
+        self._times: dict[str, collections.deque[float]] = collections.defaultdict(collections.deque)
+        self._lock = threading.Lock()
+
+    def mark(self, key: str) -> None:
+        now = self.clock()
+        with self._lock:
+            times = self._times[key]
+            times.append(now)
+            self._expire(times, now)
+
+    def rate(self, key: str) -> float:
+        now = self.clock()
+        with self._lock:
+            times = self._times[key]
+            self._expire(times, now)
+            return len(times) / self.window
+
+    def _expire(self, times: collections.deque[float], now: float) -> None:
+        while times and times[0] <= now - self.window:
+            times.popleft()
+
+
+class LoadCollector:
+    """turbonode_worker_load_requests_per_second{tier} and, for the tiers worker.capacity names,
+    turbonode_worker_capacity_requests_per_second{tier}: the headroom a balancer or an autoscaler
+    reads (docs/fleet.md)."""
+
+    def __init__(self, capacity: Mapping[str, float], served: RecentRate):
+        self.capacity, self.served = capacity, served
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        load = GaugeMetricFamily(
+            LOAD,
+            f"Requests of the tier served (images or a queued job) per second over the last {LOAD_WINDOW_S:g} s",
+            labels=["tier"],
+        )
+        for tier in PRIORITY_ORDER:
+            load.add_metric([tier], self.served.rate(tier))
+        yield load
+        capacity = GaugeMetricFamily(
+            CAPACITY,
+            "Requests of the tier per second the node sustains within the tier's objective (worker.capacity)",
+            labels=["tier"],
+        )
+        for tier, rate in self.capacity.items():
+            capacity.add_metric([tier], rate)
+        yield capacity
 
 
 class ReadinessCollector:

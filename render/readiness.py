@@ -10,7 +10,10 @@ Pure: the caller passes what the worker knows. A tier is not ready when
 - the worker's own queue says so: a job of the tier has waited longer than half of the
   tier's objective (worker.slo), so a new one would queue behind it and miss the objective.
   The other half is for denoising, decoding and the answer. This needs no agent, and clears
-  itself as soon as the queue drains (with refuse_unready, that is what the 503s do).
+  itself as soon as the queue drains (with refuse_unready, that is what the 503s do);
+- a new job of the tier would finish after the tier's objective, as render/admission.py
+  predicts from the work ahead of it and the engine's measured pace (a job with nothing ahead
+  of it is always welcome).
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ from __future__ import annotations
 import enum
 import math
 from dataclasses import dataclass
+
+from .admission import Prediction
 
 # the share of a tier's objective its queue wait may use before the tier reports not ready
 WAIT_SHARE = 0.5
@@ -56,6 +61,7 @@ class TierView:
     lease_left_s: float = 0.0
     oldest_wait_s: float = 0.0  # the longest a queued job of the tier has waited now
     objective_s: float | None = None  # worker.slo for the tier, if any
+    prediction: Prediction | None = None  # when a new job of the tier would finish (render/admission.py)
 
 
 def readiness(phase: Phase, tier: str | None = None, view: TierView | None = None) -> Readiness:
@@ -81,5 +87,14 @@ def readiness(phase: Phase, tier: str | None = None, view: TierView | None = Non
             f"a queued {tier} job has waited {view.oldest_wait_s:.2f} s, more than {budget:g} s "
             f"(half of its {view.objective_s:g} s objective)",
             max(1.0, budget),
+        )
+    p = view.prediction
+    if view.objective_s is not None and p is not None and p.misses(view.objective_s):
+        return Readiness(
+            False,
+            "not ready",
+            f"a new {tier} job would finish {p.seconds:.2f} s from now or later ({p.ahead} images ahead of it), "
+            f"over its {view.objective_s:g} s objective",
+            p.retry_after(view.objective_s),
         )
     return Readiness(True, "ready")

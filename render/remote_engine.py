@@ -175,9 +175,6 @@ class JobsView:
     def tiers(self, now: float) -> dict:
         return self._link.call("tiers", now)
 
-    def oldest_wait(self, tier: str, now: float) -> float:
-        return self._link.call("oldest_wait", tier, now)
-
 
 class BackendView:
     """What the front knows of the backend: its description (fixed once loaded)."""

@@ -249,12 +249,18 @@ class WorkerConfig:
         {"turbo": 2.0},
         per_tier(positive),
         "request-duration objective per tier (s): exported for alerts; a tier whose oldest queued job has "
-        "waited half of it reports not ready",
+        "waited half of it, or whose new job would finish after it, reports not ready",
     )
     refuse_unready: bool = opt(
         False,
-        help="answer new work of a tier that is not ready 503 + Retry-After at once (behind a balancer) "
-        "instead of queueing it",
+        help="answer new work of a tier that is not ready (for a tier with an objective: also a job that "
+        "would finish after it) 503 + Retry-After at once (behind a balancer) instead of queueing it",
+    )
+    capacity: dict[str, float] = opt(
+        {},
+        per_tier(positive),
+        "requests per second of the tier this node sustains within its objective, as bench/capacity.py "
+        "measures it: exported with the served rate, for an autoscaler or the fleet alert",
     )
     intra_op_threads: int = opt(
         0,

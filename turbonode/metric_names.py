@@ -35,6 +35,13 @@ READY = "turbonode_worker_ready"
 # The configured request-duration objective, by tier: alerts and panels compare p99 with it.
 SLO = "turbonode_worker_slo_seconds"
 
+# Headroom, by tier: the requests per second the node sustains within the tier's objective (the
+# configured worker.capacity, measured by bench/capacity.py), and those it served over the last
+# LOAD_WINDOW_S: what an autoscaler or the fleet alert compares (docs/fleet.md).
+CAPACITY = "turbonode_worker_capacity_requests_per_second"
+LOAD = "turbonode_worker_load_requests_per_second"
+LOAD_WINDOW_S = 60.0
+
 STAGES = ("queue_wait", "denoise", "decode", "respond")
 # ok: images answered; accepted: an async job queued (202); rejected: 429/503 before queueing
 # (queue full, tier shed, not ready, draining); failed: the job failed; cancelled: by the
