@@ -49,6 +49,7 @@ def test_rules_unit_tests_pass():
         ("turbonode_degradation_level >= 3", "turbonode_degradation_level >= 2"),  # n2 (degraded) would alert
         ("for: 10m\n        labels: {severity: page}", "for: 1m\n        labels: {severity: page}"),  # fires too early
         ('{outcome="ok"}', ""),  # refusals counted in the p99
+        ('\n              and on (instance) turbonode_worker_capacity_requests_per_second{tier="turbo"})', ")"),
     ],
 )
 def test_rules_unit_tests_can_fail(tmp_path, old, new):
