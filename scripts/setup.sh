@@ -11,7 +11,7 @@ die() { printf '[setup] ERROR: %s\n' "$*" >&2; exit 1; }
 
 ARCH=$(dpkg --print-architecture)
 KREL=$(uname -r)
-PKGS=(python3-bpfcc python3-venv python3-dev iproute2 iperf3 stress-ng iputils-ping kmod prometheus haproxy
+PKGS=(python3-bpfcc python3-venv python3-dev iproute2 iperf3 stress-ng iputils-ping kmod prometheus haproxy redis-server
       systemd-container "linux-headers-$ARCH")
 missing=()
 for p in "${PKGS[@]}"; do

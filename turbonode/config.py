@@ -9,16 +9,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import ipaddress
 import math
 import os
 import re
-import stat
 import tomllib
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from .accounts import parse_period
 from .cgroups import V2_WEIGHT_MAX, V2_WEIGHT_MIN
 from .errors import ConfigError
 from .levels import ACTION_LEVELS
@@ -26,7 +27,9 @@ from .qos_params import ShareError, check_leaf_limit, check_link_rate, check_per
 from .rates import parse_rate
 from .text import parse_decimal, quote
 from .throttle_params import MAX_BATCH, MAX_INTRA_OP_THREADS, MAX_STEPS, THROTTLE_KEYS, check_throttle, check_ttl
+from .tier_headers import ACCOUNT_HEADER, TIER_HEADER
 from .tiers import TIER_NAMES
+from .toml_file import read_toml
 
 DEFAULT_PATH = "/etc/turbonode/turbonode.toml"
 # Samplers the worker can build per job (render/samplers.py maps them to diffusers classes).
@@ -41,7 +44,6 @@ ENV_PREFIX = "TURBONODE_"
 CLI_ENV_WORKER_URL = "TURBONODE_WORKER_URL"
 CLI_ENV_WORKER_SOCKET = "TURBONODE_WORKER_SOCKET"
 CLI_ENV_VARS = (CLI_ENV_WORKER_URL, CLI_ENV_WORKER_SOCKET)
-MAX_FILE_BYTES = 1 << 20  # a configuration file is a few KiB; refuse reading a runaway one whole
 T = TypeVar("T")
 
 # What a job may ask of the worker: the HTTP API refuses more, so the per-tier defaults here
@@ -191,6 +193,29 @@ def opt(default: Any, check: Check | None = None, help: str = "", table_help: Ma
 # ---- sections ------------------------------------------------------------------------
 
 
+def address_list(v: Any) -> None:
+    """IP addresses or networks (CIDR), as the worker matches a peer against them."""
+    for x in v:
+        try:
+            ipaddress.ip_network(x, strict=False)
+        except (TypeError, ValueError):
+            raise ValueError(f"expected IP addresses or CIDRs ('10.0.0.5', '10.0.0.0/24'), got {quote(x)}") from None
+
+
+LEDGER_SCHEMES = ("redis", "rediss", "unix")
+
+
+def ledger_url(v: Any) -> None:
+    scheme, sep, rest = v.partition("://")
+    if v != "embedded" and not (sep and scheme in LEDGER_SCHEMES and rest):
+        schemes = ", ".join(s + "://" for s in LEDGER_SCHEMES)
+        raise ValueError(f"expected 'embedded' or a Redis URL ({schemes}), got {quote(v)}")
+
+
+def period(v: Any) -> None:
+    parse_period(v)
+
+
 @dataclass
 class NodeConfig:
     name: str = opt("", help="the node's name: the `node` label of every metric both daemons export ('' = hostname)")
@@ -272,6 +297,29 @@ class WorkerConfig:
         one_of("", *TIER_NAMES),
         "tier whose DSCP the listening socket carries: handshakes and first packets leave in its class "
         "until a request names its tier ('' = unmarked)",
+    )
+    keys_file: str = opt(
+        "",
+        help="API keys, their tiers and budgets (docs/worker.md, accounts); reloaded when it changes. "
+        "'' = no keys: any client may ask for any tier",
+    )
+    trusted_proxies: list[str] = opt(
+        [],
+        address_list,
+        f"addresses or CIDRs (the balancer) whose {TIER_HEADER} and {ACCOUNT_HEADER} headers are obeyed; "
+        "from anyone else they are ignored",
+    )
+    ledger: str = opt(
+        "embedded",
+        ledger_url,
+        "where engine seconds per key are counted: 'embedded' (this node, worker.ledger_file) or a "
+        "Redis URL shared by the fleet (redis://HOST:PORT/DB, rediss://..., unix:///PATH)",
+    )
+    ledger_file: str = opt("/var/lib/turbonode/ledger.sqlite3", help="the embedded ledger's SQLite file")
+    budget_period: str = opt(
+        "month",
+        period,
+        "when budgets reset, for keys that name no period: hour, day, week, month (UTC) or a duration ('12h')",
     )
 
 
@@ -623,53 +671,12 @@ def config_path(path: str | None) -> str | None:
     return DEFAULT_PATH if os.path.lexists(DEFAULT_PATH) else None
 
 
-def _is_devnull(st: os.stat_result) -> bool:
-    null = os.stat(os.devnull)
-    return stat.S_ISCHR(st.st_mode) and st.st_rdev == null.st_rdev
-
-
-def _read_toml(path: str) -> dict[str, Any]:
-    """The file's TOML; one ConfigError naming the file for anything that is not a small UTF-8
-    TOML file. O_NONBLOCK: opening a FIFO must not wait for a writer that never comes."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise ConfigError(path, "file not found") from None
-    except OSError as exc:
-        raise ConfigError(path, exc.strerror or str(exc)) from None
-    try:
-        st = os.fstat(fd)
-        if not (stat.S_ISREG(st.st_mode) or _is_devnull(st)):  # /dev/null: "no file", as usual
-            mode = st.st_mode
-            kind = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a device or socket"
-            raise ConfigError(path, f"not a regular file ({kind})")
-        raw = b""
-        while len(raw) <= MAX_FILE_BYTES and (chunk := os.read(fd, MAX_FILE_BYTES + 1 - len(raw))):
-            raw += chunk
-    except OSError as exc:
-        raise ConfigError(path, exc.strerror or str(exc)) from None
-    finally:
-        os.close(fd)
-    if len(raw) > MAX_FILE_BYTES:
-        raise ConfigError(path, f"larger than {MAX_FILE_BYTES >> 20} MiB: not a configuration file")
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise ConfigError(path, f"not UTF-8 text (byte {raw[exc.start]:#04x} at offset {exc.start})") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(path, f"not valid TOML: {exc}") from None
-    except RecursionError:
-        raise ConfigError(path, "not valid TOML here: nested too deeply") from None
-
-
 def load_config(
     path: str | None = None, env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
 ) -> Config:
     """Load and validate. `path=None` reads DEFAULT_PATH if it exists; an explicit path must exist."""
     source = config_path(path)
-    data = _read_toml(source) if source is not None else {}
+    data = read_toml(source) if source is not None else {}
     data = _merge(data, _env_overrides(os.environ if env is None else env))
     data = _merge(data, {k: v for k, v in (overrides or {}).items() if v is not None})
     try:
