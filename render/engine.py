@@ -260,6 +260,7 @@ class Engine:
                 if s.state is None:
                     job = s.job
                     self.prepare(s, self.defaults.sampler[job.tier], self.steps_for(job.tier, job.request.steps))
+            weights = [rows(self.family, s) for s in samples]
             n_rows = denoise_step(self.family, self.backend, samples)
         except Exception as exc:  # noqa: BLE001 - one bad batch must not stop the worker
             log.exception("denoising step failed")
@@ -267,6 +268,7 @@ class Engine:
             self.jobs.fail({s.job for s in samples}, self._describe_error("a denoising step", len(samples), exc))
             return
         seconds = self.clock() - t0
+        _charge(samples, seconds, weights)
         key = (_shape(samples[0]), n_rows)
         self.step_cost[key] = _smooth(self.step_cost.get(key), seconds)
         self.step_times.append(seconds)
@@ -293,7 +295,10 @@ class Engine:
             self.jobs.fail({s.job for s in samples}, self._describe_error("decoding", len(samples), exc))
             return
         seconds = self.clock() - t0
+        _charge(samples, seconds, [1] * len(samples))
         self.decode_s_per_image = _smooth(self.decode_s_per_image, seconds / len(samples))
+        if self.metrics is not None:
+            self.metrics.observe_decode(seconds)
         with self.jobs.lock:
             for s, arr in zip(samples, arrays):
                 s.image = arr
@@ -471,6 +476,15 @@ class Engine:
                         [job.tier, job.seq, h, w, rows(self.family, group[0]), left, group[0].started, len(group)]
                     )
         return out
+
+
+def _charge(samples: list[Sample], seconds: float, weights: list[int]) -> None:
+    """Each sample's job pays its share of one batched call: by denoiser rows (an image with
+    classifier-free guidance takes two), one image each for a decode. Not wall time: a job that
+    waits, or shares a batch, pays for what the engine computed for it."""
+    total = sum(weights)
+    for s, w in zip(samples, weights):
+        s.job.engine_s += seconds * w / total
 
 
 def _shape(s: Sample) -> tuple[int, int]:

@@ -41,7 +41,8 @@ from .png import encode_png
 log = logging.getLogger(__name__)
 
 ENTRY = "import sys; from render.engine_host import main; sys.exit(main())"  # python -c: `ps` shows what runs
-METRIC_METHODS = frozenset({"observe_step", "observe_stage", "job_finished"})  # what the engine reports
+# what the engine reports
+METRIC_METHODS = frozenset({"observe_step", "observe_decode", "observe_stage", "job_finished"})
 STOP_TIMEOUT_S = 10.0  # the engine thread's last boundary, at most
 
 

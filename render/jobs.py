@@ -79,6 +79,10 @@ class JobRequest:
     height: int
     n: int = 1
     negative_prompt: str = ""
+    # who asked, and what (the front decides: docs/worker.md, "Accounts"); the job record shows them
+    account: str = ""  # the key's name ('' without keys)
+    requested_tier: str = ""  # the tier asked for, when `tier` is another ('' = the same)
+    downgraded: str = ""  # why `tier` is not the one asked for (turbonode.tier_headers.DOWNGRADE_REASONS)
 
 
 @dataclass(eq=False)
@@ -129,6 +133,8 @@ class Job:
     uncond: Conditioning | None = None  # the negative prompt's, with classifier-free guidance
     cancel_requested: bool = False
     images_dropped: bool = False
+    # engine seconds this job used: its share of every batched denoiser and decoder call it was in
+    engine_s: float = 0.0
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     samples: list[Sample] = field(default_factory=list)
 
@@ -162,6 +168,8 @@ class Job:
             "object": "image.generation.job",
             "state": self.state.value,
             "tier": self.tier,
+            "requested_tier": self.request.requested_tier or self.tier,
+            "downgraded": self.request.downgraded or None,
             "progress": self.progress,
             "created": int(self.created),
             "steps": max((s.total_steps for s in self.samples), default=self.request.steps),
@@ -169,7 +177,10 @@ class Job:
             "seed": self.request.seed,
             "n": self.request.n,
             "size": f"{self.request.width}x{self.request.height}",
+            "engine_s": round(self.engine_s, 6),
         }
+        if self.request.account:
+            out["account"] = self.request.account
         if self.started is not None:
             out["queue_wait_s"] = round(self.started - self.submitted, 4)
         if self.finished is not None:
