@@ -77,6 +77,7 @@ class Worker:
     """Everything a running worker owns: `serve` binds, loads (`load`) and runs until a signal."""
 
     def __init__(self, cfg: WorkerConfig, policy=None, node: str = ""):
+        from .accounts import Accounts
         from .http_api import Api
         from .http_log import MalformedRequestLog
         from .metrics import WorkerMetrics
@@ -86,8 +87,18 @@ class Worker:
         registry, served = daemon_registry("worker", node, self._build_labels)
         self.metrics = WorkerMetrics(registry)
         self.metrics.watch_load(cfg.capacity)
+        # the keys file and the ledger: a bad keys file or an unwritable ledger file stops the start here
+        self.accounts = Accounts.from_config(cfg, self.metrics)
+        self.metrics.watch_accounts(self.accounts)
         self.api = Api(
-            None, served, None, model_id=cfg.model, metrics=self.metrics, slo=cfg.slo, refuse_unready=cfg.refuse_unready
+            None,
+            served,
+            None,
+            model_id=cfg.model,
+            metrics=self.metrics,
+            slo=cfg.slo,
+            refuse_unready=cfg.refuse_unready,
+            accounts=self.accounts,
         )
         self.engine: RemoteEngine | None = None  # the engine process, from the start of the load
         self.gc: GcMonitor | None = None

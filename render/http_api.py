@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import math
@@ -39,12 +40,16 @@ from turbonode.errors import ConfigError
 from turbonode.metric_names import CLIENT_CLOSED, UNKNOWN_TIER
 from turbonode.text import parse_decimal, quote
 from turbonode.throttle_params import MAX_STEPS
+from turbonode.tier_headers import BUDGET, DOWNGRADED_HEADER, REQUESTED_TIER_HEADER, TIER_HEADER
 from turbonode.tiers import DEFAULT_TIER, TIER_NAMES, tos_byte
 
+from .accounts import Accounts, Admission, UnknownTier
 from .admission import NewJob, predict
 from .jobs import JobCancelled, JobFailed, JobRequest, Rejected
+from .keys import AuthError
 from .png import encode_png
 from .readiness import ENGINE_STALL_S, Phase, Readiness, TierView, readiness
+from .trust import TrustedProxies
 
 # How far past its objective a prediction replays the work ahead (render/admission.py): enough
 # for a Retry-After that says when the job would fit, bounded so a deep queue costs little.
@@ -52,10 +57,10 @@ REPLAY_OBJECTIVES = 2.0
 
 log = logging.getLogger(__name__)
 
-TIER_HEADER = "X-Turbonode-Tier"
 MAX_PROMPT_CHARS = 4000
 MAX_IMAGES = 10
 MAX_WAIT_S = 600.0  # the longest GET /v1/jobs/{id}?wait= holds an answer
+CHARGES_TIMEOUT_S = 2.0  # at stop: how long ended jobs' charges may take to reach the ledger
 # OpenAI request fields that do not change what this worker renders; accepted and ignored.
 IGNORED_OPENAI_FIELDS = {
     "model",
@@ -169,8 +174,9 @@ def parse_json_body(raw: bytes, charset: str | None):
         raise BadRequest("body is not valid JSON: nested too deeply") from None
 
 
-def parse_generation(body, header_tier: str | None, defaults: RequestDefaults) -> tuple[JobRequest, bool]:
-    """Validate a generation request body; returns (request, async?) or raises BadRequest."""
+def parse_generation(body, tier: str | None, defaults: RequestDefaults) -> tuple[JobRequest, bool]:
+    """Validate a generation request body; returns (request, async?) or raises BadRequest. `tier`:
+    the tier the request runs in (render/accounts.py decides it), None: the body's own."""
     if not isinstance(body, dict):
         raise BadRequest("request body must be a JSON object")
     unknown = set(body) - TURBONODE_FIELDS - IGNORED_OPENAI_FIELDS
@@ -195,10 +201,9 @@ def parse_generation(body, header_tier: str | None, defaults: RequestDefaults) -
         )
     if body.get("stream"):
         raise BadRequest("'stream' is not supported", "stream")
-    tier = body.get("tier") or header_tier or DEFAULT_TIER
+    tier = tier or body.get("tier") or DEFAULT_TIER
     if tier not in TIER_NAMES:
-        source = "'tier'" if body.get("tier") else f"header {TIER_HEADER}"
-        raise BadRequest(f"{source}: unknown tier {quote(tier)} (expected one of {', '.join(TIER_NAMES)})", "tier")
+        raise BadRequest(f"'tier': unknown tier {quote(tier)} (expected one of {', '.join(TIER_NAMES)})", "tier")
     width, height = _size(body.get("size"), defaults)
     guidance = body.get("guidance", defaults.guidance[tier])
     if guidance is None:
@@ -301,11 +306,39 @@ def error_body(message: str, type_: str, param: str | None = None, code: str | N
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
 
 
+def unauthorized(exc: AuthError) -> web.Response:
+    """401 in OpenAI's shape (its clients raise AuthenticationError on it), with RFC 6750's challenge."""
+    code = None if exc.reason == "missing" else "invalid_api_key"
+    return web.json_response(
+        error_body(str(exc), "invalid_request_error", None, code),
+        status=401,
+        headers={"WWW-Authenticate": 'Bearer realm="turbonode"'},
+    )
+
+
+def peer_address(request: web.Request) -> str | None:
+    """The connection's peer, never a forwarded-for header: what worker.trusted_proxies is matched on."""
+    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+    return peer[0] if isinstance(peer, tuple) and peer else None
+
+
+def tier_headers(job_request: JobRequest) -> dict[str, str]:
+    """What every answer about a job says of its tier: the tier that serves it and, when that is not
+    the one asked for, which was and why."""
+    headers = {TIER_HEADER: job_request.tier}
+    if job_request.downgraded:
+        headers[DOWNGRADED_HEADER] = job_request.downgraded
+        headers[REQUESTED_TIER_HEADER] = job_request.requested_tier
+    return headers
+
+
 @web.middleware
 async def json_errors(request, handler):
     """Answer aiohttp's own 4xx/5xx (404, 405, 413 ...) with an OpenAI-style JSON error body."""
     try:
         return await handler(request)
+    except AuthError as exc:
+        return unauthorized(exc)
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
@@ -333,9 +366,13 @@ class Api:
         metrics=None,
         slo: Mapping[str, float] | None = None,
         refuse_unready: bool = False,
+        accounts: Accounts | None = None,
         clock: Callable[[], float] = time.monotonic,
     ):
         self.engine = engine
+        # without keys: anyone may ask for any tier, and no tier header is obeyed
+        self.accounts = accounts or Accounts(None, None, TrustedProxies(()), metrics)
+        self._charges: set[asyncio.Future] = set()  # jobs whose end their key's charge waits for
         self.registry = registry  # what /metrics serves
         self.defaults = defaults
         # what the worker serves: the engine's description once loaded, the configured id before
@@ -355,6 +392,8 @@ class Api:
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[json_errors])
+        app.on_startup.append(self._start_accounts)
+        app.on_cleanup.append(self._close_accounts)
         app.add_routes(
             [
                 web.post("/v1/images/generations", self.generate),
@@ -460,9 +499,11 @@ class Api:
 
     async def list_models(self, request: web.Request) -> web.Response:
         """GET /v1/models: what this worker serves, in OpenAI's list shape (one model per worker)."""
+        self.accounts.identify(request.headers, peer_address(request))
         return web.json_response({"object": "list", "data": [self._model_object()]})
 
     async def get_model(self, request: web.Request) -> web.Response:
+        self.accounts.identify(request.headers, peer_address(request))
         if request.match_info["id"] != self.model["model"]:
             raise web.HTTPNotFound(
                 reason=f"no model {request.match_info['id']!r}; this worker serves {self.model['model']!r}"
@@ -499,21 +540,42 @@ class Api:
                 self.metrics.request_answered(tally.tier, tally.outcome, tally.code, self.clock() - start)
 
     async def _generate(self, request: web.Request, tally: Tally) -> Answer:
-        header_tier = request.headers.get(TIER_HEADER)
+        peer = peer_address(request)
+        try:
+            account = self.accounts.identify(request.headers, peer)
+        except AuthError as exc:
+            _mark(request, DEFAULT_TIER)
+            return Answer("invalid", unauthorized(exc))
         try:
             body = parse_json_body(await request.read(), request.charset)
         except BadRequest as exc:
-            tally.tier = _tier_of(None, header_tier)
             return _invalid(request, exc)
-        tally.tier = _tier_of(body, header_tier)
+        tally.tier = _tier_of(body)
         if self.engine is None or self.defaults is None:
             r = self.readiness()
             return Answer("rejected", _error(r.reason, 503, "tier", "loading", r))
         try:
-            job_request, run_async = parse_generation(body, header_tier, self.defaults)
+            body_tier = (body.get("tier") or None) if isinstance(body, dict) else None
+            asked = self.accounts.asked(body_tier, request.headers, peer)
+            parse_generation(body, asked.start, self.defaults)  # every field checked before the ledger is asked
+        except UnknownTier as exc:
+            return _invalid(request, BadRequest(str(exc), "tier"))
         except BadRequest as exc:
             return _invalid(request, exc)
-        tier = tally.tier = job_request.tier
+        tally.tier = asked.requested
+        admission = await self.accounts.admit(account, asked, self.engine.throttle.current())
+        g = admission.grant
+        if g.tier is None:
+            _mark(request, DEFAULT_TIER)
+            return Answer("rejected" if g.reason == BUDGET else "invalid", _refused(admission))
+        tier = tally.tier = g.tier
+        job_request, run_async = parse_generation(body, tier, self.defaults)  # with the tier's own defaults
+        job_request = dataclasses.replace(
+            job_request,
+            account=account.name if account is not None else "",
+            requested_tier=g.requested if g.downgraded else "",
+            downgraded=g.reason if g.downgraded else "",
+        )
         _mark(request, tier)
         if self.refuse_unready:
             r = await _off_loop(self.readiness, tier, job_request)
@@ -535,9 +597,11 @@ class Api:
                 headers=headers,
             )
             return Answer("rejected", response)
+        self._charge_at_end(job, admission)
+        said = tier_headers(job_request)
         if run_async:
             response = web.json_response(
-                job.describe(self.engine.clock()), status=202, headers={"Location": f"/v1/jobs/{job.id}"}
+                job.describe(self.engine.clock()), status=202, headers={"Location": f"/v1/jobs/{job.id}", **said}
             )
             return Answer("accepted", response, job)
         try:
@@ -547,25 +611,60 @@ class Api:
             asyncio.get_running_loop().run_in_executor(None, self.engine.cancel, job.id)
             raise
         except JobCancelled as exc:
-            return Answer("cancelled", _error(str(exc), 409, None, "cancelled"), job)
+            return Answer("cancelled", _error(str(exc), 409, None, "cancelled", headers=said), job)
         except JobFailed as exc:
             status = 503 if not self.engine.accepting else 500
-            return Answer("failed", _error(f"job failed: {exc}", status, None, "job_failed"), job)
+            return Answer("failed", _error(f"job failed: {exc}", status, None, "job_failed", headers=said), job)
         payload = {
             "created": int(job.created),
             "data": await self._images(job),
             "turbonode": job.describe(self.engine.clock()),
         }
         job.drop_images()  # delivered: a sync job's pixels are not kept
-        return Answer("ok", web.json_response(payload), job)
+        return Answer("ok", web.json_response(payload, headers=said), job)
+
+    def _charge_at_end(self, job, admission: Admission) -> None:
+        """At the job's end (done, failed or cancelled), its key pays the engine seconds it used."""
+        if admission.account is None or not self.accounts.keyed:
+            return
+
+        async def charge() -> None:
+            with contextlib.suppress(JobCancelled, JobFailed):
+                await job.ended()
+            if job.state.terminal:  # else the engine went away first: what it used is unknown
+                used = job.describe(self.engine.clock()).get("engine_s", 0.0)
+                self.accounts.charge(admission.account, job.tier, used)
+
+        task = asyncio.ensure_future(charge())
+        self._charges.add(task)
+        task.add_done_callback(self._charges.discard)
+
+    async def _start_accounts(self, _app: web.Application) -> None:
+        self.accounts.start()  # the ledger's writer, on the loop that serves
+
+    async def _close_accounts(self, _app: web.Application) -> None:
+        """At stop (after the drain): the charges of jobs that have ended reach the ledger, which
+        then writes what it holds (each for a bounded time)."""
+        if self._charges:
+            await asyncio.wait(set(self._charges), timeout=CHARGES_TIMEOUT_S)
+        await self.accounts.close()
 
     # ---- jobs -------------------------------------------------------------------------
 
     async def _job(self, request: web.Request, lookup: str):
-        """The job the path names, by the engine's `lookup` ("get" or "cancel"), or 404."""
-        job = await _off_loop(getattr(self.engine, lookup), request.match_info["id"]) if self.engine else None
-        if job is None:
-            raise web.HTTPNotFound(reason=f"no job {request.match_info['id']!r} (unknown or expired)")
+        """The job the path names, by the engine's `lookup` ("get" or "cancel"), or 404; with keys,
+        only its own key's caller finds it (anyone else: 404, as for a job that does not exist)."""
+        account = self.accounts.identify(request.headers, peer_address(request))
+        missing = web.HTTPNotFound(reason=f"no job {request.match_info['id']!r} (unknown or expired)")
+        if self.engine is None:
+            raise missing
+        if lookup == "cancel" and account is not None:  # never cancel another key's job: look first
+            found = await _off_loop(self.engine.get, request.match_info["id"])
+            if found is None or found.request.account != account.name:
+                raise missing
+        job = await _off_loop(getattr(self.engine, lookup), request.match_info["id"])
+        if job is None or account is not None and job.request.account != account.name:
+            raise missing
         _mark(request, job.tier)
         return job
 
@@ -589,11 +688,12 @@ class Api:
         out = await _off_loop(job.describe, self.engine.clock())
         if job.state.value == "done" and not job.images_dropped:
             out["data"] = await self._images(job)
-        return web.json_response(out)
+        return web.json_response(out, headers=tier_headers(job.request))
 
     async def delete_job(self, request: web.Request) -> web.Response:
         job = await self._job(request, "cancel")
-        return web.json_response(await _off_loop(job.describe, self.engine.clock()))
+        described = await _off_loop(job.describe, self.engine.clock())
+        return web.json_response(described, headers=tier_headers(job.request))
 
 
 @dataclass
@@ -614,17 +714,39 @@ class Tally:
     code: int = 500
 
 
-def _tier_of(body, header_tier: str | None) -> str:
-    """The request's tier as far as it can be read, for counting a refused or bad request."""
+def _tier_of(body) -> str:
+    """The request's tier as far as its body says, for counting a refused or bad request."""
     tier = body.get("tier") if isinstance(body, dict) else None
-    tier = tier or header_tier or DEFAULT_TIER
+    tier = tier or DEFAULT_TIER
     return tier if tier in TIER_NAMES else UNKNOWN_TIER
 
 
-def _error(message: str, status: int, param: str | None = None, code: str | None = None, r=None) -> web.Response:
+def _error(
+    message: str, status: int, param: str | None = None, code: str | None = None, r=None, headers=None
+) -> web.Response:
     kind = "invalid_request_error" if status < 500 else "server_error"
-    headers = r.retry_after_header() if r is not None else {}
+    headers = {**(r.retry_after_header() if r is not None else {}), **(headers or {})}
     return web.json_response(error_body(message, kind, param, code), status=status, headers=headers)
+
+
+def _refused(admission: Admission) -> web.Response:
+    """No tier for this key: every one it may use at or below the one asked for is spent (429 until
+    the period resets; OpenAI's `insufficient_quota`, which its clients do not retry), or it may
+    use none of them (403)."""
+    g, name = admission.grant, admission.account.name if admission.account else ""
+    if g.reason == BUDGET:
+        retry = max(1, math.ceil(admission.retry_after_s or 1))
+        message = (
+            f"key {name!r} has spent its budget of engine time for {g.requested} and every lower tier it may use "
+            f"this period; it resets in {retry} s"
+        )
+        return web.json_response(
+            error_body(message, "insufficient_quota", "tier", "insufficient_quota"),
+            status=429,
+            headers={"Retry-After": str(retry), "x-should-retry": "false"},
+        )
+    message = f"key {name!r} may not use tier {g.requested} or any tier below it"
+    return web.json_response(error_body(message, "invalid_request_error", "tier", "tier_not_allowed"), status=403)
 
 
 def _invalid(request: web.Request, exc: BadRequest) -> Answer:

@@ -31,7 +31,10 @@ from turbonode.metric_names import (
     SLO,
     STAGES,
 )
+from turbonode.tier_headers import ACCOUNT_HEADER, DOWNGRADE_REASONS, TIER_HEADER
 from turbonode.tiers import PRIORITY_ORDER, TIER_NAMES
+
+from .keys import AUTH_FAILURES
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +69,9 @@ class WorkerMetrics:
         self.step_seconds = Histogram(
             P + "step_duration_seconds", "Wall time of one batched UNet step", buckets=STEP_BUCKETS, registry=r
         )
+        self.decode_seconds = Histogram(
+            P + "decode_duration_seconds", "Wall time of one batched VAE decode", buckets=STEP_BUCKETS, registry=r
+        )
         self.batch_size = Histogram(
             P + "batch_images", "Images in one UNet step", buckets=(1, 2, 4, 8, 16, 32), registry=r
         )
@@ -73,6 +79,28 @@ class WorkerMetrics:
             P + "gc_pause_seconds", "Pause of one garbage collection", ["generation"], buckets=GC_BUCKETS, registry=r
         )
         self.jobs = Counter(P + "jobs", "Jobs that ended, by tier and outcome", ["tier", "outcome"], registry=r)
+        # accounts (render/accounts.py)
+        self.downgrades = Counter(
+            P + "tier_downgrades",
+            "Generation requests run in a lower tier than they asked for, by tier asked for and reason",
+            ["tier", "reason"],
+            registry=r,
+        )
+        self.engine_seconds = Counter(
+            P + "engine_seconds",
+            "Engine seconds charged to each key, by tier: a job's share of every batched denoiser and decoder call",
+            ["key", "tier"],
+            registry=r,
+        )
+        self.auth_failures = Counter(
+            P + "auth_failures", "Requests refused 401, by reason (missing, unknown, revoked)", ["reason"], registry=r
+        )
+        self.untrusted_headers = Counter(
+            P + "untrusted_headers",
+            "Tier or account headers ignored: sent from an address outside worker.trusted_proxies",
+            ["header"],
+            registry=r,
+        )
         self.http_malformed = Counter(
             P + "http_malformed_requests", "HTTP messages the server could not parse (answered 400)", registry=r
         )
@@ -88,6 +116,12 @@ class WorkerMetrics:
                 self.request_stage.labels(tier, stage)
             for code in ("200", "429", "503"):
                 self.requests.labels(tier, code)
+            for reason in DOWNGRADE_REASONS:
+                self.downgrades.labels(tier, reason)
+        for reason in AUTH_FAILURES:
+            self.auth_failures.labels(reason)
+        for header in (TIER_HEADER, ACCOUNT_HEADER):
+            self.untrusted_headers.labels(header)
 
     def request_answered(self, tier: str, outcome: str, code: int, seconds: float) -> None:
         self.request_duration.labels(tier, outcome).observe(seconds)
@@ -106,6 +140,10 @@ class WorkerMetrics:
         for tier, n in per_tier.items():
             self.denoise_steps.labels(tier).inc(n)
 
+    def observe_decode(self, seconds: float) -> None:
+        """One batched VAE decode."""
+        self.decode_seconds.observe(seconds)
+
     def observe_gc(self, generation: int, seconds: float) -> None:
         self.gc_pause.labels(str(generation)).observe(seconds)
 
@@ -115,6 +153,10 @@ class WorkerMetrics:
     def watch(self, engine) -> None:
         """Export the engine's levels at scrape time."""
         self.registry.register(EngineCollector(engine))
+
+    def watch_accounts(self, accounts) -> None:
+        """Export the keys and the ledger's state at scrape time (render/accounts.py)."""
+        self.registry.register(AccountsCollector(accounts))
 
     def watch_readiness(self, ready: Callable[[str], bool], slo: Mapping[str, float]) -> None:
         """Export each tier's readiness (what GET /readyz?tier=T answers) and objective at scrape time."""
@@ -203,6 +245,40 @@ class ReadinessCollector:
         for tier, seconds in self.slo.items():
             slo.add_metric([tier], seconds)
         yield slo
+
+
+class AccountsCollector:
+    """The keys loaded and the ledger's state: reachable, charges not yet written, failures."""
+
+    def __init__(self, accounts):
+        self.accounts = accounts
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        keyring, ledger = self.accounts.keyring, self.accounts.ledger
+        if keyring is None:
+            return
+        yield GaugeMetricFamily(P + "keys", "API keys loaded from worker.keys_file", value=len(keyring.keys))
+        yield CounterMetricFamily(
+            P + "keys_reload_failures",
+            "Changes to worker.keys_file that did not validate (the keys before stayed in force)",
+            value=keyring.failed_reloads,
+        )
+        if ledger is None:
+            return
+        yield GaugeMetricFamily(
+            P + "ledger_up", "1 while the ledger's store (Redis or the embedded file) answers", value=int(ledger.up)
+        )
+        yield GaugeMetricFamily(
+            P + "ledger_unwritten_seconds",
+            "Engine seconds charged here and not yet written to the ledger's store",
+            value=ledger.unwritten_us / 1e6,
+        )
+        yield CounterMetricFamily(
+            P + "ledger_failures", "Reads and writes of the ledger's store that failed", value=ledger.failures
+        )
 
 
 class EngineCollector:

@@ -55,8 +55,15 @@ class Served:
 
 
 @contextlib.contextmanager
-def serve(engine: Engine | None = None, api_settings: dict | None = None, handshake_tier: str = "turbo", **settings):
-    """The real aiohttp app on 127.0.0.1:<ephemeral> in a background thread, engine thread running."""
+def serve(
+    engine: Engine | None = None,
+    api_settings: dict | None = None,
+    handshake_tier: str = "turbo",
+    accounts=None,
+    **settings,
+):
+    """The real aiohttp app on 127.0.0.1:<ephemeral> in a background thread, engine thread running.
+    `accounts(metrics)` makes the API's render.accounts.Accounts (default: open, no keys)."""
     from aiohttp import web
 
     metrics = WorkerMetrics()
@@ -64,7 +71,11 @@ def serve(engine: Engine | None = None, api_settings: dict | None = None, handsh
     engine.metrics = metrics
     metrics.watch(engine)
     defaults = RequestDefaults(SIZE, engine.size_multiple, engine.defaults.steps, engine.defaults.guidance)
-    api = Api(engine, metrics.registry, defaults, metrics=metrics, **(api_settings or {}))
+    api_settings = dict(api_settings or {})
+    if accounts is not None:
+        api_settings["accounts"] = accounts(metrics)
+        metrics.watch_accounts(api_settings["accounts"])
+    api = Api(engine, metrics.registry, defaults, metrics=metrics, **api_settings)
     loop = asyncio.new_event_loop()
     started = threading.Event()
     holder = {}

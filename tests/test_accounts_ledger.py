@@ -1,0 +1,172 @@
+"""The ledger against a real Redis (started here, killed by PID) and the embedded SQLite file:
+batches counted once, no update lost between workers, charges kept while Redis is down."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import redis
+
+from render.ledger import Ledger, counter
+from render.ledger_stores import RedisStore, SqliteStore
+from sandbox.redis_server import REDIS_SKIP, RedisServer
+from tests.daemon_harness import ROOT
+
+needs_redis = pytest.mark.skipif(REDIS_SKIP is not None, reason=REDIS_SKIP or "")
+KEY = counter("alice", "turbo", "month.2025-06")
+LATER = time.time() + 3600
+
+
+@pytest.fixture
+def redis_server():
+    if REDIS_SKIP:
+        pytest.skip(REDIS_SKIP)
+    with RedisServer() as server:
+        yield server
+
+
+def make_store(kind: str, tmp_path, server=None):
+    return RedisStore(server.url) if kind == "redis" else SqliteStore(str(tmp_path / "ledger.sqlite3"), time.time)
+
+
+@pytest.mark.parametrize("kind", ["redis", "sqlite"])
+def test_a_batch_counts_once_however_often_it_is_sent(kind, tmp_path, request):
+    server = request.getfixturevalue("redis_server") if kind == "redis" else None
+
+    async def run():
+        store = make_store(kind, tmp_path, server)
+        try:
+            await store.add("batch-1", {KEY: 1500}, {KEY: LATER})
+            await store.add("batch-1", {KEY: 1500}, {KEY: LATER})  # its answer was lost: sent again
+            await store.add("batch-2", {KEY: 25}, {KEY: LATER})
+            return await store.read([KEY, counter("bob", "turbo", "x")])
+        finally:
+            await store.close()
+
+    assert asyncio.run(run()) == [1525, 0]
+
+
+@needs_redis
+def test_redis_counters_expire_a_period_after_their_own():
+    with RedisServer(unix_socket=True) as server:  # the unix:// form of worker.ledger
+
+        async def run():
+            store = RedisStore(server.url)
+            try:
+                await store.add("b", {KEY: 7}, {KEY: time.time() + 100})
+            finally:
+                await store.close()
+
+        asyncio.run(run())
+        client = redis.Redis(unix_socket_path=str(server.unix))
+        assert int(client.get(KEY)) == 7 and 90 < client.ttl(KEY) <= 100
+        client.close()
+
+
+CHARGER = textwrap.dedent(
+    """
+    import asyncio, json, random, sys, time
+    from render.ledger import Ledger
+    from render.ledger_stores import RedisStore, SqliteStore
+    kind, where, key, n, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
+    rng = random.Random(seed)
+
+    async def main():
+        store = RedisStore(where) if kind == "redis" else SqliteStore(where, time.time)
+        ledger = Ledger(store, retry_s=0.01)
+        ledger.start()
+        total = 0
+        for _ in range(n):
+            us = rng.randrange(1, 100_000)
+            total += us
+            ledger.charge(key, us, time.time() + 3600)
+            await asyncio.sleep(0)  # let the writer send what has gathered, as job ends arrive
+        await ledger.close(timeout=30)
+        print(json.dumps({"charged": total, "unwritten": ledger.unwritten_us}))
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.mark.parametrize("kind", ["redis", "sqlite"])
+def test_two_workers_charging_one_key_lose_no_update(kind, tmp_path, request):
+    """Two processes (two workers' fronts) charge the same counter at once: the store's total is
+    the sum of both, to the microsecond (Redis: INCRBY in one script; SQLite: one transaction)."""
+    server = request.getfixturevalue("redis_server") if kind == "redis" else None
+    where = server.url if server else str(tmp_path / "ledger.sqlite3")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", CHARGER, kind, where, KEY, "2000", str(seed)],
+            cwd=ROOT,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for seed in (1, 2)
+    ]
+    outs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+    assert all(p.returncode == 0 for p in procs) and all(o["unwritten"] == 0 for o in outs)
+
+    async def total():
+        store = make_store(kind, tmp_path, server)
+        try:
+            return (await store.read([KEY]))[0]
+        finally:
+            await store.close()
+
+    assert asyncio.run(total()) == sum(o["charged"] for o in outs)
+
+
+@needs_redis
+def test_charges_made_while_redis_is_down_are_written_when_it_is_back(redis_server):
+    async def run():
+        ledger = Ledger(RedisStore(redis_server.url), retry_s=0.2)
+        try:
+            ledger.charge(KEY, 1_000_000, LATER)
+            assert await ledger.write_once() and ledger.up
+            assert await ledger.spent_us([KEY]) == [1_000_000]
+            redis_server.kill()
+            ledger.charge(KEY, 250_000, LATER)
+            assert not await ledger.write_once() and not ledger.up and ledger.failures == 1
+            # served from the figure last read plus its own unwritten charges, without asking
+            started = time.monotonic()
+            assert await ledger.spent_us([KEY]) == [1_250_000]
+            assert time.monotonic() - started < 0.05
+            ledger.charge(KEY, 5, LATER)  # gathered apart from the batch being retried
+            assert ledger.unwritten_us == 250_005
+            redis_server.start()  # the same port and data (append-only)
+            assert await ledger.write_once() and await ledger.write_once() and ledger.up
+            assert ledger.unwritten_us == 0
+            await asyncio.sleep(0.2)
+            return await ledger.spent_us([KEY])
+        finally:
+            await ledger.close()
+
+    assert asyncio.run(run()) == [1_250_005]
+    client = redis.Redis.from_url(redis_server.url)
+    assert int(client.get(KEY)) == 1_250_005  # nothing lost, nothing counted twice
+    client.close()
+
+
+def test_an_unreachable_store_is_not_asked_again_for_a_while(tmp_path):
+    from sandbox.redis_server import free_port
+
+    async def run():
+        ledger = Ledger(RedisStore(f"redis://127.0.0.1:{free_port()}/0"), retry_s=30)
+        try:
+            ledger.charge(KEY, 42, LATER)
+            assert await ledger.spent_us([KEY]) == [42] and not ledger.up
+            failures = ledger.failures
+            for _ in range(100):
+                assert await ledger.spent_us([KEY]) == [42]
+            return ledger.failures - failures
+        finally:
+            await ledger.close(timeout=0.1)
+
+    assert asyncio.run(run()) == 0
