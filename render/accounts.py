@@ -24,7 +24,7 @@ from turbonode.tiers import DEFAULT_TIER, TIER_NAMES
 
 from .keys import AuthError, KeyRing
 from .ledger import Ledger, counter
-from .ledger_stores import LedgerStore, RedisStore, SqliteStore
+from .ledger_stores import open_store
 from .tier_grant import Grant, grant
 from .trust import TrustedProxies
 
@@ -68,10 +68,7 @@ class Accounts:
         if not cfg.keys_file:
             return cls(None, None, trusted, metrics)
         keyring = KeyRing(cfg.keys_file, parse_period(cfg.budget_period))
-        store: LedgerStore = (
-            SqliteStore(cfg.ledger_file, time.time) if cfg.ledger == "embedded" else RedisStore(cfg.ledger)
-        )
-        return cls(keyring, Ledger(store), trusted, metrics)
+        return cls(keyring, Ledger(open_store(cfg.ledger, cfg.ledger_file)), trusted, metrics)
 
     @property
     def keyed(self) -> bool:

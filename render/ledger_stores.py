@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import sqlite3
+import time
 from collections.abc import Mapping
 from typing import Protocol
 
@@ -126,3 +127,8 @@ class SqliteStore:
 
     async def close(self) -> None:
         self.db.close()
+
+
+def open_store(ledger: str, ledger_file: str) -> LedgerStore:
+    """worker.ledger's store: 'embedded' (worker.ledger_file) or a Redis URL."""
+    return SqliteStore(ledger_file, time.time) if ledger == "embedded" else RedisStore(ledger)

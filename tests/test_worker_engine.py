@@ -283,3 +283,25 @@ def test_a_relax_image_is_decoded_under_a_ceaseless_stream_of_turbo_jobs():
     relax_decode = next(i for i, e in enumerate(events) if e["kind"] == "decode" and "relax" in tiers_of(e))
     relax_step = next(i for i, e in enumerate(events) if e["kind"] == "step" and "relax" in tiers_of(e))
     assert relax_decode - relax_step <= 11, (relax_step, relax_decode)
+
+
+def test_each_job_pays_its_share_of_every_batched_call():
+    """Engine seconds per job: a denoiser call split by rows (classifier-free guidance takes two),
+    a decode split by images; the shares add up to the engine's own measured call times."""
+    events = []
+    engine = make_engine(max_batch=4, on_event=events.append)
+    cfg = engine.submit(req("relax", steps=3, seed=1, guidance=7.5, n=1))
+    plain = engine.submit(req("relax", steps=3, seed=2, guidance=0.0, n=2))
+    drain(engine, [cfg, plain])
+    shared = [e for e in events if e["kind"] == "step" and {s[0] for s in e["samples"]} == {cfg.id, plain.id}]
+    assert shared, events  # they shared a denoiser call: 2 rows for cfg's image, 1 for each of plain's two
+    rows = {cfg.id: 2, plain.id: 1}
+    expected = {cfg.id: 0.0, plain.id: 0.0}
+    for e in events:
+        weights = [rows[s[0]] if e["kind"] == "step" else 1 for s in e["samples"]]
+        for s, w in zip(e["samples"], weights):
+            expected[s[0]] += e["seconds"] * w / sum(weights)
+    assert cfg.engine_s == pytest.approx(expected[cfg.id], rel=1e-9)
+    assert plain.engine_s == pytest.approx(expected[plain.id], rel=1e-9)
+    assert cfg.engine_s + plain.engine_s == pytest.approx(sum(e["seconds"] for e in events), rel=1e-9)
+    assert cfg.describe(0.0)["engine_s"] == round(cfg.engine_s, 6)  # the job record says it

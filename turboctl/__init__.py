@@ -14,7 +14,7 @@ import click
 
 from turbonode import __version__, logs
 
-from . import agent_cmd, config_cmd, demo_cmd, doctor, qos_cmd, render_cmd, status_cmd, worker_cmd
+from . import agent_cmd, config_cmd, demo_cmd, doctor, keys_cmd, qos_cmd, render_cmd, status_cmd, worker_cmd
 
 
 class Turboctl(click.Group):
@@ -41,6 +41,6 @@ def main(verbose):
     logs.setup(logging.WARNING - 10 * min(verbose, 2))
 
 
-for _module in (config_cmd, demo_cmd, doctor, qos_cmd, agent_cmd, status_cmd, worker_cmd, render_cmd):
+for _module in (config_cmd, demo_cmd, doctor, qos_cmd, agent_cmd, status_cmd, worker_cmd, render_cmd, keys_cmd):
     for _command in getattr(_module, "commands", (_module.command,)):
         main.add_command(_command)

@@ -13,6 +13,7 @@ import ctypes
 import errno
 import grp
 import importlib.util
+import ipaddress
 import json
 import os
 import platform
@@ -25,7 +26,8 @@ from typing import Any
 import click
 
 from agent.mounts import mounted_types
-from turbonode.config import DEFAULT_PATH, Config, load_config
+from turbonode.accounts import load_keys, parse_period
+from turbonode.config import DEFAULT_PATH, Config, WorkerConfig, load_config
 from turbonode.errors import ConfigError, ControlError
 from turbonode.jsonrpc import ControlClient
 
@@ -474,6 +476,55 @@ def check_worker_socket(path: str, group: str, ping: Callable[[str], Any] | None
     )
 
 
+def check_keys(cfg: WorkerConfig, ping: Callable[[str], Any] | None = None) -> Check:
+    """API keys (docs/worker.md, "Accounts"): without them any client that reaches the worker may
+    ask for turbo; with them, the file must load, and a Redis ledger should answer."""
+    if not cfg.keys_file:
+        return Check(
+            "api keys",
+            WARN,
+            "no worker.keys_file: any client that reaches the worker can claim turbo (or any tier)",
+            "turboctl keys add NAME --tier turbo --budget turbo=3600 --file /etc/turbonode/keys.toml, "
+            "then set worker.keys_file (or authenticate at the balancer and set worker.trusted_proxies)",
+        )
+    try:
+        keys = load_keys(cfg.keys_file, parse_period(cfg.budget_period))
+    except ConfigError as exc:
+        return Check("api keys", FAIL, str(exc), "fix the keys file: the worker does not start with it")
+    revoked = sum(a.revoked for a in keys.by_name.values())
+    detail = f"{len(keys)} keys ({revoked} revoked) in {cfg.keys_file}, ledger {cfg.ledger}"
+    if any(ipaddress.ip_network(a, strict=False).prefixlen == 0 for a in cfg.trusted_proxies):
+        return Check(
+            "api keys",
+            WARN,
+            detail + "; worker.trusted_proxies trusts every address: any client can name an account or a tier",
+            "list only the balancer's addresses in worker.trusted_proxies",
+        )
+    if cfg.ledger != "embedded":
+        ping = ping or _redis_ping
+        try:
+            ping(cfg.ledger)
+        except Exception as exc:  # noqa: BLE001 - any failure to reach it is the finding
+            return Check(
+                "api keys",
+                WARN,
+                f"{detail}; Redis does not answer ({type(exc).__name__}: {exc}): the worker serves on and "
+                "judges budgets on what it last read",
+                "start Redis (append-only), or check worker.ledger",
+            )
+    return Check("api keys", OK, detail)
+
+
+def _redis_ping(url: str) -> None:
+    import redis
+
+    client = redis.Redis.from_url(url, socket_timeout=1.0, socket_connect_timeout=1.0)
+    try:
+        client.ping()
+    finally:
+        client.close()
+
+
 def _group_exists(gid: int) -> bool:
     try:
         grp.getgrgid(gid)
@@ -508,6 +559,7 @@ def run_checks(cfg: Config, procfs: str = "/proc", sysfs: str = "/sys", modules:
         check_tensorrt(cfg.worker.backend, bool(facts and facts["cuda_available"])),
         check_device(cfg.worker.device, facts["devices"] if facts else 0),
         check_worker_socket(cfg.worker.control_socket, cfg.worker.control_group),
+        check_keys(cfg.worker),
     ]
     return checks
 

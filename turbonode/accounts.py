@@ -133,12 +133,19 @@ class Keys:
         return len(self.by_name)
 
 
+def check_name(name: str) -> None:
+    if not NAME.match(name):
+        raise ValueError("a key's name is 1-64 letters, digits, '_', '.' or '-' (starting with a letter or digit)")
+
+
 def _account(name: str, table: Any, default_period: Period) -> Account:
     def bad(field: str, message: str) -> ConfigError:
         return ConfigError(f"keys.{name}.{field}" if field else f"keys.{name}", message)
 
-    if not NAME.match(name):
-        raise bad("", "a key's name is 1-64 letters, digits, '_', '.' or '-' (starting with a letter or digit)")
+    try:
+        check_name(name)
+    except ValueError as exc:
+        raise bad("", str(exc)) from None
     if not isinstance(table, dict):
         raise bad("", f"expected a table, got {quote(table)}")
     for field in table:
