@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
 from turbonode.stats import percentile
+from turbonode.tier_headers import DOWNGRADED_HEADER, TIER_HEADER
 from turbonode.tiers import PROTECTED_TIER, TIER_NAMES, tos_byte
 
 PATH = "/v1/images/generations"
@@ -46,6 +47,9 @@ class Outcome:
     queue_wait_s: float | None = None  # the worker's: submit -> first step
     elapsed_s: float | None = None  # the worker's: submit -> finished
     retry_after_s: float | None = None  # a refusal's Retry-After
+    account: str = ""  # the name of the API key it was sent with ('' without one)
+    served_tier: str | None = None  # what the answer says served it (X-Turbonode-Tier) ...
+    downgraded: str | None = None  # ... and why that is not `tier` (X-Turbonode-Downgraded)
 
 
 class TierConnection(http.client.HTTPConnection):
@@ -81,8 +85,10 @@ def request_image(
     kind: str = "closed",
     started: float | None = None,
     nodelay: bool = True,
+    key: tuple[str, str] | None = None,
 ) -> Outcome:
-    """One request; `started` (monotonic) is when the load began, for Outcome.sent_at."""
+    """One request; `started` (monotonic) is when the load began, for Outcome.sent_at; `key`:
+    (name, API key) to send it with."""
     parts = urlsplit(url)
     body: dict = {
         "prompt": f"a {tier} tier test image",
@@ -94,17 +100,21 @@ def request_image(
     if steps:
         body["steps"] = steps
     sent_at = 0.0 if started is None else round(time.monotonic() - started, 4)
-    out = Outcome(tier, 0, 0.0, kind=kind, sent_at=sent_at)
+    out = Outcome(tier, 0, 0.0, kind=kind, sent_at=sent_at, account=key[0] if key else "")
+    headers = {"Content-Type": "application/json", TIER_HEADER: tier}
+    if key:
+        headers["Authorization"] = f"Bearer {key[1]}"
     conn = TierConnection(parts.hostname or "", parts.port or 80, tos_byte(tier), timeout, nodelay)
     start = time.perf_counter()
     try:
         conn.connect()
         out.connect_s = time.perf_counter() - start
-        conn.request("POST", PATH, json.dumps(body), {"Content-Type": "application/json", "X-Turbonode-Tier": tier})
+        conn.request("POST", PATH, json.dumps(body), headers)
         resp = conn.getresponse()
         out.first_byte_s = time.perf_counter() - start
         payload = resp.read()
         out.status = resp.status
+        out.served_tier, out.downgraded = resp.getheader(TIER_HEADER), resp.getheader(DOWNGRADED_HEADER)
         if resp.status == 200:
             info = json.loads(payload).get("turbonode") or {}
             out.queue_wait_s, out.elapsed_s = info.get("queue_wait_s"), info.get("elapsed_s")
@@ -132,9 +142,12 @@ def run_load(
     rate: float = 1.0,
     nodelay: bool = True,
     seed: int | None = None,
+    key: tuple[str, str] | None = None,
+    probe_keys: list[tuple[str, str]] | None = None,
 ) -> list[Outcome]:
     """`clients[tier]` closed-loop clients, plus `probes` open-loop turbo requests at `rate` per
-    second; until the last probe is answered, or for `duration` seconds without probes."""
+    second; until the last probe is answered, or for `duration` seconds without probes. Every
+    request carries `key` (name, API key), the probes `probe_keys` in turn where given."""
     started = time.monotonic()
     outcomes: list[Outcome] = []
     lock = threading.Lock()
@@ -147,14 +160,14 @@ def run_load(
 
     def client(tier: str) -> None:
         while not done.is_set():
-            out = request_image(url, tier, size, steps.get(tier), timeout, started=started, nodelay=nodelay)
+            out = request_image(url, tier, size, steps.get(tier), timeout, started=started, nodelay=nodelay, key=key)
             if done.is_set() and probes:
                 return  # cut short by the end of the probes: says nothing about the tier
             record(out)
             if out.status != 200:  # 429/503/errors: back off as told, instead of spinning
                 done.wait(max(BACKOFF_S, out.retry_after_s or 0.0))
 
-    def probe() -> None:
+    def probe(key: tuple[str, str] | None) -> None:
         record(
             request_image(
                 url,
@@ -165,6 +178,7 @@ def run_load(
                 kind="probe",
                 started=started,
                 nodelay=nodelay,
+                key=key,
             )
         )
 
@@ -173,10 +187,11 @@ def run_load(
         th.start()
     if probes:
         rng, due, arrivals = random.Random(seed), started, []
-        for _ in range(probes):
+        for i in range(probes):
             due += rng.expovariate(rate)
             time.sleep(max(0.0, due - time.monotonic()))
-            arrivals.append(threading.Thread(target=probe, daemon=True))
+            probe_key = probe_keys[i % len(probe_keys)] if probe_keys else key
+            arrivals.append(threading.Thread(target=probe, args=(probe_key,), daemon=True))
             arrivals[-1].start()
         for th in arrivals:
             th.join(timeout + 5)
@@ -221,6 +236,13 @@ def _tier_count(value: str) -> tuple[str, int]:
     return tier, int(n)
 
 
+def _named_key(value: str) -> tuple[str, str]:
+    name, sep, key = value.partition("=")
+    if not sep or not name or not key:
+        raise argparse.ArgumentTypeError(f"expected NAME=KEY, got {value[:20]!r}...")
+    return name, key
+
+
 def _at_least(lo: float, kind: type = float):
     def convert(value: str):
         try:
@@ -254,6 +276,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rate", type=_at_least(0.01), default=1.0, help="probe arrivals per second (default 1)")
     parser.add_argument("--no-nodelay", action="store_true", help="leave Nagle on (to measure what it costs)")
     parser.add_argument("--seed", type=int, help="seed of the probes' arrival times")
+    parser.add_argument("--key", type=_named_key, metavar="NAME=KEY", help="send every request with this API key")
+    parser.add_argument(
+        "--probe-key",
+        type=_named_key,
+        action="append",
+        default=[],
+        metavar="NAME=KEY",
+        help="the probes' API keys, in turn (repeatable; default --key)",
+    )
     args = parser.parse_args(argv)
     outcomes = run_load(
         args.url,
@@ -265,6 +296,8 @@ def main(argv: list[str] | None = None) -> int:
         rate=args.rate,
         nodelay=not args.no_nodelay,
         seed=args.seed,
+        key=args.key,
+        probe_keys=args.probe_key,
     )
     print(json.dumps([asdict(o) for o in outcomes]))
     return 0

@@ -241,15 +241,25 @@ class DemoNode:
         return {"tiers": summarize(outcomes, wall), "agent": watcher.summary() if watcher else None}
 
     def load(
-        self, clients: dict[str, int], probes: int, rate: float, nodelay: bool = True
+        self,
+        clients: dict[str, int],
+        probes: int,
+        rate: float,
+        nodelay: bool = True,
+        key: tuple[str, str] | None = None,
+        probe_keys: list[tuple[str, str]] | None = None,
     ) -> tuple[list[Outcome], float]:
-        """sandbox.loadgen from the client namespace: every outcome, and the seconds it ran."""
+        """sandbox.loadgen from the client namespace: every outcome, and the seconds it ran.
+        `key`, `probe_keys`: the API keys (name, key) it sends (sandbox.loadgen.run_load)."""
         sb = self.sandbox
         argv = [sys.executable, "-m", "sandbox.loadgen", f"http://{sb.server_ip}:{WORKER_PORT}"]
         argv += ["--size", str(self.s.size), "--timeout", str(REQUEST_TIMEOUT_S), "--probes", str(probes)]
         argv += ["--rate", str(rate), *(f"--clients={t}={n}" for t, n in clients.items())]
         if not nodelay:
             argv.append("--no-nodelay")
+        if key:
+            argv.append(f"--key={key[0]}={key[1]}")
+        argv += [f"--probe-key={name}={k}" for name, k in probe_keys or ()]
         t0 = time.monotonic()
         res = subprocess.run(
             self.in_cgroup(self.client_cgroup, sb.cmd(sb.client, *argv)),

@@ -67,15 +67,20 @@ def get(fleet: Fleet, url: str) -> dict:
     return json.loads(fleet.run(fleet.balancer, sys.executable, "-c", GET, url).stdout)
 
 
-def haproxy_config(workers: list[tuple[str, str]], stats: Path) -> str:
-    """The shipped file with this fleet's servers and a stats socket in the test's directory."""
+def haproxy_config(workers: list[tuple[str, str]], stats: Path, port: int = PORT) -> str:
+    """The shipped file with this fleet's servers (on `port`), and a stats socket and a keys map
+    (`turboctl keys list --haproxy-map`, empty unless the test writes one) in the test's directory."""
+    keys_map = stats.parent / "turbonode-keys.map"
+    if not keys_map.exists():
+        keys_map.write_text("")
     text = CONFIG.read_text().replace("/run/haproxy/turbonode.sock", str(stats))
+    text = text.replace("/etc/haproxy/turbonode-keys.map", str(keys_map))
     lines, seen = [], {}
     for line in text.splitlines():
         m = re.match(r"(\s+)server \S+ \S+ id (\d) (.*)$", line)
         if m:
             name, addr = workers[int(m.group(2)) - 1]
-            line = f"{m.group(1)}server {name} {addr}:{PORT} id {m.group(2)} {m.group(3)}"
+            line = f"{m.group(1)}server {name} {addr}:{port} id {m.group(2)} {m.group(3)}"
             seen[m.group(2)] = True
         lines.append(line)
     assert len(seen) == len(workers)

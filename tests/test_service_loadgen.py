@@ -21,10 +21,13 @@ def server():
     class Handler(BaseHTTPRequestHandler):
         def do_POST(self):
             body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-            seen.append((self.path, self.headers["X-Turbonode-Tier"], body))
+            seen.append((self.path, self.headers["X-Turbonode-Tier"], body, self.headers["Authorization"]))
             status = 429 if body["tier"] == "relax" else 200
             payload = b'{"data": []}'
             self.send_response(status)
+            if self.headers["Authorization"] == "Bearer tn-spent":  # as a worker tells a downgrade
+                self.send_header("X-Turbonode-Tier", "relax")
+                self.send_header("X-Turbonode-Downgraded", "budget")
             self.send_header("Content-Length", str(len(payload)))
             self.end_headers()
             self.wfile.write(payload)
@@ -43,8 +46,8 @@ def test_request_marks_tier_in_body_header_and_tos(server):
     url, seen = server
     out = loadgen.request_image(url, "turbo", size=32, steps=3)
     assert out.status == 200 and out.latency > 0
-    path, header, body = seen[0]
-    assert path == loadgen.PATH and header == "turbo"
+    path, header, body, authorization = seen[0]
+    assert path == loadgen.PATH and header == "turbo" and authorization is None
     assert body == {
         "prompt": "a turbo tier test image",
         "n": 1,
@@ -102,3 +105,15 @@ def test_cli(server, capsys):
     with pytest.raises(SystemExit) as exc:
         loadgen.main([url, "--clients", "gold=1"])
     assert exc.value.code == 2 and "TIER=N" in capsys.readouterr().err
+
+
+def test_keys_and_what_the_answer_said(server):
+    url, seen = server
+    out = loadgen.request_image(url, "turbo", key=("spender", "tn-spent"))
+    assert seen[-1][3] == "Bearer tn-spent"
+    assert (out.account, out.served_tier, out.downgraded) == ("spender", "relax", "budget")
+    outcomes = loadgen.run_load(
+        url, {}, probes=4, rate=50, key=("bg", "tn-bg"), probe_keys=[("a", "tn-a"), ("b", "tn-b")], seed=1
+    )
+    assert sorted(o.account for o in outcomes) == ["a", "a", "b", "b"]
+    assert sorted(a for *_, a in seen[-4:]) == ["Bearer tn-a", "Bearer tn-a", "Bearer tn-b", "Bearer tn-b"]

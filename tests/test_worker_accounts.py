@@ -85,7 +85,7 @@ def call(url, method="POST", path="/v1/images/generations", body=None, key=None,
         sent["Authorization"] = f"Bearer {key}"
     conn.request(method, path, body=json.dumps(body).encode() if body is not None else None, headers=sent)
     resp = conn.getresponse()
-    out = resp.status, dict(resp.getheaders()), json.loads(resp.read() or b"null")
+    out = resp.status, resp.headers, json.loads(resp.read() or b"null")  # headers: any case (HAProxy lowers)
     conn.close()
     return out
 

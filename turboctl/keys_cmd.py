@@ -147,12 +147,23 @@ def _spent(cfg: WorkerConfig, names: list[str], keys: Keys, now: float) -> dict[
 @command.command("list")
 @file_options
 @json_option
-def list_keys(file, config_file, as_json):
+@click.option(
+    "--haproxy-map",
+    is_flag=True,
+    help="print `SHA256 NAME` per key that is not revoked: the map a balancer checks keys against "
+    "(deploy/haproxy/turbonode.cfg)",
+)
+def list_keys(file, config_file, as_json, haproxy_map):
     """Every key: the tiers it may use, its budgets, and what it spent this period (from the ledger)."""
     cfg = _worker_config(config_file)
     path = _keys_file(cfg, file)
     keys = _load(path, cfg)
     names = sorted(keys.by_name)
+    if haproxy_map:
+        for n in names:
+            if not keys.by_name[n].revoked:
+                click.echo(f"{keys.by_name[n].sha256} {n}")
+        return
     spent = _spent(cfg, names, keys, time.time())
     rows = []
     for n in names:
