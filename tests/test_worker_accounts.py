@@ -43,6 +43,8 @@ KEYS = {  # name -> (tiers, budget)
     "frank": (TIER_NAMES, {}),
     "gina": (("turbo", "relax"), {"turbo": 0.001}),
     "hal": (("turbo", "relax"), {"turbo": 0.001}),
+    "jude": (("turbo", "relax"), {"turbo": 0.001}),
+    "kim": (("turbo",), {"turbo": 0.001}),
 }
 
 
@@ -324,3 +326,27 @@ def test_ledger_holds_what_the_answers_said(server):
             await store.close()
 
     assert asyncio.run(read()) == [sum(round(u * 1e6) for u in used)]
+
+
+def test_turboctl_render_with_an_api_key(server, tmp_path):
+    from click.testing import CliRunner
+
+    from turboctl import main
+
+    def render_cli(name, *more):
+        args = ["render", "x", "--tier", "turbo", "--url", server.url, "--size", "64x64", "--steps", "1"]
+        return CliRunner().invoke(
+            main, [*args, "--out", str(tmp_path / "x.png"), *more], env={"TURBONODE_API_KEY": key_of(name)}
+        )
+
+    wait_for_new_period()
+    assert render_cli("jude").exit_code == 0
+    r = render_cli("jude")
+    assert r.exit_code == 0 and "(relax, not turbo: budget," in r.stdout, r.output
+    assert render_cli("kim").exit_code == 0
+    started = time.monotonic()
+    r = render_cli("kim", "--retries", "3")
+    assert r.exit_code == 1 and "429" in r.output and "retrying" not in r.output  # a spent budget is not retried
+    assert time.monotonic() - started < 3
+    r = CliRunner().invoke(main, ["render", "x", "--url", server.url, "--out", str(tmp_path / "y.png")])
+    assert r.exit_code == 1 and "401" in r.output and "API key" in r.output

@@ -20,7 +20,7 @@ import urllib.request
 
 import click
 
-from turbonode.config import CLI_ENV_WORKER_URL, WorkerConfig, split_host_port
+from turbonode.config import CLI_ENV_API_KEY, CLI_ENV_WORKER_URL, WorkerConfig, split_host_port
 
 from .params import TIER, json_option
 
@@ -33,16 +33,22 @@ RETRY_CODES = (429, 503)  # queue full or tier shed; loading, draining or not re
 class WorkerAnswer(Exception):
     """The worker answered with an HTTP error."""
 
-    def __init__(self, code: int, message: str, retry_after: float | None):
+    def __init__(self, code: int, message: str, retry_after: float | None, retry: bool = True):
         super().__init__(
             f"worker answered {code}: {message}" + (f" (retry after {retry_after:g} s)" if retry_after else "")
         )
         self.code, self.retry_after = code, retry_after
+        self.retry = retry  # False: the worker says a retry cannot help (x-should-retry: a key's spent budget)
 
 
-def _call(url: str, method: str = "GET", body: dict | None = None, timeout: float = 30.0) -> tuple[int, dict]:
+def _call(
+    url: str, method: str = "GET", body: dict | None = None, timeout: float = 30.0, key: str | None = None
+) -> tuple[int, dict]:
     data = json.dumps(body).encode() if body is not None else None
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"}, method=method)
+    headers = {"Content-Type": "application/json"}
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    req = urllib.request.Request(url, data=data, headers=headers, method=method)
     try:
         with urllib.request.urlopen(req, timeout=timeout) as resp:
             return resp.status, json.loads(resp.read())
@@ -52,19 +58,21 @@ def _call(url: str, method: str = "GET", body: dict | None = None, timeout: floa
         except (ValueError, KeyError, TypeError):
             message = exc.reason
         retry = exc.headers.get("Retry-After")
-        raise WorkerAnswer(exc.code, message, float(retry) if retry and retry.isdigit() else None) from None
+        should = exc.headers.get("x-should-retry") != "false"
+        raise WorkerAnswer(exc.code, message, float(retry) if retry and retry.isdigit() else None, should) from None
     except (urllib.error.URLError, OSError) as exc:
         raise click.ClickException(f"cannot reach the worker at {url}: {getattr(exc, 'reason', exc)}") from None
 
 
-def submit(base: str, body: dict, retries: int, deadline: float, say) -> dict:
-    """POST the job; on 429/503 wait the server's Retry-After and try again, at most `retries` times."""
+def submit(base: str, body: dict, retries: int, deadline: float, say, key: str | None = None) -> dict:
+    """POST the job; on 429/503 wait the server's Retry-After and try again, at most `retries` times
+    (not a key's spent budget: it lasts until the period resets)."""
     for attempt in range(retries + 1):
         try:
-            return _call(base + "/v1/images/generations", "POST", body)[1]
+            return _call(base + "/v1/images/generations", "POST", body, key=key)[1]
         except WorkerAnswer as exc:
             wait = exc.retry_after or 1.0
-            if exc.code not in RETRY_CODES or attempt == retries or time.monotonic() + wait > deadline:
+            if exc.code not in RETRY_CODES or not exc.retry or attempt == retries or time.monotonic() + wait > deadline:
                 raise click.ClickException(str(exc)) from None
             say(f"{exc}; retrying in {wait:g} s ({attempt + 1} of {retries})")
             time.sleep(wait)
@@ -79,7 +87,7 @@ def progress_line(job: dict) -> str:
     return f"{job['id']} ({job['tier']}): {job['state']}"
 
 
-def wait_for_job(base: str, job: dict, deadline: float, say) -> dict:
+def wait_for_job(base: str, job: dict, deadline: float, say, key: str | None = None) -> dict:
     """The job's end, with its images. One request waits for it the whole time (GET
     /v1/jobs/ID?wait=S), so a worker that drains and exits right after the job still answers
     it; meanwhile short polls of the same job show its progress through `say`."""
@@ -93,7 +101,8 @@ def wait_for_job(base: str, job: dict, deadline: float, say) -> dict:
                 if left <= 0:
                     result["timeout"] = True
                     return
-                answer = _call(f"{path}?wait={min(left, MAX_WAIT_S):.1f}", timeout=min(left, MAX_WAIT_S) + 30)[1]
+                wait_s = min(left, MAX_WAIT_S)
+                answer = _call(f"{path}?wait={wait_s:.1f}", timeout=wait_s + 30, key=key)[1]
                 if answer["state"] in ("done", "failed", "cancelled"):
                     result["job"] = answer
         except (WorkerAnswer, click.ClickException) as exc:
@@ -110,16 +119,16 @@ def wait_for_job(base: str, job: dict, deadline: float, say) -> dict:
                 shown = line
             waiter.join(POLL_S)
             with contextlib.suppress(WorkerAnswer, click.ClickException):  # progress only: the waiter decides
-                job = _call(path)[1]
+                job = _call(path, key=key)[1]
     except KeyboardInterrupt:
         with contextlib.suppress(WorkerAnswer, click.ClickException):
-            _call(path, "DELETE")
+            _call(path, "DELETE", key=key)
         raise click.ClickException(f"interrupted; {job['id']} cancelled") from None
     if "error" in result:
         raise click.ClickException(result["error"])
     if "timeout" in result:
         with contextlib.suppress(WorkerAnswer, click.ClickException):
-            _call(path, "DELETE")
+            _call(path, "DELETE", key=key)
         raise click.ClickException(f"{job['id']}: not done in time; cancelled")
     job = result["job"]
     if job["state"] != "done":
@@ -160,8 +169,9 @@ def wait_for_job(base: str, job: dict, deadline: float, say) -> dict:
     help="times to retry a 429/503 after the server's Retry-After",
 )
 @click.option("--async", "run_async", is_flag=True, help="submit, print the job id and return (poll GET /v1/jobs/ID)")
+@click.option("--api-key", envvar=CLI_ENV_API_KEY, help=f"the worker's API key, if it has keys (or ${CLI_ENV_API_KEY})")
 @json_option
-def command(prompt, tier, out, url, size, steps, seed, guidance, n, timeout, retries, run_async, as_json):
+def command(prompt, tier, out, url, size, steps, seed, guidance, n, timeout, retries, run_async, api_key, as_json):
     """Render PROMPT on a worker and write the PNG; shows step n of N while it renders."""
     body = {"prompt": prompt, "n": n, "response_format": "b64_json", "async": True}
     for key, value in (("tier", tier), ("size", size), ("steps", steps), ("seed", seed), ("guidance", guidance)):
@@ -174,11 +184,11 @@ def command(prompt, tier, out, url, size, steps, seed, guidance, n, timeout, ret
     def say(line: str) -> None:
         click.echo(("\r\033[K" + line) if tty else line, err=True, nl=not tty)
 
-    job = submit(base, body, retries, deadline, say)
+    job = submit(base, body, retries, deadline, say, api_key)
     if run_async:
         click.echo(json.dumps(job) if as_json else job["id"])
         return
-    job = wait_for_job(base, job, deadline, say)
+    job = wait_for_job(base, job, deadline, say, api_key)
     if tty:
         click.echo("", err=True)
     stem, ext = os.path.splitext(out)
@@ -190,7 +200,10 @@ def command(prompt, tier, out, url, size, steps, seed, guidance, n, timeout, ret
     if as_json:
         click.echo(json.dumps(meta))
     else:
+        tier_said = meta.get("tier")
+        if meta.get("downgraded"):  # the worker ran it in a lower tier than asked: say which and why
+            tier_said = f"{tier_said}, not {meta.get('requested_tier')}: {meta['downgraded']}"
         click.echo(
-            f"wrote {', '.join(paths)} ({meta.get('tier')}, {meta.get('steps')} steps, seed {meta.get('seed')}, "
+            f"wrote {', '.join(paths)} ({tier_said}, {meta.get('steps')} steps, seed {meta.get('seed')}, "
             f"{meta.get('elapsed_s', 0):.2f} s)"
         )

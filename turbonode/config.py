@@ -43,7 +43,8 @@ ENV_PREFIX = "TURBONODE_"
 # share the prefix but are no configuration keys.
 CLI_ENV_WORKER_URL = "TURBONODE_WORKER_URL"
 CLI_ENV_WORKER_SOCKET = "TURBONODE_WORKER_SOCKET"
-CLI_ENV_VARS = (CLI_ENV_WORKER_URL, CLI_ENV_WORKER_SOCKET)
+CLI_ENV_API_KEY = "TURBONODE_API_KEY"  # `turboctl render --api-key`
+CLI_ENV_VARS = (CLI_ENV_WORKER_URL, CLI_ENV_WORKER_SOCKET, CLI_ENV_API_KEY)
 T = TypeVar("T")
 
 # What a job may ask of the worker: the HTTP API refuses more, so the per-tier defaults here
