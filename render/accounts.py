@@ -19,6 +19,7 @@ from typing import Any
 
 from turbonode.accounts import Account, parse_period
 from turbonode.config import WorkerConfig
+from turbonode.text import quote
 from turbonode.tier_headers import ACCOUNT_HEADER, TIER_HEADER
 from turbonode.tiers import DEFAULT_TIER, TIER_NAMES
 
@@ -118,11 +119,11 @@ class Accounts:
         default, then applies). UnknownTier for a name that is no tier, where it is obeyed."""
         header = headers.get(TIER_HEADER)
         if body_tier is not None and body_tier not in TIER_NAMES:
-            raise UnknownTier(f"'tier': unknown tier {body_tier!r:.40} (expected one of {', '.join(TIER_NAMES)})")
+            raise UnknownTier(f"'tier': unknown tier {quote(body_tier)} (expected one of {', '.join(TIER_NAMES)})")
         if header is not None and self.trusted.trusts(peer):
             if header not in TIER_NAMES:
                 raise UnknownTier(
-                    f"header {TIER_HEADER}: unknown tier {header!r:.40} (expected one of {', '.join(TIER_NAMES)})"
+                    f"header {TIER_HEADER}: unknown tier {quote(header)} (expected one of {', '.join(TIER_NAMES)})"
                 )
             return Asked(header, header)
         start = body_tier or DEFAULT_TIER

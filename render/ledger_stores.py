@@ -16,6 +16,8 @@ import time
 from collections.abc import Mapping
 from typing import Protocol
 
+from turbonode.errors import ConfigError
+
 APPLIED_TTL_S = 86400  # how long a batch id is remembered: far longer than any retry takes
 PURGE_EVERY = 1000  # SQLite: expired rows are deleted at start and every this many batches
 
@@ -130,5 +132,15 @@ class SqliteStore:
 
 
 def open_store(ledger: str, ledger_file: str) -> LedgerStore:
-    """worker.ledger's store: 'embedded' (worker.ledger_file) or a Redis URL."""
-    return SqliteStore(ledger_file, time.time) if ledger == "embedded" else RedisStore(ledger)
+    """worker.ledger's store: 'embedded' (worker.ledger_file) or a Redis URL. ConfigError names the
+    key when the file cannot be opened or the URL not used; an unreachable Redis is no error here
+    (render/ledger.py: the worker serves on)."""
+    if ledger == "embedded":
+        try:
+            return SqliteStore(ledger_file, time.time)
+        except (OSError, sqlite3.Error) as exc:
+            raise ConfigError("worker.ledger_file", f"cannot open {ledger_file}: {exc}") from None
+    try:
+        return RedisStore(ledger)
+    except ValueError as exc:
+        raise ConfigError("worker.ledger", f"{_without_password(ledger)}: {exc}") from None

@@ -170,3 +170,15 @@ def test_an_unreachable_store_is_not_asked_again_for_a_while(tmp_path):
             await ledger.close(timeout=0.1)
 
     assert asyncio.run(run()) == 0
+
+
+def test_a_ledger_that_cannot_be_used_names_the_key(tmp_path):
+    from render.ledger_stores import open_store
+    from turbonode.errors import ConfigError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    with pytest.raises(ConfigError, match=r"^worker.ledger_file: cannot open"):
+        open_store("embedded", str(blocker / "ledger.sqlite3"))
+    with pytest.raises(ConfigError, match=r"^worker.ledger: redis://h:port/0: Port"):
+        open_store("redis://h:port/0", "")

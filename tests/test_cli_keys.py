@@ -102,3 +102,12 @@ def test_doctor_warns_that_anyone_can_claim_turbo_without_keys(tmp_path):
     c = check_keys(WorkerConfig(keys_file=str(keys), ledger="redis://10.0.0.9:6379/0"), ping=refused)
     assert c.status == WARN and "Redis does not answer" in c.detail
     assert check_keys(WorkerConfig(keys_file=str(keys), ledger="redis://x/0"), ping=lambda url: None).status == OK
+
+
+def test_config_check_validates_the_keys_file(tmp_path):
+    keys = tmp_path / "keys.toml"
+    keys.write_text('[keys.alice]\nsha256 = "abc"\n')
+    r = CliRunner().invoke(main, ["config", "check", config(tmp_path, keys_file=str(keys))])
+    assert r.exit_code == 1 and f"{keys}: keys.alice.sha256" in r.output
+    keys.write_text(f'[keys.alice]\nsha256 = "{"0" * 64}"\n')
+    assert CliRunner().invoke(main, ["config", "check", config(tmp_path, keys_file=str(keys))]).exit_code == 0

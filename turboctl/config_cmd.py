@@ -7,6 +7,7 @@ import json
 import click
 
 from turbonode import config
+from turbonode.accounts import load_keys, parse_period
 from turbonode.config import as_dict, load_config
 from turbonode.config_example import render_example
 from turbonode.errors import ConfigError
@@ -21,11 +22,13 @@ def command():
 @click.argument("file", required=False, type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="print the effective configuration as JSON")
 def check(file, as_json):
-    """Validate FILE (default /etc/turbonode/turbonode.toml) and the TURBONODE_* environment;
-    exit 1 naming the bad key."""
+    """Validate FILE (default /etc/turbonode/turbonode.toml), the TURBONODE_* environment and the
+    keys file it names (worker.keys_file); exit 1 naming the bad key."""
     source = config.config_path(file)
     try:
         cfg = load_config(source)
+        if cfg.worker.keys_file:  # the worker refuses to start on a bad one: say so here
+            load_keys(cfg.worker.keys_file, parse_period(cfg.worker.budget_period))
     except ConfigError as exc:
         raise click.ClickException(f"invalid configuration: {exc}") from None
     if as_json:

@@ -16,25 +16,7 @@ from turbonode.config import WorkerConfig, load_config
 from turbonode.errors import ConfigError
 from turbonode.tiers import TIER_NAMES
 
-from .params import TIER, json_option
-
-
-class TierSecondsType(click.ParamType):
-    """TIER=SECONDS, e.g. turbo=3600 (engine seconds per budget period)."""
-
-    name = "tier=seconds"
-
-    def convert(self, value, param, ctx):
-        if isinstance(value, tuple):
-            return value
-        tier, sep, text = value.partition("=")
-        try:
-            seconds = float(text)
-        except ValueError:
-            seconds = -1.0
-        if not sep or tier not in TIER_NAMES or not 0 <= seconds < float("inf"):
-            self.fail(f"expected TIER=SECONDS with TIER one of {', '.join(TIER_NAMES)}, got {value!r}", param, ctx)
-        return tier, seconds
+from .params import TIER, TIER_SECONDS, json_option
 
 
 class PeriodType(click.ParamType):
@@ -82,9 +64,7 @@ def command():
 @command.command("add")
 @click.argument("name")
 @click.option("--tier", "tiers", multiple=True, type=TIER, help="a tier it may use (repeatable; default: every tier)")
-@click.option(
-    "--budget", "budgets", multiple=True, type=TierSecondsType(), help="TIER=SECONDS of engine time per period"
-)
+@click.option("--budget", "budgets", multiple=True, type=TIER_SECONDS, help="TIER=SECONDS of engine time per period")
 @click.option("--period", type=PeriodType(), help="when budgets reset: hour, day, week, month or e.g. 12h")
 @file_options
 @json_option

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
+from typing import Any
+
 import click
 
 from turbonode.qos_params import check_link_rate, check_rate
@@ -32,26 +36,41 @@ LINK_RATE = RateType(check_link_rate)
 TIER = click.Choice(TIER_NAMES)
 
 
-class TierStepsType(click.ParamType):
-    """TIER=STEPS, e.g. relax=10 (a per-tier step cap)."""
+class TierValueType(click.ParamType):
+    """TIER=VALUE, e.g. relax=10; `parse` makes the value of VALUE, or None when it is none."""
 
-    name = "tier=steps"
+    def __init__(self, name: str, parse: Callable[[str], Any], what: str):
+        self.name, self.parse, self.what = name, parse, what
 
     def convert(self, value, param, ctx):
         if isinstance(value, tuple):
             return value
         tier, sep, text = value.partition("=")
-        steps = parse_decimal(text)
-        if not sep or tier not in TIER_NAMES or steps is None or steps < 1:
+        parsed = self.parse(text) if sep else None
+        if tier not in TIER_NAMES or parsed is None:
             self.fail(
-                f"expected TIER=STEPS with TIER one of {', '.join(TIER_NAMES)} and STEPS >= 1, got {value!r}",
+                f"expected {self.name.upper()} with TIER one of {', '.join(TIER_NAMES)} and {self.what}, got {value!r}",
                 param,
                 ctx,
             )
-        return tier, steps
+        return tier, parsed
 
 
-TIER_STEPS = TierStepsType()
+def _steps(text: str) -> int | None:
+    steps = parse_decimal(text)
+    return steps if steps is not None and steps >= 1 else None
+
+
+def _seconds(text: str) -> float | None:
+    try:
+        seconds = float(text)
+    except ValueError:
+        return None
+    return seconds if 0 <= seconds < math.inf else None
+
+
+TIER_STEPS = TierValueType("tier=steps", _steps, "STEPS >= 1")  # a per-tier step cap
+TIER_SECONDS = TierValueType("tier=seconds", _seconds, "SECONDS >= 0")  # a per-tier budget of engine time
 
 
 def json_option(f):
