@@ -5,6 +5,7 @@ reaches the worker; and the worker obeys those headers from the balancer's addre
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import tempfile
@@ -52,7 +53,14 @@ def balanced():
         (work / "turbonode-keys.map").write_text(mapped.output)
         stats = work / "haproxy.sock"
         text = haproxy_config([("w1", "127.0.0.1"), ("w2", "127.0.0.1")], stats, port)
-        (work / "haproxy.cfg").write_text(text.replace("bind :8460", f"bind 127.0.0.1:{lb}"))
+        text = text.replace("bind :8460", f"bind 127.0.0.1:{lb}")
+        # the key check, as its comment says to turn it on: the map written, the lines uncommented
+        checks = re.findall(r"^\s*#(http-request set-.*txn\.account.*)$", text, re.M)
+        assert len(checks) == 2, checks
+        for line in checks:
+            text = text.replace(f"#{line}", line)
+        text = text.replace("/etc/haproxy/turbonode-keys.map", str(work / "turbonode-keys.map"))
+        (work / "haproxy.cfg").write_text(text)
         check = subprocess.run(["haproxy", "-c", "-f", str(work / "haproxy.cfg")], capture_output=True, text=True)
         assert check.returncode == 0, check.stdout + check.stderr
         procs.append(start(["haproxy", "-db", "-f", str(work / "haproxy.cfg")], daemon_env()))

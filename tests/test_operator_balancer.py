@@ -68,13 +68,8 @@ def get(fleet: Fleet, url: str) -> dict:
 
 
 def haproxy_config(workers: list[tuple[str, str]], stats: Path, port: int = PORT) -> str:
-    """The shipped file with this fleet's servers (on `port`), and a stats socket and a keys map
-    (`turboctl keys list --haproxy-map`, empty unless the test writes one) in the test's directory."""
-    keys_map = stats.parent / "turbonode-keys.map"
-    if not keys_map.exists():
-        keys_map.write_text("")
+    """The shipped file with this fleet's servers (on `port`) and a stats socket in the test's directory."""
     text = CONFIG.read_text().replace("/run/haproxy/turbonode.sock", str(stats))
-    text = text.replace("/etc/haproxy/turbonode-keys.map", str(keys_map))
     lines, seen = [], {}
     for line in text.splitlines():
         m = re.match(r"(\s+)server \S+ \S+ id (\d) (.*)$", line)
