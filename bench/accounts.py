@@ -356,9 +356,8 @@ def slo_cell(node: DemoNode, keys: Path, spender_budget: float | None, probes: i
             "refused_or_failed": sum(o.status != 200 for o in probes_out if o.account == spender),
             "served_turbo": sum(o.served_tier == "turbo" for o in spent),
             "served_relax_budget": sum(o.served_tier == "relax" and o.downgraded == BUDGET for o in spent),
-            "after_first_downgrade_all_said_so": all(
-                o.served_tier == "relax" and o.downgraded == BUDGET for o in after
-            ),
+            "after_first_downgrade_all_said_so": bool(after)
+            and all(o.served_tier == "relax" and o.downgraded == BUDGET for o in after),
             "turbo_p99_s": percentile([o.latency for o in spent if o.served_tier == "turbo"], 99),
             "relax_p50_s": percentile([o.latency for o in spent if o.served_tier == "relax"], 50),
         },
