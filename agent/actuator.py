@@ -21,7 +21,7 @@ from turbonode.errors import ControlError, TurbonodeError
 from turbonode.jsonrpc import ControlClient
 from turbonode.throttle_params import THROTTLE_HELD
 
-from .levers import THREADS, Levers
+from .levers import Levers
 from .policy import Actions, Reason
 
 log = logging.getLogger("turbonode.agent")
@@ -76,8 +76,8 @@ class Actuator:
             self.counts.update(done)
             extra = self.levers.throttle_fields()
             if extra:
-                if throttle is None:  # the lever alone: the worker hears its rule's reason
-                    reason = str(wanted[THREADS])
+                if throttle is None:  # the levers alone: the worker hears their rule's reason
+                    reason = self.levers.throttle_reason()
                 throttle = {**(throttle or {}), **extra}
         if self.worker is not None:
             self._worker(self.worker, throttle, reason, signal, now)

@@ -34,12 +34,14 @@ from turbonode.tiers import tier
 from . import metrics
 from .actuator import Actuator
 from .levers import LEVER_STATE_FILE, Levers
+from .levers.memory import best_effort_memory_cgroups
 from .loop import AgentLoop
 from .mounts import ensure_mounts
 from .ownership import owned
 from .policy import Actions, actions_table, policy_from_config
 from .watchers.cpu import CpuWatcher
 from .watchers.gpu import GpuWatcher
+from .watchers.memory import MemoryWatcher
 from .watchers.psi import PsiTriggers, PsiWatcher
 from .watchers.softirq import SoftirqWatcher
 from .watchers.softnet import SoftnetWatcher
@@ -119,11 +121,18 @@ def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
         SoftirqWatcher(a.procfs, a.sysfs),
         GpuWatcher(gpu_nvml),
         worker,
+        MemoryWatcher(
+            a.procfs,
+            worker.pids,
+            cfg.levers.cgroup_root,
+            cfg.levers.memory_worker_cgroup,
+            best_effort_memory_cgroups(cfg.levers),
+        ),
     ]
     link = parse_rate(cfg.qos.rate)
     relax = tier("relax")
     state = cfg.levers.state_file or os.path.join(os.path.dirname(a.socket), LEVER_STATE_FILE)
-    levers = Levers(cfg.levers, state, lambda: int(client.call("ping")["pid"]), a.procfs, a.dry_run)
+    levers = Levers(cfg.levers, state, lambda: int(client.call("ping")["pid"]), a.procfs, a.dry_run, worker.pids)
     actuator = Actuator(
         client,
         a.throttle_ttl,
@@ -230,6 +239,8 @@ def _drain(fd: int) -> bool:
 
 def _shutdown(loop: AgentLoop, cfg: Config, datapath) -> None:
     loop.actuator.apply(Actions(), "agent stopping", "shutdown", time.monotonic())
+    if loop.actuator.levers is not None:
+        loop.actuator.levers.close()
     if datapath is not None and not cfg.qos.keep_on_stop and not cfg.agent.dry_run:
         try:
             datapath.remove()

@@ -19,13 +19,26 @@ Each cell adds one fault (or all of them), bounded in time and inside the namesp
   bulk        4 unmarked iperf3 TCP flows out of the node
   relax-flood 36 more closed-loop relax clients (>= 32 relax jobs queued)
   gc          cyclic garbage in the worker process (bench/garbage.py), re-armed every 5 s
-  all         every fault above at once
-  all-but-gc  every fault but gc at once
+  all         every fault from cpu to gc at once
+  all-but-gc  every fault from cpu to relax-flood at once
+  memory      a job in the batch cgroup allocating until the node reclaims (PSI memory some
+              > 10 %), then holding there
+  memory-stream  a job in the batch cgroup reading a file twice the node's RAM through the page cache
+  oom         a job in the batch cgroup growing past the node's RAM, retried 2 s after each kill
+  io          a job in the batch cgroup writing with an fsync per MiB (a file of 512 MiB at most)
 and runs twice, side by side: `plain` (one FIFO shaped to the link rate, no agent) and
 `turbonode` (the agent started for the cell: eBPF classifier under the HTB tiers, watching and
 acting). Per cell and mode: turbo p50/p99/max with n, connect p99 (the handshake: where the
 first packets were queued), lower tiers' images/s, and what the agent did. Target: with
-turbonode, turbo p99 <= 2x the turbo p99 of the `none` cell (the idle reference) of the same run.
+turbonode, turbo p99 <= 2x the turbo p99 of the `none` cell (the idle reference) of the same run;
+in `oom`, no turbo request fails with turbonode.
+
+The node's processes (worker, agent, batch work) run under one memory cgroup of `--node-memory`
+MiB that stands for the node's RAM (sandbox/node_memory.py), so reclaim and OOM happen inside
+it; a worker that exits is started again after 2 s, as systemd would. The memory and io faults
+are sandbox/pressure.py programs (sandbox/faults.py). Per cell the turbo requests that failed
+(`err`), the worker's exits and the OOM kills per cgroup are counted, and the node's memory and
+io stall and the worker's major faults are measured in both modes (the `pressure` line).
 """
 
 from __future__ import annotations
@@ -46,6 +59,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from agent.watchers.memory import process_major_faults  # noqa: E402
 from sandbox import faults  # noqa: E402
 from sandbox.cgroup_v2 import CgroupV2Unavailable, cpu_on_v2  # noqa: E402
 from sandbox.demo import preflight  # noqa: E402
@@ -58,7 +72,8 @@ from turbonode.tiers import PROTECTED_TIER  # noqa: E402
 
 SINGLE = ("cpu", "cpu-batch", "softirq", "bulk", "relax-flood", "gc")
 COMBINED = {"all": SINGLE, "all-but-gc": SINGLE[:-1]}
-CELLS = ("none", *SINGLE, *COMBINED)
+MEMORY = ("memory", "memory-stream", "oom", "io")  # issue 24: memory and io pressure
+CELLS = ("none", *SINGLE, *COMBINED, *MEMORY)
 MODES = ("plain", "turbonode")
 FIRST_PACKET = ("listener", "reflect", "off")  # the worker's handshake_tier, tcp_reflect_tos, neither
 REFERENCE_CELL = "none"
@@ -68,6 +83,7 @@ FLOOD_CLIENTS = 36  # relax-flood: closed-loop relax clients on top of the backg
 GC_REARM_S = 5.0  # bench/garbage.py stops a burst after MAX_BURST_S (10 s)
 WARMUP_S = 3.0  # the fault runs this long before the first request
 SETTLE_TIMEOUT_S = 60.0
+NODE_MEMORY_MB = 3072  # the node's RAM: what the worker, the agent and batch work share
 # The worker as `turboctl worker run`, with bench/garbage.py's thread installed in its process
 # (idle until SIGUSR1: the gc fault).
 WORKER_PY = (
@@ -152,6 +168,7 @@ class SloNode(DemoNode):
     def run_cell(self, cell: str, mode: str, requests: int, rate: float) -> dict:
         self.wait_idle()
         agent = watch = None
+        before = self.counters()
         if mode == "plain":
             self.plain_fifo()
         else:
@@ -173,7 +190,29 @@ class SloNode(DemoNode):
                 self.release(agent)
             else:
                 self.remove_fifo()
-        return summarize_cell(outcomes, wall, watch.summary() if watch else None)
+        result = summarize_cell(outcomes, wall, watch.summary() if watch else None)
+        result["node"] = node_events(before, self.counters())
+        return result
+
+    def counters(self) -> dict:
+        """What the node has counted so far: stall seconds (PSI some totals), the worker's major
+        faults per pid, its exits, OOM kills per memory cgroup."""
+        stall = {}
+        for res in ("memory", "io"):
+            with open(f"/proc/pressure/{res}") as f:
+                stall[res] = float(f.readline().rsplit("total=", 1)[1]) / 1e6
+        faults = {}
+        with contextlib.suppress(ControlError):
+            for pid in self.worker_rpc.call("status").get("pids", []):
+                with contextlib.suppress(OSError, ValueError, IndexError):
+                    faults[pid] = process_major_faults(Path(f"/proc/{pid}/stat").read_text())
+        return {
+            "at": time.monotonic(),
+            "stall_s": stall,
+            "major_faults": faults,
+            "worker_exits": len(self.worker_exits),
+            "oom_kills": self.memory.oom_kills(),
+        }
 
     def wait_idle(self) -> None:
         """Let the previous cell's leftover jobs finish (or be cancelled) before the next starts."""
@@ -190,6 +229,21 @@ class SloNode(DemoNode):
 
 
 # ---- figures -----------------------------------------------------------------------------
+
+
+def node_events(before: dict, after: dict) -> dict:
+    """What happened on the node between two `counters()`: stall fractions, the worker's major
+    faults per second (pids that lived through both, and the whole count of new ones), its exits,
+    OOM kills per cgroup."""
+    dt = max(1e-9, after["at"] - before["at"])
+    old, new = before["major_faults"], after["major_faults"]
+    faults = sum(n - old.get(pid, 0) for pid, n in new.items())
+    return {
+        "psi_some": {res: round((after["stall_s"][res] - v) / dt, 4) for res, v in before["stall_s"].items()},
+        "worker_major_faults_per_s": round(faults / dt, 1),
+        "worker_exits": after["worker_exits"] - before["worker_exits"],
+        "oom_kills": {k: n - before["oom_kills"].get(k, 0) for k, n in after["oom_kills"].items()},
+    }
 
 
 def summarize_cell(outcomes: list[Outcome], wall: float, agent: dict | None) -> dict:
@@ -213,7 +267,7 @@ def _ms(v) -> str:
 def report(result: dict) -> str:
     cells, modes = result["cells"], result["modes"]
     ref = cells.get(REFERENCE_CELL, {}).get("turbonode", {}).get("tiers", {}).get(PROTECTED_TIER, {}).get("p99_s")
-    head = f"{'n':>4} {'p50':>6} {'p99':>6} {'max':>6} {'conn99':>6} {'fast/s':>6} {'relax/s':>7}"
+    head = f"{'n':>4} {'err':>3} {'p50':>6} {'p99':>6} {'max':>6} {'conn99':>6} {'fast/s':>6} {'relax/s':>7}"
     lines = [
         "turbo latency in ms (send to last byte, from the client namespace); lower tiers in images/s",
         f"{'cell':<12}" + "".join(f"  {m:^{len(head)}}" for m in modes) + "  p99/ref  agent",
@@ -232,9 +286,10 @@ def report(result: dict) -> str:
                 f"{(r['tiers'].get(tier) or {}).get('images_per_s') or 0:>{w}.2f}"
                 for tier, w in (("fast", 6), ("relax", 7))
             )
+            err = t.get("rejected", 0) + t.get("failed", 0)
             row += (
-                f"  {t.get('ok', 0):>4} {_ms(t.get('p50_s')):>6} {_ms(t.get('p99_s')):>6} {_ms(t.get('max_s')):>6} "
-                f"{_ms(t.get('connect_p99_s')):>6} {rates}"
+                f"  {t.get('ok', 0):>4} {err:>3} {_ms(t.get('p50_s')):>6} {_ms(t.get('p99_s')):>6} "
+                f"{_ms(t.get('max_s')):>6} {_ms(t.get('connect_p99_s')):>6} {rates}"
             )
         tn = by_mode.get("turbonode")
         p99 = tn and tn["tiers"].get(PROTECTED_TIER, {}).get("p99_s")
@@ -242,6 +297,9 @@ def report(result: dict) -> str:
         row += f"  {ratio:>7.2f}" if ratio is not None else f"  {'-':>7}"
         row += f"  {describe_agent(tn['agent'])}" if tn and tn.get("agent") else ""
         lines.append(row)
+        events = {m: r["node"] for m in modes if (r := by_mode.get(m)) and r.get("node")}
+        if events and (cell in MEMORY or any(describe_node(e, quiet=True) for e in events.values())):
+            lines.append(f"{'':<12}  node: " + "; ".join(f"{m} {describe_node(e)}" for m, e in events.items()))
         if ratio is not None:
             verdicts.append((cell, ratio))
     if ref:
@@ -290,6 +348,18 @@ def stages(result: dict) -> str:
     return "\n".join(lines)
 
 
+def describe_node(events: dict, quiet: bool = False) -> str:
+    """PSI some (memory, io), the worker's major faults/s, its exits and the OOM kills of a cell;
+    with `quiet`, '' when nothing stands out."""
+    kills = {k: n for k, n in (events.get("oom_kills") or {}).items() if n}
+    psi = events.get("psi_some") or {}
+    if quiet and not kills and not events.get("worker_exits") and max(psi.values(), default=0) < 0.01:
+        return ""
+    text = f"psi mem {psi.get('memory', 0):.2f} io {psi.get('io', 0):.2f}, "
+    text += f"worker majflt {events.get('worker_major_faults_per_s', 0):g}/s, exits {events.get('worker_exits', 0)}"
+    return text + (f", oom kills {', '.join(f'{k} {n}' for k, n in kills.items())}" if kills else "")
+
+
 def describe_agent(agent: dict) -> str:
     text = f"{agent['max_level']}" + (f" ({', '.join(agent['reasons'])})" if agent["reasons"] else "")
     text += f", throttled {agent['throttled_share']:.0%}"
@@ -336,6 +406,13 @@ def main() -> int:
     ap.add_argument("--eager", action="store_true", help="worker.torch_graphs = false: eager denoiser and VAE")
     ap.add_argument("--netdev-budget", type=int, default=0, help="net.core.netdev_budget for the run (0: leave it)")
     ap.add_argument("--rps-cpus", default="", help="hex CPU mask for RPS on the node's veth (default: leave it)")
+    ap.add_argument(
+        "--node-memory",
+        type=int,
+        default=NODE_MEMORY_MB,
+        help="MiB of RAM the node has: its processes under a memory cgroup this large (0: none; the memory "
+        "cells need it)",
+    )
     ap.add_argument("--agent-toml", help="a TOML file of more agent configuration (e.g. [policy.rules.cpu_load])")
     ap.add_argument("--json", help="write every figure (and every request's outcome) here")
     ap.add_argument("--keep-logs", help="copy the node's logs (worker, agent, faults) to this directory")
@@ -375,7 +452,11 @@ def main() -> int:
         worker["intra_op_threads"] = knobs.worker_threads
     if not knobs.torch_graphs:
         worker["torch_graphs"] = False
-    settings = DemoSettings(rate=args.link, worker_config=worker, extra_toml=knobs.agent_toml)
+    if args.node_memory <= 0 and set(cells) & set(faults.MEMORY_FAULTS):
+        ap.error("the memory cells need --node-memory: it bounds what they allocate")
+    settings = DemoSettings(
+        rate=args.link, worker_config=worker, extra_toml=knobs.agent_toml, node_memory_mb=args.node_memory
+    )
     result: dict = {
         "cells": {},
         "modes": modes,
@@ -383,6 +464,7 @@ def main() -> int:
         "requests": args.requests,
         "rate": args.rate,
         "link": args.link,
+        "node_memory_mb": args.node_memory,
         "loadavg_before": os.getloadavg(),
     }
 

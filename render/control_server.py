@@ -100,7 +100,7 @@ class ControlHandlers:
         out.update(
             {
                 "gc": self._gc(since_gc_seq),
-                "memory": {"rss_bytes": self._rss(), "gpu_allocated_bytes": gpu},
+                "memory": {"rss_bytes": self._rss(), "gpu_allocated_bytes": gpu, "lock": self._locks(out)},
                 "throttle": throttle.describe(self.engine.throttle.now()) if throttle else None,
                 "model": self.engine.describe_model(),
                 "backend": self.backend_info,
@@ -115,6 +115,14 @@ class ControlHandlers:
                 for tier in TIER_NAMES
                 for r in [self.readiness(tier)]
             }
+        return out
+
+    def _locks(self, snapshot: dict) -> dict:
+        """Each process's memory lock (render/memory_lock.py): the engine's from its snapshot."""
+        out = {"engine": snapshot.pop("memory_lock", None)}
+        front = getattr(self.engine, "front_memory_lock", None)  # when the engine is another process
+        if front is not None:
+            out["front"] = front.status()
         return out
 
     def _rss(self) -> int:
@@ -170,6 +178,7 @@ class ControlHandlers:
         shed_tiers=(),
         unready_tiers=(),
         intra_op_threads=None,
+        lock_memory=False,
         reason=None,
         ttl_s=None,
         hold=False,
@@ -182,6 +191,7 @@ class ControlHandlers:
                 shed_tiers=shed_tiers,
                 unready_tiers=unready_tiers,
                 intra_op_threads=intra_op_threads,
+                lock_memory=lock_memory,
                 reason=reason if reason is not None else "",
                 ttl_s=ttl_s,
                 hold=hold,

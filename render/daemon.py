@@ -35,6 +35,7 @@ from turbonode.jsonrpc import SERVER_ERROR, RpcError
 from turbonode.metric_names import ENGINE_PROCESS
 
 from .cpu_threads import wait_policy_default
+from .memory_lock import MemoryLock
 from .readiness import ENGINE_STALL_S
 from .remote_engine import RemoteEngine
 
@@ -209,11 +210,13 @@ class Worker:
         if on_ready is not None:
             on_ready(url)
         watchdog = asyncio.create_task(self._watchdog())
+        memory_lock = asyncio.create_task(self._keep_memory_lock(engine))
         await asyncio.wait(
             {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(gone.wait())},
             return_when=asyncio.FIRST_COMPLETED,
         )
         watchdog.cancel()
+        memory_lock.cancel()
         if gone.is_set():
             # a failed worker, for its service manager to restart: waiting jobs have failed
             log.error("the engine process exited (status %s); stopping", engine.process.returncode)
@@ -235,6 +238,12 @@ class Worker:
             return
         n = engine.fail_all(f"the worker stopped before the job finished (drain timeout {timeout:g} s)")
         log.warning("drain timeout: failed %d unfinished jobs after %g s", n, timeout)
+
+    async def _keep_memory_lock(self, engine: RemoteEngine) -> None:
+        """The front's pages locked while the throttle asks, unlocked once it expires (render/memory_lock.py)."""
+        while True:
+            engine.keep_memory_lock()
+            await asyncio.sleep(MemoryLock.PERIOD_S)
 
     async def _watchdog(self) -> None:
         interval = sdnotify.watchdog_interval()

@@ -43,6 +43,7 @@ from .encode_prompt import PromptEncoder
 from .families.base import Family, FamilyError, TierDefaults
 from .job_table import RECENT, JobTable
 from .jobs import Job, JobRequest, JobState, Sample
+from .memory_lock import MemoryLock
 from .prepare_latents import LatentPreparer
 from .throttle import ThrottleState
 
@@ -132,6 +133,7 @@ class Engine:
         self.step_cost: dict[tuple, float] = {}  # (shape, denoiser rows) -> smoothed step seconds
         self.steps_total = 0
         self.intra_op_threads = 0  # what the engine thread last set (0: not set yet)
+        self.memory_lock = MemoryLock("engine")  # its pages resident while the throttle asks
         self.heartbeat = clock()
         self.pid = os.getpid()  # the process the engine runs in (render/remote_engine.py: another one)
 
@@ -365,6 +367,8 @@ class Engine:
     def run(self) -> None:
         wake = self.jobs.wake
         while True:
+            t = self.throttle.current()
+            self.memory_lock.apply(t is not None and t.lock_memory)
             with wake:
                 if self._stopping:
                     return
@@ -429,6 +433,7 @@ class Engine:
             },
             "max_batch": self.limits().max_batch,
             "intra_op_threads": {"current": self.intra_op_threads, "configured": self.settings.intra_op_threads},
+            "memory_lock": self.memory_lock.status(),
             "steps_total": self.steps_total,
             "accepting": self.jobs.accepting,
             "text_cache": {"entries": len(enc), "hits": enc.hits, "misses": enc.misses, "hit_ratio": enc.hit_ratio},

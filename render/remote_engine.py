@@ -34,6 +34,7 @@ from turbonode.errors import TurbonodeError
 from .engine_host import ENTRY, METRIC_METHODS
 from .engine_link import AsyncLink, EngineGone, Link, settle
 from .jobs import JobCancelled, JobFailed, JobRequest, JobState
+from .memory_lock import MemoryLock
 from .throttle import ThrottleState
 
 log = logging.getLogger(__name__)
@@ -192,6 +193,7 @@ class RemoteEngine:
 
     def __init__(self, on_exit: Callable[[], None] | None = None):
         self.throttle = ThrottleState(clock=self.clock, wall=self.wall)
+        self.front_memory_lock = MemoryLock("front")  # the engine process has its own
         self.on_exit = on_exit
         self.accepting = True
         self.info: dict = {}
@@ -345,6 +347,13 @@ class RemoteEngine:
         """The throttle changed: the engine process takes the new one and re-plans."""
         with self._push_lock:  # read and sent together: two changes at once arrive in order
             self.link.cast("throttle", self.throttle.current())
+        self.keep_memory_lock()
+
+    def keep_memory_lock(self) -> None:
+        """Lock or unlock the front's pages as the throttle says (also once it has expired: the
+        daemon calls this every MemoryLock.PERIOD_S)."""
+        t = self.throttle.current()
+        self.front_memory_lock.apply(t is not None and t.lock_memory)
 
     # ---- draining and stop ------------------------------------------------------------
 

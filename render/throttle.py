@@ -52,6 +52,7 @@ class Throttle(ThrottleLimits):
             "shed_tiers": sorted(self.shed_tiers),
             "unready_tiers": sorted(self.unready_tiers),
             "intra_op_threads": self.intra_op_threads,
+            "lock_memory": self.lock_memory,
             "reason": self.reason,
             "ttl_s": self.ttl_s,
             "expires_at": self.set_at_wall + self.ttl_s,
@@ -68,6 +69,7 @@ def make_throttle(
     shed_tiers=(),
     unready_tiers=(),
     intra_op_threads=None,
+    lock_memory=False,
     reason="",
     ttl_s=None,
     hold=False,
@@ -75,7 +77,9 @@ def make_throttle(
     now_wall: float,
 ) -> Throttle:
     """Validate the `throttle` call's parameters; ValueError names the bad one."""
-    limits = check_throttle(max_batch, paused_tiers, step_caps, shed_tiers, unready_tiers, intra_op_threads)
+    limits = check_throttle(
+        max_batch, paused_tiers, step_caps, shed_tiers, unready_tiers, intra_op_threads, lock_memory
+    )
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError("reason must be a non-empty string (it is logged and shown in status)")
     if not isinstance(hold, bool):
@@ -91,6 +95,7 @@ def make_throttle(
         limits.shed_tiers,
         limits.unready_tiers,
         limits.intra_op_threads,
+        limits.lock_memory,
         reason.strip(),
         ttl_s,
         now,

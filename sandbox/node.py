@@ -1,8 +1,11 @@
 """The demo's sandbox node: two network namespaces (sandbox/netns.py), the real worker serving
 HTTP inside the node namespace, and what a phase starts around it: the agent, bulk iperf3
 flows, the stress-ng fault and the tiered image requests from the client namespace
-(sandbox.loadgen). `close` stops every process it started by PID and deletes the namespaces
-(and with them the qdiscs) and its temporary directory, also when a phase fails.
+(sandbox.loadgen). With `node_memory_mb`, the node's processes run under a memory cgroup of
+that size (sandbox/node_memory.py). A worker that exits is started again after 2 s, as its
+unit's Restart=on-failure would (an OOM kill, say). `close` stops every process it started by
+PID and deletes the namespaces (and with them the qdiscs), its cgroups and its temporary
+directory, also when a phase fails.
 """
 
 from __future__ import annotations
@@ -30,10 +33,13 @@ from turbonode.stats import percentile
 from . import faults
 from .loadgen import Outcome, summarize
 from .netns import Sandbox
+from .node_memory import NodeMemory, evict_libraries
 from .settings import DemoSettings
 
 WORKER_PORT = split_host_port(WorkerConfig().listen)[1]
 REQUEST_TIMEOUT_S = 30
+RESTART_S = 2.0  # a worker that exits is started again after this long (its unit's RestartSec)
+MAX_RESTARTS = 5  # ...at most this often (its unit's StartLimitBurst)
 
 
 class DemoError(TurbonodeError):
@@ -65,7 +71,18 @@ class DemoNode:
         # top CPU weight, so that the node's CPU use (the worker's, raised by cpu_share) does not
         # slow the client's own reading and its delay is not counted as the node's latency.
         self.client_cgroup = f"/{self.sandbox.client}-client"
+        self.agent_cgroup = f"/{self.sandbox.server}-agent"  # in the node's memory cgroup only
         self._made: list[str] = []
+        self.memory = NodeMemory(
+            self.sandbox.server,
+            settings.node_memory_mb,
+            {"worker": self.worker_cgroup, "batch": self.batch_cgroup},
+            log,
+        )
+        self._roles = {self.worker_cgroup: "worker", self.batch_cgroup: "batch", self.agent_cgroup: "agent"}
+        self.worker_exits: list[tuple[float, int]] = []  # (monotonic time, exit status) of each exit
+        self._closing = threading.Event()
+        self._supervisor: threading.Thread | None = None
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -78,6 +95,7 @@ class DemoNode:
                 self._remove_cgroups()
                 self.cgroups = None
                 self.log(f"cannot make the node's cgroups ({exc}): running without the cgroup lever")
+        self.memory.make()
         worker = "".join(f"{k} = {toml_value(v)}\n" for k, v in self.s.worker_config.items())
         self.config.write_text(
             f'[qos]\ndev = "{sb.dev}"\nnetns = "{sb.server}"\nrate = "{self.s.rate}"\nkeep_on_stop = false\n'
@@ -89,26 +107,49 @@ class DemoNode:
             'metrics = "127.0.0.1:0"\n'
             "[levers]\n"
             + (f'best_effort_cgroups = ["{self.batch_cgroup}"]\n' if self.cgroups is not None else "")
+            + self.memory.levers_toml()
             + self.s.extra_toml
         )
         self.log(
             f"node: netns {sb.server} ({sb.server_ip}, {sb.dev} shaped to {self.s.rate}); "
             f"client: netns {sb.client} ({sb.client_ip})" + (f"; logs in {self.tmp} (kept)" if self.s.keep_logs else "")
         )
+        if self.memory.memory is not None:
+            evict_libraries()  # the worker's reads charge its libraries to the node (sandbox/node_memory.py)
         self.worker = self.spawn(
             "worker", sb.cmd(sb.server, *self._turboctl("worker", "run", "--config", str(self.config)))
         )
         self.worker_rpc = ControlClient(f"{self.tmp}/worker.sock", timeout=2.0)
         self._wait(self.worker, lambda: self.worker_rpc.call("ping"), 180, "worker")
         self.log(f"worker: tiny model serving http://{sb.server_ip}:{WORKER_PORT}")
+        self._supervisor = threading.Thread(target=self._supervise, args=(self.worker.args,), daemon=True)
+        self._supervisor.start()
         return self
 
+    def _supervise(self, argv: list[str]) -> None:
+        """Start the worker again when it exits, as systemd would (Restart=on-failure)."""
+        while not self._closing.wait(0.5):
+            if self.worker.poll() is None:
+                continue
+            self.worker_exits.append((time.monotonic(), self.worker.returncode))
+            if len(self.worker_exits) > MAX_RESTARTS:
+                self.log(f"the worker exited {len(self.worker_exits)} times: not starting it again")
+                return
+            self.log(f"the worker exited ({self.worker.returncode}): starting it again in {RESTART_S:g} s")
+            if self._closing.wait(RESTART_S):
+                return
+            self.worker = self.spawn("worker", argv, placed=True)
+
     def close(self) -> None:
+        self._closing.set()
+        if self._supervisor is not None:
+            self._supervisor.join(5)
         for proc in reversed(self.procs):
             _stop(proc)
         self.procs.clear()
         self.sandbox.delete()  # takes the veth pair and every qdisc on it along
         self._remove_cgroups()
+        self.memory.remove()
         if self.s.keep_logs:
             self.log(f"logs kept in {self.tmp}")
         else:
@@ -144,15 +185,22 @@ class DemoNode:
         return [sys.executable, "-m", "turboctl", *args]
 
     def in_cgroup(self, cgroup: str, argv: list[str]) -> list[str]:
-        """argv that first moves itself into `cgroup` (its children follow), then execs; as it is
-        without a cgroup controller. Outermost: `ip netns exec` remounts /sys without the cgroups."""
-        if self.cgroups is None:
+        """argv that first moves itself into `cgroup` (its children follow) in each hierarchy the
+        node has it in (cpu; memory and io: sandbox/node_memory.py), then execs; as it is without
+        any. Outermost: `ip netns exec` remounts /sys without the cgroups."""
+        files = [self.cgroups.procs_file(cgroup)] if self.cgroups is not None and cgroup in self._made else []
+        files += self.memory.procs_files(self._roles.get(cgroup, ""))
+        if not files:
             return argv
-        return ["sh", "-c", f'echo $$ > {self.cgroups.procs_file(cgroup)} && exec "$@"', "sh", *argv]
+        moves = " && ".join(f"echo $$ > {f}" for f in files)
+        return ["sh", "-c", f'{moves} && exec "$@"', "sh", *argv]
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        if name == "worker":
-            argv = self.in_cgroup(self.worker_cgroup, argv)
+    def spawn(self, name: str, argv: list[str], placed: bool = False) -> subprocess.Popen:
+        """Start `argv` in a session of its own, logging to <name>.log; the worker and the agent in
+        their cgroups (unless `placed`: argv already moves itself)."""
+        roles = {"worker": self.worker_cgroup, "agent": self.agent_cgroup}
+        if name in roles and not placed:
+            argv = self.in_cgroup(roles[name], argv)
         with open(self.tmp / f"{name}.log", "a") as out:
             proc = subprocess.Popen(
                 argv,

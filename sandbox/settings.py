@@ -17,3 +17,4 @@ class DemoSettings:
     keep_logs: bool = False  # keep the daemons' logs (and the node's config) after the demo
     worker_config: dict = field(default_factory=dict)  # more [worker] keys (turbonode.config.WorkerConfig)
     extra_toml: str = ""  # more tables for the node's configuration file, e.g. [policy]
+    node_memory_mb: int = 0  # the node's RAM: its processes under a memory cgroup this large (0: none)

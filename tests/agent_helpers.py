@@ -73,6 +73,7 @@ class MiniWorker:
         shed_tiers=(),
         unready_tiers=(),
         intra_op_threads=None,
+        lock_memory=False,
     ):
         if "turbo" in list(paused_tiers) + list(shed_tiers) + list(step_caps or {}):
             raise RpcError(INVALID_PARAMS, "turbo is never throttled")
@@ -81,6 +82,7 @@ class MiniWorker:
             "max_batch": max_batch,
             "paused_tiers": list(paused_tiers),
             "intra_op_threads": intra_op_threads,
+            "lock_memory": lock_memory,
             "reason": reason,
             "expires": time.monotonic() + ttl_s,
         }

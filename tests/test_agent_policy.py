@@ -330,7 +330,12 @@ def test_max_level_from_config(tmp_path):
     f.write_text('[policy.rules.cpu_load]\nmax_level = "critical"\n')
     rules = {r.signal: r for r in policy_from_config(load_config(str(f), env={}).policy).rules}
     assert rules["cpu_load"].max_level == 3
-    f.write_text('[policy.rules.cpu_load]\nmax_level = "normal"\n')
-    with pytest.raises(ConfigError, match="cpu_load.max_level: expected one of pressured, degraded, critical") as exc:
+    f.write_text('[policy.rules.cpu_load]\nmax_level = "normal"\n')  # its levers only
+    rules = {r.signal: r for r in policy_from_config(load_config(str(f), env={}).policy).rules}
+    assert rules["cpu_load"].max_level == 0
+    f.write_text('[policy.rules.cpu_load]\nmax_level = "calm"\n')
+    with pytest.raises(
+        ConfigError, match="cpu_load.max_level: expected one of normal, pressured, degraded, critical"
+    ) as exc:
         load_config(str(f), env={})
     assert exc.value.key == "policy.rules"

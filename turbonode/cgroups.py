@@ -1,31 +1,35 @@
-"""The cgroup hierarchy that has the CPU controller, v1 or v2, and its CPU knobs' files.
+"""Cgroup hierarchies, v1 or v2, and the knob files of the CPU controller.
 
-Shared by the agent's CPU-share lever (agent/levers/cgroup.py) and the worker, which sizes its
-thread pool to the CPU quota it runs under. Which hierarchy: v2 when the root's
-cgroup.controllers lists `cpu`; else v1's cpu controller mounted at <root>/cpu (or
-cpu,cpuacct). On a hybrid host (v1 controllers plus a v2 mount at <root>/unified) that is v1,
-unless the cpu controller was moved to the v2 mount (sandbox/cgroup_v2.py does, for tests).
-Weights are given in cgroup v2 units (cpu.weight, 1..10000, default 100) and converted for
-v1's cpu.shares the way systemd converts CPUWeight= (x 1024 / 100). Every path goes through
-a root argument, so tests run on a fake tree as well as the real one.
+A controller lives in one mounted hierarchy at a time: on a v2-only host the root, whose
+cgroup.controllers lists it; on a v1 or hybrid host its own v1 mount under the root (cpu at
+<root>/cpu or cpu,cpuacct, memory at <root>/memory, io as blkio at <root>/blkio), unless it was
+moved to a hybrid host's v2 mount at <root>/unified (sandbox/cgroup_v2.py does, for tests).
+`Hierarchy.find` locates a controller's; the CPU knobs are here (shared by the agent's CPU-share
+lever, agent/levers/cgroup.py, and the worker, which sizes its thread pool to the CPU quota it
+runs under), the memory and io ones in turbonode/memory_cgroups.py.
+
+CPU weights are given in cgroup v2 units (cpu.weight, 1..10000, default 100) and converted for
+v1's cpu.shares the way systemd converts CPUWeight= (x 1024 / 100). Every path goes through a
+root argument, so tests run on a fake tree as well as the real one.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import ClassVar, TypeVar
 
 from .errors import TurbonodeError
 
 V2_WEIGHT_MIN, V2_WEIGHT_MAX, V2_WEIGHT_DEFAULT = 1, 10000, 100
 V1_SHARES_MIN, V1_SHARES_MAX = 2, 262144
 PERIOD_US = 100_000
-V1_MOUNTS = ("cpu", "cpu,cpuacct", "cpuacct,cpu")  # where a v1 cpu controller is mounted, under the root
 UNIFIED = "unified"  # a hybrid host's v2 mount, under the root
+H = TypeVar("H", bound="Hierarchy")
 
 
 class CgroupError(TurbonodeError):
-    """No usable CPU controller, a cgroup that does not exist, or one that cannot be made or removed."""
+    """No usable controller, a cgroup that does not exist, or one that cannot be made or removed."""
 
 
 def shares_from_weight(weight: int) -> int:
@@ -43,26 +47,31 @@ def slice_path(name: str) -> str:
 
 
 @dataclass(frozen=True)
-class CpuHierarchy:
-    """The mounted hierarchy that has the cpu controller."""
+class Hierarchy:
+    """The mounted hierarchy that has a controller (a subclass names which)."""
 
     mount: str  # directory of the hierarchy's root cgroup
     version: int  # 1 or 2
 
+    controller: ClassVar[str]  # its name in a v2 cgroup.controllers
+    v1_name: ClassVar[str]  # its name in v1 (/proc/PID/cgroup, the mount's options)
+    v1_mounts: ClassVar[tuple[str, ...]]  # where a v1 mount of it may be, under the root
+    v1_probe: ClassVar[str]  # a file the root of a v1 mount of it has
+
     @classmethod
-    def find(cls, root: str = "/sys/fs/cgroup") -> CpuHierarchy:
-        if "cpu" in _words(os.path.join(root, "cgroup.controllers")):
+    def find(cls: type[H], root: str = "/sys/fs/cgroup") -> H:
+        if cls.controller in _words(os.path.join(root, "cgroup.controllers")):
             return cls(root, 2)
-        for name in V1_MOUNTS:
+        for name in cls.v1_mounts:
             mount = os.path.join(root, name)
-            if os.path.exists(os.path.join(mount, "cpu.shares")):
+            if os.path.exists(os.path.join(mount, cls.v1_probe)):
                 return cls(mount, 1)
         unified = os.path.join(root, UNIFIED)
-        # a hybrid host whose cpu controller was moved to the v2 mount (no v1 cpu mount left)
-        if "cpu" in _words(os.path.join(unified, "cgroup.controllers")):
+        # a hybrid host whose controller was moved to the v2 mount (no v1 mount of it left)
+        if cls.controller in _words(os.path.join(unified, "cgroup.controllers")):
             return cls(unified, 2)
-        hint = " (the v2 mount there has no cpu controller)" if os.path.isdir(unified) else ""
-        raise CgroupError(f"no cgroup cpu controller under {root}{hint}")
+        hint = f" (the v2 mount there has no {cls.controller} controller)" if os.path.isdir(unified) else ""
+        raise CgroupError(f"no cgroup {cls.controller} controller under {root}{hint}")
 
     def dir(self, cgroup: str) -> str:
         return os.path.join(self.mount, slice_path(cgroup).lstrip("/"))
@@ -76,54 +85,25 @@ class CpuHierarchy:
             raise CgroupError(f"cannot read the cgroup of pid {pid}: {exc.strerror or exc}") from None
         for line in lines:
             _, controllers, path = line.split(":", 2)
-            if (self.version == 2 and controllers == "") or (self.version == 1 and "cpu" in controllers.split(",")):
+            if (self.version == 2 and controllers == "") or (
+                self.version == 1 and self.v1_name in controllers.split(",")
+            ):
                 return path
-        raise CgroupError(f"pid {pid} is in no cgroup of the cpu hierarchy ({self.mount})")
+        raise CgroupError(f"pid {pid} is in no cgroup of the {self.controller} hierarchy ({self.mount})")
 
-    # ---- the knobs ------------------------------------------------------------------
-
-    def weight_file(self, cgroup: str) -> tuple[str, str]:
-        return self._file(cgroup, "cpu.weight" if self.version == 2 else "cpu.shares")
-
-    def weight_value(self, weight: int) -> str:
-        if not V2_WEIGHT_MIN <= weight <= V2_WEIGHT_MAX:
-            raise ValueError(f"a CPU weight must be {V2_WEIGHT_MIN}..{V2_WEIGHT_MAX}, got {weight}")
-        return str(weight if self.version == 2 else shares_from_weight(weight))
-
-    def quota_writes(self, cgroup: str, cpus: float | None) -> list[tuple[str, str]]:
-        """(file, value) pairs that cap `cgroup` at `cpus` CPUs per period (None: no cap)."""
-        if cpus is not None and cpus <= 0:
-            raise ValueError(f"a CPU quota must be positive, got {cpus}")
-        quota = None if cpus is None else max(1000, int(cpus * PERIOD_US))
-        if self.version == 2:
-            return [(self._file(cgroup, "cpu.max")[0], f"{quota or 'max'} {PERIOD_US}")]
-        return [
-            (self._file(cgroup, "cpu.cfs_period_us")[0], str(PERIOD_US)),
-            (self._file(cgroup, "cpu.cfs_quota_us")[0], str(quota or -1)),
-        ]
-
-    def quota_cpus(self, cgroup: str) -> float | None:
-        """The CPUs per period `cgroup` may use (its own cap, not its parents'); None: no cap."""
-        try:
-            if self.version == 2:
-                with open(self._file(cgroup, "cpu.max")[0]) as f:
-                    quota, period = f.read().split()
-            else:
-                with open(self._file(cgroup, "cpu.cfs_quota_us")[0]) as f:
-                    quota = f.read().strip()
-                with open(self._file(cgroup, "cpu.cfs_period_us")[0]) as f:
-                    period = f.read().strip()
-        except (OSError, ValueError) as exc:
-            raise CgroupError(f"cannot read the CPU quota of {cgroup}: {exc}") from None
-        if quota in ("max", "-1"):
-            return None
-        return int(quota) / int(period)
-
-    def _file(self, cgroup: str, name: str) -> tuple[str, str]:
+    def file(self, cgroup: str, name: str) -> str:
+        """The path of knob `name` of an existing `cgroup`."""
         d = self.dir(cgroup)
         if not os.path.isdir(d):
             raise CgroupError(f"cgroup {cgroup} does not exist ({d})")
-        return os.path.join(d, name), name
+        return os.path.join(d, name)
+
+    def read(self, cgroup: str, name: str) -> str:
+        try:
+            with open(self.file(cgroup, name)) as f:
+                return f.read()
+        except OSError as exc:
+            raise CgroupError(f"cannot read {name} of {cgroup}: {exc.strerror or exc}") from None
 
     # ---- for tests and benchmarks: cgroups of their own ------------------------------
 
@@ -153,6 +133,57 @@ class CpuHierarchy:
 
     def procs_file(self, cgroup: str) -> str:
         return os.path.join(self.dir(cgroup), "cgroup.procs")
+
+    def procs(self, cgroup: str) -> list[int]:
+        """The processes in `cgroup` (not its children), as cgroup.procs lists them."""
+        return [int(p) for p in self.read(cgroup, "cgroup.procs").split()]
+
+
+@dataclass(frozen=True)
+class CpuHierarchy(Hierarchy):
+    """The mounted hierarchy that has the cpu controller."""
+
+    controller = "cpu"
+    v1_name = "cpu"
+    v1_mounts = ("cpu", "cpu,cpuacct", "cpuacct,cpu")
+    v1_probe = "cpu.shares"
+
+    # ---- the knobs ------------------------------------------------------------------
+
+    def weight_file(self, cgroup: str) -> tuple[str, str]:
+        name = "cpu.weight" if self.version == 2 else "cpu.shares"
+        return self.file(cgroup, name), name
+
+    def weight_value(self, weight: int) -> str:
+        if not V2_WEIGHT_MIN <= weight <= V2_WEIGHT_MAX:
+            raise ValueError(f"a CPU weight must be {V2_WEIGHT_MIN}..{V2_WEIGHT_MAX}, got {weight}")
+        return str(weight if self.version == 2 else shares_from_weight(weight))
+
+    def quota_writes(self, cgroup: str, cpus: float | None) -> list[tuple[str, str]]:
+        """(file, value) pairs that cap `cgroup` at `cpus` CPUs per period (None: no cap)."""
+        if cpus is not None and cpus <= 0:
+            raise ValueError(f"a CPU quota must be positive, got {cpus}")
+        quota = None if cpus is None else max(1000, int(cpus * PERIOD_US))
+        if self.version == 2:
+            return [(self.file(cgroup, "cpu.max"), f"{quota or 'max'} {PERIOD_US}")]
+        return [
+            (self.file(cgroup, "cpu.cfs_period_us"), str(PERIOD_US)),
+            (self.file(cgroup, "cpu.cfs_quota_us"), str(quota or -1)),
+        ]
+
+    def quota_cpus(self, cgroup: str) -> float | None:
+        """The CPUs per period `cgroup` may use (its own cap, not its parents'); None: no cap."""
+        try:
+            if self.version == 2:
+                quota, period = self.read(cgroup, "cpu.max").split()
+            else:
+                quota = self.read(cgroup, "cpu.cfs_quota_us").strip()
+                period = self.read(cgroup, "cpu.cfs_period_us").strip()
+        except (CgroupError, ValueError) as exc:
+            raise CgroupError(f"cannot read the CPU quota of {cgroup}: {exc}") from None
+        if quota in ("max", "-1"):
+            return None
+        return int(quota) / int(period)
 
 
 def _words(path: str) -> list[str]:

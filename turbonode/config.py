@@ -22,7 +22,8 @@ from typing import Any, TypeVar
 from .accounts import parse_period
 from .cgroups import V2_WEIGHT_MAX, V2_WEIGHT_MIN
 from .errors import ConfigError
-from .levels import ACTION_LEVELS
+from .levels import ACTION_LEVELS, LEVELS
+from .memory_cgroups import IO_WEIGHT_MAX, IO_WEIGHT_MIN
 from .qos_params import ShareError, check_leaf_limit, check_link_rate, check_percent, check_shares
 from .rates import parse_rate
 from .text import parse_decimal, quote
@@ -342,8 +343,12 @@ class AgentConfig:
 
 # The levers a rule may engage while it is active (agent/levers/): `cpu_share` favours the
 # worker's cgroup over best-effort cgroups (CPU weight, optional quota); `worker_threads` lowers
-# the worker's torch intra-op threads through its throttle. docs/agent.md, measured in docs/benchmarks.md.
-LEVER_NAMES = ("cpu_share", "worker_threads")
+# the worker's torch intra-op threads through its throttle; `memory_squeeze` holds the best-effort
+# memory cgroups where they are, `memory_protect` keeps the worker's from reclaim (v2), `io_weight`
+# favours the worker's io cgroup (agent/levers/memory.py, io.py). docs/agent.md, measured in
+# docs/benchmarks.md.
+LEVER_NAMES = ("cpu_share", "worker_threads", "memory_squeeze", "memory_protect", "io_weight")
+OOM_SCORE_ADJ = (-1000, 1000)  # /proc/PID/oom_score_adj's range
 
 
 @dataclass(frozen=True)
@@ -388,6 +393,36 @@ POLICY_RULES: dict[str, RuleDefaults] = {
         0.25, 0.10, fraction, "busiest CPU's share of time in the NET_RX softirq", ("cpu_share",), "pressured"
     ),
     "turbo_wait_s": RuleDefaults(0.5, 0.25, positive, "oldest queued turbo job's wait (s)"),
+    # memory and io (agent/watchers/psi.py, memory.py; docs/benchmarks.md, node SLO memory cells)
+    "psi_memory_some": RuleDefaults(
+        0.10,
+        0.02,
+        fraction,
+        "the node's memory stall fraction (PSI some)",
+        ("memory_squeeze", "memory_protect"),
+        "pressured",
+    ),
+    "worker_major_faults_per_s": RuleDefaults(
+        50.0,
+        5.0,
+        positive,
+        "the worker's major page faults per second (its code and files read back)",
+        ("memory_squeeze", "memory_protect"),
+        "pressured",
+    ),
+    # the squeeze holds while the job pushes against it, after the stall it caused has gone; it only
+    # keeps the levers engaged (max_level normal: nothing to throttle in the worker for it)
+    "best_effort_memory_held": RuleDefaults(
+        0.5,
+        0.5,
+        fraction,
+        "1 while a best-effort cgroup pushes against the limit memory_squeeze set, else 0",
+        ("memory_squeeze", "memory_protect"),
+        "normal",
+    ),
+    "psi_io_some": RuleDefaults(
+        0.30, 0.10, fraction, "the node's io stall fraction (PSI some)", ("io_weight",), "pressured"
+    ),
 }
 POLICY_SIGNALS = tuple(POLICY_RULES)
 RULE_KEYS = ("enter", "exit", "enter_s", "exit_s", "levers", "max_level")
@@ -431,9 +466,9 @@ def policy_rules(v: Any) -> None:
                 if not isinstance(x, list) or any(lever not in LEVER_NAMES for lever in x):
                     raise ValueError(f"{where}: expected a list of levers from {', '.join(LEVER_NAMES)}, got {x!r}")
                 continue
-            if k == "max_level":
-                if x not in ACTION_LEVELS:
-                    raise ValueError(f"{where}: expected one of {', '.join(ACTION_LEVELS)}, got {x!r}")
+            if k == "max_level":  # normal: a rule that only engages its levers
+                if x not in LEVELS:
+                    raise ValueError(f"{where}: expected one of {', '.join(LEVELS)}, got {x!r}")
                 continue
             if isinstance(x, bool) or not isinstance(x, (int, float)):
                 raise ValueError(f"{where}: expected a number, got {x!r}")
@@ -491,7 +526,7 @@ class PolicyConfig:
         merged_rules({}),
         policy_rules,
         "per signal: enter and exit thresholds; enter_s/exit_s override the dwell; levers it engages while "
-        "active; max_level, the highest level it raises the node to",
+        "active; max_level, the highest level it raises the node to (normal: it only engages its levers)",
         table_help={signal: d.help for signal, d in POLICY_RULES.items()},
     )
     actions: dict[str, dict[str, Any]] = opt(
@@ -544,6 +579,29 @@ class LeversConfig:
     )
     worker_threads: int = opt(
         1, in_range(1, MAX_INTRA_OP_THREADS), "torch intra-op threads of the worker while worker_threads is engaged"
+    )
+    memory_worker_cgroup: str = opt(
+        "auto",
+        help="the worker's memory cgroup that memory_protect protects: 'auto' (the worker's own), a path or slice, ''",
+    )
+    memory_best_effort_cgroups: list[str] = opt(
+        [],
+        string_list,
+        "memory cgroups of batch work that memory_squeeze holds and oom_guard offers the OOM killer "
+        "([]: levers.best_effort_cgroups)",
+    )
+    oom_guard: bool = opt(
+        True, help="while the agent runs: the worker's and its own oom_score_adj lowered, best-effort processes' raised"
+    )
+    worker_oom_score_adj: int = opt(-900, in_range(*OOM_SCORE_ADJ), "oom_score_adj of the worker and the agent")
+    best_effort_oom_score_adj: int = opt(
+        1000, in_range(*OOM_SCORE_ADJ), "oom_score_adj of the processes in the best-effort cgroups"
+    )
+    worker_io_weight: int = opt(
+        1000, in_range(IO_WEIGHT_MIN, IO_WEIGHT_MAX), "io.weight (v2 units) of the worker's cgroup while engaged"
+    )
+    best_effort_io_weight: int = opt(
+        1, in_range(IO_WEIGHT_MIN, IO_WEIGHT_MAX), "io.weight (v2 units) of each best-effort cgroup while engaged"
     )
 
 

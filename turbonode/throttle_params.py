@@ -8,6 +8,8 @@ never be paused, shed or step-capped: protecting it is why the throttle exists. 
 ready (GET /readyz?tier=T) so that a balancer sends their new work to another node.
 `intra_op_threads` limits no tier: it is how many CPU threads each UNet/VAE call uses, fewer
 while the node's CPUs are contended (the agent's worker_threads lever, render/cpu_threads.py).
+`lock_memory` limits none either: the worker keeps its pages resident while it lasts (the
+agent's memory_protect lever, render/memory_lock.py).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ THROTTLE_KEYS: tuple[str, ...] = (
     "shed_tiers",
     "unready_tiers",
     "intra_op_threads",
+    "lock_memory",
 )
 # JSON-RPC error code (implementation-defined server error range) of a `throttle` or `release`
 # refused because an operator hold is in force; the error's data carries {"hold": the throttle}.
@@ -47,6 +50,7 @@ class ThrottleLimits:
     shed_tiers: frozenset[str] = frozenset()
     unready_tiers: frozenset[str] = frozenset()
     intra_op_threads: int | None = None
+    lock_memory: bool = False
 
 
 def _count(v: Any, most: int) -> bool:
@@ -78,6 +82,7 @@ def check_throttle(
     shed_tiers: Any = (),
     unready_tiers: Any = (),
     intra_op_threads: Any = None,
+    lock_memory: Any = False,
 ) -> ThrottleLimits:
     """Validate the throttle's limits; ValueError names the bad parameter first."""
     if max_batch is not None and not _count(max_batch, MAX_BATCH):
@@ -86,6 +91,8 @@ def check_throttle(
         raise ValueError(
             f"intra_op_threads must be an integer 1..{MAX_INTRA_OP_THREADS} or null, got {intra_op_threads!r}"
         )
+    if not isinstance(lock_memory, bool):
+        raise ValueError(f"lock_memory must be true or false, got {lock_memory!r}")
     step_caps = {} if step_caps is None else step_caps
     if not isinstance(step_caps, dict):
         raise ValueError("step_caps must be an object {tier: steps}")
@@ -100,4 +107,5 @@ def check_throttle(
         _tiers("shed_tiers", shed_tiers),
         _tiers("unready_tiers", unready_tiers, protected_allowed=True),
         intra_op_threads,
+        lock_memory,
     )

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from turbonode.cgroups import V2_WEIGHT_MAX, V2_WEIGHT_MIN, CgroupError, CpuHierarchy, slice_path
+from turbonode.cgroups import V2_WEIGHT_MAX, V2_WEIGHT_MIN, CgroupError, CpuHierarchy, Hierarchy, slice_path
 from turbonode.config import LeversConfig
 
 from .journal import KnobJournal
@@ -57,9 +57,9 @@ class CpuShareLever:
         return problems
 
 
-def worker_cgroup(setting: str, hierarchy: CpuHierarchy, worker_pid: Callable[[], int], procfs: str) -> str | None:
-    """The cgroup `levers.worker_cgroup` names: 'auto' is the worker process's own; '' is none.
-    The root cgroup has no weight to raise: None."""
+def worker_cgroup(setting: str, hierarchy: Hierarchy, worker_pid: Callable[[], int], procfs: str) -> str | None:
+    """The cgroup `levers.worker_cgroup` names: 'auto' is the worker process's own in `hierarchy`;
+    '' is none. The root cgroup has no weight to raise nor memory to protect: None."""
     if not setting:
         return None
     cgroup = hierarchy.of_pid(worker_pid(), procfs) if setting == "auto" else slice_path(setting)
@@ -71,6 +71,7 @@ class CpuShare:
     may have restarted meanwhile), writes through the journal, undoes what it wrote."""
 
     name = "cpu_share"
+    dry_run_note = "would raise the worker's CPU weight and lower the best-effort cgroups'"
 
     def __init__(self, cfg: LeversConfig, journal: KnobJournal, worker_pid: Callable[[], int], procfs: str):
         self.cfg, self.journal, self.worker_pid, self.procfs = cfg, journal, worker_pid, procfs

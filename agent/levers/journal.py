@@ -6,7 +6,9 @@ temporary name, fsynced and renamed, so it is never half-written); `undo` writes
 original back. An agent killed with -9 leaves the state file behind: the next agent calls
 `restore_leftovers()` at start and puts back every original whose file still holds the
 value we wrote. A file someone else changed since is left alone (it is theirs now) and
-reported, like a file that has gone (a removed cgroup, a deleted device).
+reported, like a file that has gone (a removed cgroup, a deleted device), unless it was one
+that goes with its process (/proc/PID/oom_score_adj: `vanishes`). A knob may be one line of a
+'key value' file (v1's memory.oom_control takes "1" and reads back "oom_kill_disable 1 ...").
 """
 
 from __future__ import annotations
@@ -29,14 +31,23 @@ class KnobError(TurbonodeError):
 class Entry:
     original: str
     written: str
+    key: str | None = None  # the line of a 'key value' file this knob is (None: the whole file)
+    vanishes: bool = False  # the file goes with its process: gone is nothing to restore
 
 
-def read_knob(path: str) -> str:
+def read_knob(path: str, key: str | None = None) -> str:
     try:
         with open(path) as f:
-            return f.read().strip()
+            text = f.read().strip()
     except OSError as exc:
         raise KnobError(f"cannot read {path}: {exc.strerror or exc}") from None
+    if key is None:
+        return text
+    for line in text.splitlines():
+        name, _, value = line.partition(" ")
+        if name == key:
+            return value.strip()
+    raise KnobError(f"{path} has no {key!r} line")
 
 
 def write_knob(path: str, value: str) -> None:
@@ -67,12 +78,12 @@ class KnobJournal:
 
     # ---- changing and undoing --------------------------------------------------------
 
-    def set(self, path: str, value: str) -> None:
+    def set(self, path: str, value: str, key: str | None = None, vanishes: bool = False) -> None:
         """Write `value` to `path`, remembering (on disk, first) what was there before."""
         entry = self.entries.get(path)
         before = entry.written if entry else None
         if entry is None:
-            entry = self.entries[path] = Entry(read_knob(path), value)
+            entry = self.entries[path] = Entry(read_knob(path, key), value, key, vanishes)
         entry.written = value
         self._save()
         try:
@@ -85,7 +96,7 @@ class KnobJournal:
             self._save()
             raise
         # the kernel may normalise what it stores (masks are padded): compare against what it reads back
-        self.entries[path].written = read_knob(path)
+        self.entries[path].written = read_knob(path, key)
         self._save()
 
     def undo(self, path: str) -> str | None:
@@ -129,8 +140,10 @@ class KnobJournal:
         return problems
 
     def _restore(self, path: str, entry: Entry) -> str | None:
+        if entry.vanishes and not os.path.exists(path):
+            return None  # its process has exited, and the value with it
         try:
-            now = read_knob(path)
+            now = read_knob(path, entry.key)
             if same_value(now, entry.original):
                 return None  # never written, or already back (a crash between saving and writing)
             if not same_value(now, entry.written):
@@ -162,3 +175,29 @@ class KnobJournal:
             os.unlink(self.state_path)
         except FileNotFoundError:
             pass
+
+
+class KnobWrites:
+    """The files one lever wrote through a shared journal, undone newest first."""
+
+    def __init__(self, journal: KnobJournal):
+        self.journal = journal
+        self.paths: list[str] = []
+
+    def set(self, path: str, value: str, key: str | None = None, vanishes: bool = False) -> None:
+        self.journal.set(path, value, key, vanishes)
+        if path not in self.paths:
+            self.paths.append(path)
+
+    def written(self, path: str) -> str | None:
+        """What we last wrote to `path` (as the kernel read it back), or None if we have not."""
+        entry = self.journal.entries.get(path)
+        return entry.written if entry is not None and path in self.paths else None
+
+    def undo(self, path: str) -> str | None:
+        if path in self.paths:
+            self.paths.remove(path)
+        return self.journal.undo(path)
+
+    def undo_all(self) -> list[str]:
+        return [p for p in (self.undo(path) for path in reversed(list(self.paths))) if p]

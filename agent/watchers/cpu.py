@@ -42,10 +42,15 @@ def parse_stat(text: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def process_cpu_ticks(text: str) -> int:
-    """utime + stime (clock ticks, all threads) from a /proc/PID/stat line. The command name in
+def process_stat_fields(text: str) -> list[str]:
+    """The fields of a /proc/PID/stat line from its third (state) on. The command name in
     parentheses may hold spaces and parentheses itself: fields are counted after the last ')'."""
-    fields = text[text.rindex(")") + 2 :].split()
+    return text[text.rindex(")") + 2 :].split()
+
+
+def process_cpu_ticks(text: str) -> int:
+    """utime + stime (clock ticks, all threads) from a /proc/PID/stat line."""
+    fields = process_stat_fields(text)
     return int(fields[11]) + int(fields[12])  # fields 14 and 15 of the line; state is field 3
 
 

@@ -1,0 +1,157 @@
+"""Memory pressure as the worker feels it: its major faults, its cgroup's pressure, and the memory
+events of its cgroup and of the best-effort cgroups beside it.
+
+  worker_major_faults_per_s  page faults of the worker's processes (pids from its status, as the
+                             cpu watcher has them) that had to read the page back: its code and
+                             mapped files reclaimed under it (/proc/PID/stat, majflt)
+  worker_psi_memory_some     the stall fraction of the worker's own cgroup (its memory.pressure
+                             in the v2 hierarchy, where per-cgroup PSI exists; None where the
+                             worker is in the v2 root: the node's psi_memory_some is its pressure)
+  best_effort_memory_held    1 while a best-effort cgroup pushes against its own limit (the squeeze
+                             lever's): its `max` (v1 failcnt) or `high` events count up, or (v1) its
+                             tasks wait at the limit; else 0. It keeps the squeeze engaged while the
+                             job would grow again, after the stall it caused has gone.
+
+The node's PSI (psi_memory_some, psi_io_some) comes from the psi watcher. Events per cgroup
+(turbonode/memory_cgroups.py: max, oom, oom_kill; low and high on v2) are counters in the detail
+and in `turbonode_cgroup_memory_events_total`; a missing memory controller or cgroup is reported
+in the detail and leaves the fault signal standing. One watcher per worker: its pids and its
+cgroup setting are passed in.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable, Sequence
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from turbonode.cgroups import CgroupError, slice_path
+from turbonode.memory_cgroups import MemoryHierarchy, psi_file
+
+from .base import MIN_RATE_WINDOW_S, Rate, Watcher
+from .cpu import process_stat_fields
+from .psi import parse_pressure
+
+MAJFLT = 9  # majflt is field 12 of a /proc/PID/stat line; process_stat_fields starts at field 3
+
+
+def process_major_faults(text: str) -> int:
+    """Major page faults so far (all threads) from a /proc/PID/stat line."""
+    return int(process_stat_fields(text)[MAJFLT])
+
+
+class MemoryWatcher(Watcher):
+    name = "memory"
+    interval = MIN_RATE_WINDOW_S
+
+    def __init__(
+        self,
+        procfs: str = "/proc",
+        worker_pids: Callable[[], Iterable[int]] = tuple,
+        cgroup_root: str = "/sys/fs/cgroup",
+        worker_cgroup: str = "auto",
+        best_effort: Sequence[str] = (),
+    ):
+        super().__init__()
+        self.procfs, self.worker_pids, self.cgroup_root = procfs, worker_pids, cgroup_root
+        self.worker_cgroup, self.best_effort = worker_cgroup, tuple(best_effort)
+        self._rate = Rate()
+        self.major_faults_total = 0.0  # the worker's, accumulated over its restarts
+        self._last_faults: dict[int, int] = {}
+
+    def _faults(self, pids: list[int]) -> dict[int, int]:
+        out = {}
+        for pid in pids:
+            try:
+                with open(os.path.join(self.procfs, str(pid), "stat")) as f:
+                    out[pid] = process_major_faults(f.read())
+            except (OSError, ValueError, IndexError):  # gone, or not a stat line: not the worker's
+                continue
+        return out
+
+    def _cgroups(self, pids: list[int]) -> tuple[MemoryHierarchy | None, dict[str, str], str | None]:
+        """The hierarchy, {label: cgroup} to read, and why some could not be."""
+        try:
+            h = MemoryHierarchy.find(self.cgroup_root)
+        except CgroupError as exc:
+            return None, {}, str(exc)
+        out = {cg: slice_path(cg) for cg in self.best_effort}
+        try:
+            if self.worker_cgroup == "auto" and pids:
+                cg = h.of_pid(pids[0], self.procfs)
+            else:
+                cg = slice_path(self.worker_cgroup) if self.worker_cgroup not in ("", "auto") else "/"
+        except CgroupError as exc:
+            return h, out, str(exc)
+        if cg != "/":
+            out["worker"] = cg
+        return h, out, None
+
+    def read(self, now):
+        pids = list(self.worker_pids())
+        faults = self._faults(pids)
+        for pid, n in faults.items():  # a new pid (a restarted worker) counts from its first sample
+            self.major_faults_total += max(0, n - self._last_faults.get(pid, n))
+        self._last_faults = faults
+        counters: dict = {("majflt", pid): n for pid, n in faults.items()}
+        h, cgroups, error = self._cgroups(pids)
+        per_cgroup: dict[str, dict] = {}
+        waiting = False
+        for label, cg in cgroups.items():
+            assert h is not None
+            try:
+                events = h.events(cg)
+                per_cgroup[label] = {"cgroup": cg, "usage_bytes": h.usage(cg), "events": events}
+                if label != "worker":
+                    counters[("limited", cg)] = events.get("max", 0) + events.get("high", 0)
+                    waiting = waiting or h.waiting_at_limit(cg)
+            except (CgroupError, ValueError) as exc:
+                per_cgroup[label] = {"cgroup": cg, "error": str(exc)}
+        psi = psi_file(self.cgroup_root, pids[0], "memory", self.procfs) if pids else None
+        if psi is not None:
+            with open(psi) as f:
+                counters[("psi",)] = parse_pressure(f.read())["some"]["total"] / 1e6
+        rates = self._rate.update(now, counters)
+        signals = {
+            "worker_major_faults_per_s": (
+                sum(r for k, r in rates.items() if k[0] == "majflt") if rates is not None and faults else None
+            ),
+            "worker_psi_memory_some": (rates or {}).get(("psi",)),
+            "best_effort_memory_held": (
+                float(waiting or any(r > 0 for k, r in rates.items() if k[0] == "limited"))
+                if rates is not None and self.best_effort
+                else None
+            ),
+        }
+        detail = {"worker_pids": sorted(faults), "worker_psi_file": psi, "cgroups": per_cgroup, "cgroup_error": error}
+        return signals, detail
+
+    def summary(self) -> dict:
+        return {
+            **super().summary(),
+            "cgroups": self.detail.get("cgroups"),
+            "cgroup_error": self.detail.get("cgroup_error"),
+        }
+
+    def families(self):
+        faults = CounterMetricFamily(
+            "turbonode_worker_major_faults", "Major page faults of the worker's processes (code or files read back)"
+        )
+        faults.add_metric([], self.major_faults_total)
+        events = CounterMetricFamily(
+            "turbonode_cgroup_memory_events",
+            "Memory events of the worker's and the best-effort cgroups (max: hit the limit; oom_kill: a task killed)",
+            labels=["cgroup", "event"],
+        )
+        usage = GaugeMetricFamily(
+            "turbonode_cgroup_memory_usage_bytes",
+            "Memory charged to the worker's and the best-effort cgroups",
+            labels=["cgroup"],
+        )
+        for row in (self.detail.get("cgroups") or {}).values():
+            for event, n in (row.get("events") or {}).items():
+                events.add_metric([row["cgroup"], event], n)
+            if "usage_bytes" in row:
+                usage.add_metric([row["cgroup"]], row["usage_bytes"])
+        return [faults, events, usage]
