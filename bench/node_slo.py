@@ -81,7 +81,8 @@ TARGET_RATIO = 2.0
 BACKGROUND = {"fast": 1, "relax": 2}
 FLOOD_CLIENTS = 36  # relax-flood: closed-loop relax clients on top of the background (>= 32 queued)
 GC_REARM_S = 5.0  # bench/garbage.py stops a burst after MAX_BURST_S (10 s)
-WARMUP_S = 3.0  # the fault runs this long before the first request
+WARMUP_S = 3.0  # the fault runs this long before the first request...
+MEMORY_WARMUP_S = 30.0  # ...the memory fault this long: it grows to where the node stalls first
 SETTLE_TIMEOUT_S = 60.0
 NODE_MEMORY_MB = 3072  # the node's RAM: what the worker, the agent and batch work share
 # The worker as `turboctl worker run`, with bench/garbage.py's thread installed in its process
@@ -176,7 +177,7 @@ class SloNode(DemoNode):
         seconds = requests / rate * 1.5 + 60  # every fault ends by itself after this long
         fault = self.start_fault(cell, seconds) if cell != "none" else Fault()
         try:
-            time.sleep(WARMUP_S if cell != "none" else 0)
+            time.sleep(MEMORY_WARMUP_S if cell == "memory" else WARMUP_S if cell != "none" else 0)
             watch = AgentWatch(self.agent_rpc) if agent else None
             clients = dict(BACKGROUND)
             if "relax-flood" in COMBINED.get(cell, (cell,)):

@@ -6,7 +6,8 @@ owns: its namespaces, its cgroups, its processes.
   softirq    a UDP flood into the node (iperf3 from the client, 64-byte datagrams, unlimited rate)
   bulk       unmarked iperf3 TCP flows out of the node to the client
   memory     a job in the batch cgroup allocating until the node reclaims (PSI memory some above
-             10 %), then holding there (sandbox/pressure.py hold)
+             10 %), then holding there (sandbox/pressure.py hold); started again 2 s after the
+             kernel kills it, should it overshoot into an OOM
   memory-stream  a job in the batch cgroup reading a file twice the node's RAM through the page
              cache, over and over (sandbox/pressure.py stream)
   oom        a job of OOM_PROCS processes in the batch cgroup growing past what the node has
@@ -96,13 +97,12 @@ def pressure(node: FaultHost, names: tuple[str, ...], seconds: str) -> dict[str,
     out = {}
     if "memory" in names:
         hold = [*run, "hold", "--node", node.memory.parent, "--target", str(PSI_TARGET)]
-        out["memory-hold"] = [*hold, "--seconds", seconds]
+        out["memory-hold"] = [*hold, "--retry-s", str(OOM_RETRY_S), "--seconds", seconds]
     if "memory-stream" in names:
         out["memory-stream"] = [*run, "stream", "--dir", str(node.tmp), "--size-mb", str(2 * ram), "--seconds", seconds]
     if "oom" in names:
         grow = [*run, "grow", "--mb-per-s", str(OOM_GROWTH_MB_PER_S), "--procs", str(OOM_PROCS)]
-        grow += ["--retry-s", str(OOM_RETRY_S)]
-        out["oom-grow"] = [*grow, "--seconds", seconds]
+        out["oom-grow"] = [*grow, "--retry-s", str(OOM_RETRY_S), "--seconds", seconds]
     if "io" in names:
         out["io-write"] = [*run, "write", "--dir", str(node.tmp), "--size-mb", str(IO_FILE_MB), "--seconds", seconds]
     return out

@@ -39,7 +39,7 @@ from .settings import DemoSettings
 WORKER_PORT = split_host_port(WorkerConfig().listen)[1]
 REQUEST_TIMEOUT_S = 30
 RESTART_S = 2.0  # a worker that exits is started again after this long (its unit's RestartSec)
-MAX_RESTARTS = 5  # ...at most this often (its unit's StartLimitBurst)
+START_LIMIT = (5, 300.0)  # ...unless it exited this often within so many seconds (its unit's StartLimit*)
 
 
 class DemoError(TurbonodeError):
@@ -131,9 +131,11 @@ class DemoNode:
         while not self._closing.wait(0.5):
             if self.worker.poll() is None:
                 continue
-            self.worker_exits.append((time.monotonic(), self.worker.returncode))
-            if len(self.worker_exits) > MAX_RESTARTS:
-                self.log(f"the worker exited {len(self.worker_exits)} times: not starting it again")
+            now = time.monotonic()
+            self.worker_exits.append((now, self.worker.returncode))
+            burst, interval = START_LIMIT
+            if sum(now - at < interval for at, _ in self.worker_exits) > burst:
+                self.log(f"the worker exited {burst + 1} times within {interval:g} s: not starting it again")
                 return
             self.log(f"the worker exited ({self.worker.returncode}): starting it again in {RESTART_S:g} s")
             if self._closing.wait(RESTART_S):
@@ -321,8 +323,9 @@ class DemoNode:
         return [Outcome(**o) for o in json.loads(res.stdout)], time.monotonic() - t0
 
 
-# The CPU signals a run reports (p50/p90 of what the agent saw): busy fraction vs PSI stall.
-WATCHED_SIGNALS = ("cpu_load", "psi_cpu_some")
+# The signals a run reports (p50/p90 of what the agent saw): CPU busy fraction vs PSI stall, and
+# the memory stall and the worker's major faults.
+WATCHED_SIGNALS = ("cpu_load", "psi_cpu_some", "psi_memory_some", "worker_major_faults_per_s")
 
 
 class AgentWatch:

@@ -1,30 +1,30 @@
 """Memory and I/O pressure for the sandbox node's faults (sandbox/faults.py), run as a program in
 the node's batch cgroup, where a co-located job would run:
 
-    python -m sandbox.pressure hold   --node CGROUP [--psi FILE] [--target 0.10] --seconds S
-    python -m sandbox.pressure grow   --mb-per-s R [--procs N] [--retry-s T] --seconds S
+    python -m sandbox.pressure hold   --node CGROUP [--psi FILE] [--target 0.10] --seconds S [--retry-s T]
+    python -m sandbox.pressure grow   --mb-per-s R [--procs N] --seconds S [--retry-s T]
     python -m sandbox.pressure stream --dir D --size-mb N --seconds S
     python -m sandbox.pressure write  --dir D --size-mb N --seconds S
 
   hold    allocates and touches anonymous memory until the memory stall (PSI `some`, read from
           FILE every HOLD_PERIOD_S) exceeds --target, then holds there: it grows while the stall is
           below the target (fast while the node's memory cgroup, --node, has room without
-          reclaim, then a slow step at a time) and gives steps back while the stall is above
-          HOLD_CEILING x the target or the node's file pages fall below CACHE_FLOOR_MB
+          reclaim, then a slow step at a time) and gives a step back while the stall is above
+          HOLD_CEILING x the target
   grow    allocates at a steady rate with no end but --seconds: past what the node has, the kernel
           must kill someone (the `oom` cell). With --procs, in that many processes at once, each
-          smaller than the whole (a data loader's workers): when one is killed, the job ends. With
-          --retry-s, a small parent starts the job again that long after each end (a batch
-          scheduler's retry)
+          smaller than the whole (a data loader's workers): when one is killed, the job ends
   stream  reads a sparse file of --size-mb through the page cache, over and over: every read
           fills the cache with pages used once (a data loader, a model download), no disk I/O
   write   writes --size-mb over and over into one file with an fsync per chunk: the disk busy with
           small synchronous writes (a checkpointing job)
 
-Every mode is bounded: in time (--seconds, and by the parent's kill), in memory by the cgroup it
-runs in (never run it outside one: the node's parent cgroup's limit stands for the node's RAM),
-and on disk by --size-mb; files it creates it deletes, also on SIGTERM. Files go in --dir, which
-must not be a tmpfs (tmpfs pages cannot be reclaimed without swap). Progress lines go to stdout.
+With --retry-s, a small parent runs the job again that long after each end (a batch scheduler's
+retry, after the kernel killed it, say). Every mode is bounded: in time (--seconds, and by the
+parent's kill), in memory by the cgroup it runs in (never run it outside one: the node's parent
+cgroup's limit stands for the node's RAM), and on disk by --size-mb; files it creates it
+deletes, also on SIGTERM. Files go in --dir, which must not be a tmpfs (tmpfs pages cannot be
+reclaimed without swap). Progress lines go to stdout.
 """
 
 from __future__ import annotations
@@ -47,9 +47,7 @@ MIB = 1 << 20
 HOLD_PERIOD_S = 0.5  # how often `hold` reads the stall and decides
 HOLD_CEILING = 3.0  # above this multiple of the target, `hold` gives memory back
 FAST_STEP_MB = 64  # `hold` grows by this while the node has room...
-SLOW_STEP_MB = 8  # ...and by this once it reclaims
-BACK_STEPS = 4  # slow steps `hold` gives back at once
-CACHE_FLOOR_MB = 32
+SLOW_STEP_MB = 4  # ...by 4x this while it reclaims without a stall, by this once it stalls (and gives back this much)
 CHUNK = MIB  # `stream` reads and `write` writes this much at a time
 TMPFS_MAGIC = 0x01021994
 _memset = ctypes.CDLL(None).memset
@@ -84,9 +82,10 @@ def stall_total_us(psi: str) -> float:
 
 def hold(node: str, psi: str, target: float, seconds: float) -> None:
     """Grow fast while the node's memory cgroup `node` has room without reclaim, then a slow step
-    at a time while the stall stays below `target`; give memory back while it is above
-    HOLD_CEILING x the target, or while the node's file pages fall below CACHE_FLOOR_MB (what the
-    kernel can still reclaim: below it the next allocation is an OOM, not a stall)."""
+    at a time while the stall stays below `target`; give a step back while it is above
+    HOLD_CEILING x the target. The band where the node stalls is narrow (a worker's hot file pages
+    are a few tens of MiB): past it, the next step is an OOM, and the kernel kills this job (the
+    largest process), which `retried` starts again."""
     h = MemoryHierarchy.find()
     chunks: list[mmap.mmap] = []
     deadline = time.monotonic() + seconds
@@ -98,17 +97,18 @@ def hold(node: str, psi: str, target: float, seconds: float) -> None:
         last_t, last_total = now, total
         room = (int(Path(h.limit_file(node)).read_text()) - h.usage(node)) // MIB
         cache = h.file_pages(node) // MIB
-        if (stall > target * HOLD_CEILING or cache < CACHE_FLOOR_MB) and chunks:
-            for _ in range(min(BACK_STEPS, len(chunks))):
-                chunks.pop().close()
+        if stall > target * HOLD_CEILING and chunks:
+            chunks.pop().close()
         elif stall < target:
-            chunks.append(touched(FAST_STEP_MB if room > 2 * FAST_STEP_MB else SLOW_STEP_MB))
+            near = SLOW_STEP_MB if stall > target / 10 else 4 * SLOW_STEP_MB  # finer once it stalls
+            chunks.append(touched(FAST_STEP_MB if room > 2 * FAST_STEP_MB else near))
         size = sum(len(c) for c in chunks) // MIB
         print(f"hold {size} MiB room {room} MiB file pages {cache} MiB stall {stall:.3f}", flush=True)
 
 
 def retried(argv: list[str], seconds: float, retry_s: float) -> None:
-    """Run `argv` (which takes --seconds), again `retry_s` after each time it dies, for `seconds`."""
+    """Run `argv` (a job of this program), again `retry_s` after each end, for `seconds` in all
+    (each run's --seconds is what is left; the last one given in argv wins)."""
     deadline = time.monotonic() + seconds
     while (left := deadline - time.monotonic()) > 0:
         child = subprocess.Popen([*argv, "--seconds", f"{left:.1f}"])
@@ -118,7 +118,7 @@ def retried(argv: list[str], seconds: float, retry_s: float) -> None:
             child.kill()
             child.wait()
             raise
-        print(f"grow ended ({code}): again in {retry_s:g} s", flush=True)
+        print(f"the job ended ({code}): again in {retry_s:g} s", flush=True)
         time.sleep(min(retry_s, max(0.0, deadline - time.monotonic())))
 
 
@@ -216,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m sandbox.pressure", description=__doc__.splitlines()[0])
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--seconds", type=float, required=True, help="exit after this long")
+    common.add_argument(
+        "--retry-s",
+        type=float,
+        default=0.0,
+        help="run the job again this long after each end, until --seconds (0: once)",
+    )
     sub = ap.add_subparsers(dest="mode", required=True)
     h = sub.add_parser("hold", parents=[common])
     h.add_argument("--psi", default="/proc/pressure/memory")
@@ -224,19 +230,19 @@ def main(argv: list[str] | None = None) -> int:
     g = sub.add_parser("grow", parents=[common])
     g.add_argument("--mb-per-s", type=float, default=200.0)
     g.add_argument("--procs", type=int, default=1, help="processes that grow together (each a share of the rate)")
-    g.add_argument("--retry-s", type=float, default=0.0, help="start it again this long after it dies (0: never)")
     for name in ("stream", "write"):
         p = sub.add_parser(name, parents=[common])
         p.add_argument("--dir", required=True)
         p.add_argument("--size-mb", type=int, required=True)
+    argv = sys.argv[1:] if argv is None else argv
     args = ap.parse_args(argv)
     signal.signal(signal.SIGTERM, _on_term)
     try:
-        if args.mode == "hold":
+        if args.retry_s > 0:
+            job = [a for i, a in enumerate(argv) if a != "--retry-s" and argv[i - 1 : i] != ["--retry-s"]]
+            retried([sys.executable, "-m", "sandbox.pressure", *job], args.seconds, args.retry_s)
+        elif args.mode == "hold":
             hold(args.node, args.psi, args.target, args.seconds)
-        elif args.mode == "grow" and args.retry_s > 0:
-            job = [sys.executable, "-m", "sandbox.pressure", "grow", "--mb-per-s", str(args.mb_per_s)]
-            retried([*job, "--procs", str(args.procs)], args.seconds, args.retry_s)
         elif args.mode == "grow":
             grow(args.mb_per_s, args.seconds, args.procs)
         elif args.mode == "stream":

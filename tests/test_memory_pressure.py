@@ -29,6 +29,7 @@ import pytest
 from agent.levers.journal import KnobJournal, KnobWrites, read_knob
 from agent.levers.memory import MemorySqueeze, OomGuard
 from bench.node import wait_for
+from sandbox.node_memory import NodeMemory
 from tests.agent_helpers import MiniWorker
 from tests.test_agent_daemon import FakeProc, start_agent, stop
 from turbonode import caps
@@ -308,3 +309,40 @@ def test_agent_squeezes_on_memory_pressure_guards_the_worker_and_restores_after_
         for p in (worker, job):
             p.kill()
             p.wait()
+
+
+def test_the_sandbox_node_memory_cgroups_are_made_limited_and_removed():
+    h = real_memory()
+    name = f"tn-test-{uuid.uuid4().hex[:8]}"
+    node = NodeMemory(name, NODE_MB, {"worker": f"/{name}-worker", "batch": f"/{name}-batch"}, log=lambda _: None)
+    try:
+        node.make()
+        assert Path(h.limit_file(f"/{name}-node")).read_text().strip() == str(NODE_MB * MIB)
+        assert node.procs_files("batch")[0] == h.procs_file(f"/{name}-node/batch")
+        assert node.levers_toml() == f'memory_best_effort_cgroups = ["/{name}-node/batch"]\n'
+        assert node.oom_kills() == {"worker": 0, "batch": 0, "agent": 0}
+    finally:
+        node.remove()
+    assert not os.path.exists(h.dir(f"/{name}-node"))
+    if node.io is not None:
+        assert not os.path.exists(node.io.dir(f"/{name}-batch"))
+
+
+def test_the_pressure_programs_stay_in_their_bounds_and_delete_their_files(node, tmp_path):
+    h, parent = node
+    batch = f"{parent}/batch"
+
+    def run(*args: str) -> subprocess.CompletedProcess:
+        code = f"from sandbox.pressure import main; main({list(args)!r})"
+        argv = ["sh", "-c", f'echo $$ > {h.procs_file(batch)} && exec "$@"', "sh", sys.executable, "-c", code]
+        return subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=30)
+
+    # a file twice the node's RAM streams through the page cache: charged to the job, reclaimed
+    # within the node's limit, never read from disk (sparse), deleted after
+    done = run("stream", "--dir", str(tmp_path), "--size-mb", str(2 * NODE_MB), "--seconds", "3")
+    assert done.returncode == 0 and "stream pass" in done.stdout, done.stderr
+    assert h.events(batch)["oom_kill"] == 0 and list(tmp_path.iterdir()) == []
+    done = run("write", "--dir", str(tmp_path), "--size-mb", "8", "--seconds", "1")
+    assert done.returncode == 0 and list(tmp_path.iterdir()) == [], done.stderr
+    refused = run("write", "--dir", "/dev/shm", "--size-mb", "8", "--seconds", "1")
+    assert "is a tmpfs" in refused.stderr

@@ -20,7 +20,7 @@ import pytest
 from click.testing import CliRunner
 
 from turboctl import main
-from turbonode.config import DEFAULT_PATH, Config, load_config
+from turbonode.config import DEFAULT_PATH, Config, LeversConfig, load_config
 from turbonode.config_example import render_example, toml_value
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -123,6 +123,9 @@ def test_units_match_the_contracts():
     caps = {"CAP_BPF", "CAP_PERFMON", "CAP_NET_ADMIN", "CAP_SYS_RESOURCE"}
     assert set(a["AmbientCapabilities"].split()) == caps == set(a["CapabilityBoundingSet"].split())
     assert a["LimitMEMLOCK"] == "infinity" and a["WatchdogSec"]
+    # neither daemon is the OOM killer's choice before batch work; the worker may mlock (memory_protect)
+    assert a["OOMScoreAdjust"] == worker["Service"]["OOMScoreAdjust"] == str(LeversConfig().worker_oom_score_adj)
+    assert worker["Service"]["LimitMEMLOCK"] == "infinity"
     # ProtectKernelTunables= makes /sys/fs/bpf read-only and wins over ReadWritePaths=/sys/fs/bpf
     # itself: only the pins' own directory is writable, made before the sandbox needs it ('-').
     assert a["ProtectKernelTunables"] == "yes" and a["ReadWritePaths"] == "-/sys/fs/bpf/turbonode"

@@ -1,0 +1,92 @@
+"""The memory and io rules' choices with a fake clock (pure: the default policy, recorded signals):
+what a burst of the worker's major faults engages, how long the squeeze holds while the job
+pushes, and what the io stall engages; and a real io cgroup weighed and put back."""
+
+from __future__ import annotations
+
+import uuid
+from pathlib import Path
+
+import pytest
+
+from agent.levers.io import IoWeight
+from agent.levers.journal import KnobJournal, KnobWrites
+from agent.policy import policy_from_config
+from turbonode.cgroups import CgroupError
+from turbonode.config import AgentConfig, LeversConfig, PolicyConfig
+from turbonode.levels import LEVELS
+from turbonode.memory_cgroups import IoHierarchy
+
+PERIOD = AgentConfig().sample_period
+MEMORY_LEVERS = {"memory_squeeze", "memory_protect"}
+
+
+def feed(policy, samples: list[dict], start: float = 0.0) -> list:
+    return [policy.update(s, start + i * PERIOD) for i, s in enumerate(samples)]
+
+
+def levers(decision) -> set[str]:
+    return {name for name, _ in decision.levers}
+
+
+def test_a_fault_burst_protects_the_worker_and_squeezes_and_held_keeps_it_after_the_stall():
+    p = policy_from_config(PolicyConfig())
+    quiet = {"worker_major_faults_per_s": 0.0, "psi_memory_some": 0.0, "best_effort_memory_held": 0.0}
+    d = feed(p, [quiet] * 10)
+    assert d[-1].level_name == "normal" and not levers(d[-1])
+    # the node reaches its limit: the worker's code faults back in, hundreds a second
+    burst = {**quiet, "worker_major_faults_per_s": 480.0}
+    d = feed(p, [burst] * 2, start=1.0)
+    assert not levers(d[-1])  # 0.1 s of evidence: not yet (enter_s 0.3)
+    d = feed(p, [burst] * 3, start=1.2)
+    assert levers(d[-1]) == MEMORY_LEVERS and d[-1].level_name == "pressured"
+    assert str(dict(d[-1].levers)["memory_squeeze"]) == "worker_major_faults_per_s=480 > 50"
+    # protected and held: the faults stop, but the held job pushes against its limit
+    held = {**quiet, "best_effort_memory_held": 1.0}
+    d = feed(p, [held] * 100, start=1.5)  # 10 s
+    assert all(levers(x) == MEMORY_LEVERS for x in d)
+    assert d[-1].level_name == "normal"  # the held rule keeps its levers, not the level
+    # the job ended (or gave memory back): released after the held rule's exit dwell (3 s)
+    d = feed(p, [quiet] * 40, start=11.5)
+    assert levers(d[25]) == MEMORY_LEVERS and not levers(d[-1])
+
+
+def test_the_node_stall_engages_the_same_levers_and_noise_below_enter_does_not():
+    p = policy_from_config(PolicyConfig())
+    d = feed(p, [{"psi_memory_some": v} for v in [0.05, 0.08, 0.06, 0.09] * 25])
+    assert not any(levers(x) for x in d)
+    d = feed(p, [{"psi_memory_some": 0.3}] * 5, start=10.0)
+    assert levers(d[-1]) == MEMORY_LEVERS
+
+
+def test_the_io_stall_engages_the_io_weight_only():
+    p = policy_from_config(PolicyConfig())
+    d = feed(p, [{"psi_io_some": 0.6}] * 5)
+    assert levers(d[-1]) == {"io_weight"} and LEVELS[d[-1].level] == "pressured"
+    d = feed(p, [{"psi_io_some": 0.0}] * 40, start=0.5)
+    assert not levers(d[-1])
+
+
+def test_a_real_io_cgroup_weighed_and_put_back(tmp_path):
+    try:
+        h = IoHierarchy.find()
+    except CgroupError as exc:
+        pytest.skip(f"no io controller: {exc}")
+    tag = uuid.uuid4().hex[:8]
+    worker, batch = f"/tn-test-{tag}-worker", f"/tn-test-{tag}-batch"
+    made = []
+    try:
+        for cg in (worker, batch):
+            h.create(cg)
+            made.append(cg)
+        files = [Path(p) for cg in (worker, batch) for p, _ in h.weight_writes(cg, 100)]
+        before = [f.read_text().strip() for f in files]
+        cfg = LeversConfig(worker_cgroup=worker, best_effort_cgroups=[batch])
+        lever = IoWeight(cfg, KnobWrites(KnobJournal(str(tmp_path / "levers.json"))), lambda: 1, "/proc")
+        assert lever.engage()["worker_cgroup"] == worker
+        weights = [f.read_text().split()[-1] for f in files]
+        assert weights == ["1000", "1"]
+        assert lever.release() == [] and [f.read_text().strip() for f in files] == before
+    finally:
+        for cg in reversed(made):
+            h.remove(cg)
