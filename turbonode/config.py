@@ -420,8 +420,11 @@ POLICY_RULES: dict[str, RuleDefaults] = {
         ("memory_squeeze", "memory_protect"),
         "normal",
     ),
+    # io: the worker reads and writes nothing while it serves; a stalled writer's own waits are the
+    # node's io stall (PSI some), so throttling the worker's lower tiers for it helps nobody: the
+    # rule only weighs io (max_level normal)
     "psi_io_some": RuleDefaults(
-        0.30, 0.10, fraction, "the node's io stall fraction (PSI some)", ("io_weight",), "pressured"
+        0.30, 0.10, fraction, "the node's io stall fraction (PSI some)", ("io_weight",), "normal"
     ),
 }
 POLICY_SIGNALS = tuple(POLICY_RULES)
