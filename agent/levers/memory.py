@@ -133,6 +133,7 @@ class OomGuard:
     def status(self) -> dict[str, Any]:
         return {
             "engaged": self.checked_at is not None,
+            "reason": "standing while the agent runs",
             "error": self.error,
             "processes": self.counts,
             "worker_oom_score_adj": self.cfg.worker_oom_score_adj
