@@ -106,6 +106,8 @@ class Knobs:
     # softirq knobs turbonode measured and left out (docs/agent.md), for the ablation: 0/'' leave them
     netdev_budget: int = 0  # net.core.netdev_budget (global: set for the run, restored after)
     rps_cpus: str = ""  # hex CPU mask for RPS on the node's veth receive queues
+    # measured and left out for memory pressure (docs/agent.md): -1 leaves it
+    swappiness: int = -1  # memory.swappiness of the node's memory cgroups (v1's own; ours, removed after)
 
 
 @dataclass
@@ -142,6 +144,8 @@ class SloNode(DemoNode):
             queues = f"/sys/class/net/{self.sandbox.dev}/queues/rx-*/rps_cpus"
             write = f"for q in {queues}; do echo {self.knobs.rps_cpus} > $q; done"
             self.sandbox.run(self.sandbox.server, "sh", "-c", write)
+        if self.knobs.swappiness >= 0:
+            self.memory.set_swappiness(self.knobs.swappiness)
         return self
 
     def _turboctl(self, *args: str) -> list[str]:
@@ -408,6 +412,9 @@ def main() -> int:
     ap.add_argument("--netdev-budget", type=int, default=0, help="net.core.netdev_budget for the run (0: leave it)")
     ap.add_argument("--rps-cpus", default="", help="hex CPU mask for RPS on the node's veth (default: leave it)")
     ap.add_argument(
+        "--swappiness", type=int, default=-1, help="memory.swappiness of the node's memory cgroups (v1; -1: leave it)"
+    )
+    ap.add_argument(
         "--node-memory",
         type=int,
         default=NODE_MEMORY_MB,
@@ -447,6 +454,7 @@ def main() -> int:
         not args.eager,
         args.netdev_budget,
         args.rps_cpus,
+        args.swappiness,
     )
     worker: dict = {"handshake_tier": PROTECTED_TIER if knobs.first_packet == "listener" else ""}
     if knobs.worker_threads:

@@ -90,6 +90,13 @@ class NodeMemory:
                 self.log(f"warning: {exc}")
             self._made.remove(made)
 
+    def set_swappiness(self, value: int) -> None:
+        """memory.swappiness of the node's cgroups (v1 has it per cgroup; v2 only the global sysctl)."""
+        if self.memory is None or self.memory.version != 1:
+            raise CgroupError("per-cgroup memory.swappiness needs the node's memory cgroup on cgroup v1")
+        for cg in (self.parent, *self.memory_roles.values()):
+            Path(self.memory.file(cg, "memory.swappiness")).write_text(str(value))
+
     def procs_files(self, role: str) -> list[str]:
         """The cgroup.procs files a process of `role` writes its pid to, in these hierarchies."""
         out = []
