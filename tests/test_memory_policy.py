@@ -13,7 +13,7 @@ from agent.levers.io import IoWeight
 from agent.levers.journal import KnobJournal, KnobWrites
 from agent.policy import policy_from_config
 from turbonode.cgroups import CgroupError
-from turbonode.config import AgentConfig, LeversConfig, PolicyConfig
+from turbonode.config import MEMORY_EXIT_S, AgentConfig, LeversConfig, PolicyConfig
 from turbonode.levels import LEVELS
 from turbonode.memory_cgroups import IoHierarchy
 
@@ -29,7 +29,7 @@ def levers(decision) -> set[str]:
     return {name for name, _ in decision.levers}
 
 
-def test_a_fault_burst_protects_the_worker_and_squeezes_and_held_keeps_it_after_the_stall():
+def test_a_fault_burst_protects_the_worker_and_squeezes_and_they_hold_while_the_job_pushes():
     p = policy_from_config(PolicyConfig())
     quiet = {"worker_major_faults_per_s": 0.0, "psi_memory_some": 0.0, "best_effort_memory_held": 0.0}
     d = feed(p, [quiet] * 10)
@@ -39,16 +39,27 @@ def test_a_fault_burst_protects_the_worker_and_squeezes_and_held_keeps_it_after_
     d = feed(p, [burst] * 2, start=1.0)
     assert not levers(d[-1])  # 0.1 s of evidence: not yet (enter_s 0.3)
     d = feed(p, [burst] * 3, start=1.2)
-    assert levers(d[-1]) == MEMORY_LEVERS and d[-1].level_name == "pressured"
+    assert levers(d[-1]) == MEMORY_LEVERS
     assert str(dict(d[-1].levers)["memory_squeeze"]) == "worker_major_faults_per_s=480 > 50"
-    # protected and held: the faults stop, but the held job pushes against its limit
+    assert d[-1].level_name == "normal"  # levers only: the level's throttle takes no page from the job
+    # protected and held: the faults stop, the held job pushes against its limit for a minute
     held = {**quiet, "best_effort_memory_held": 1.0}
-    d = feed(p, [held] * 100, start=1.5)  # 10 s
+    d = feed(p, [held] * 600, start=1.5)
     assert all(levers(x) == MEMORY_LEVERS for x in d)
-    assert d[-1].level_name == "normal"  # the held rule keeps its levers, not the level
-    # the job ended (or gave memory back): released after the held rule's exit dwell (3 s)
-    d = feed(p, [quiet] * 40, start=11.5)
+    # the job ended (or gave memory back): the faults' 30 s of calm (MEMORY_EXIT_S) are long past,
+    # so the levers go with the held rule, after its 3 s
+    d = feed(p, [quiet] * 40, start=61.5)
     assert levers(d[25]) == MEMORY_LEVERS and not levers(d[-1])
+
+
+def test_after_a_fault_burst_the_levers_wait_30_s_of_calm():
+    """Released at once, the worker's unlocked pages go back to the reclaimable lists while the job
+    may still be there: its next push evicts them again (node SLO memory cell)."""
+    p = policy_from_config(PolicyConfig())
+    d = feed(p, [{"worker_major_faults_per_s": 480.0}] * 5)
+    assert levers(d[-1]) == MEMORY_LEVERS
+    d = feed(p, [{"worker_major_faults_per_s": 0.0}] * int(MEMORY_EXIT_S / PERIOD + 10), start=0.5)
+    assert levers(d[int((MEMORY_EXIT_S - 1) / PERIOD)]) == MEMORY_LEVERS and not levers(d[-1])
 
 
 def test_the_node_stall_engages_the_same_levers_and_noise_below_enter_does_not():
@@ -64,7 +75,7 @@ def test_the_io_stall_engages_the_io_weight_only():
     d = feed(p, [{"psi_io_some": 0.6}] * 5)
     assert levers(d[-1]) == {"io_weight"} and LEVELS[d[-1].level] == "normal"  # it only weighs io
     d = feed(p, [{"psi_io_some": 0.0}] * 40, start=0.5)
-    assert not levers(d[-1])
+    assert not levers(d[-1])  # its 3 s of calm
 
 
 def test_a_real_io_cgroup_weighed_and_put_back(tmp_path):

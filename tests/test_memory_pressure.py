@@ -260,6 +260,7 @@ def test_agent_squeezes_on_memory_pressure_guards_the_worker_and_restores_after_
     toml = (
         f'procfs = "{proc_root}"\n[policy]\nexit_s = 1.0\nmin_change_interval = 0.5\n'
         'disabled = ["netrx_cpu_share", "netrx_latency_p99_s", "cpu_load"]\n[node]\nname = "tn-mem"\n'
+        "[policy.rules.psi_memory_some]\nexit_s = 1.0\n"  # its own 30 s, shortened for the test
         f'[levers]\nmemory_best_effort_cgroups = ["{batch}"]\n'
     )
 

@@ -63,6 +63,7 @@ SAMPLE_PERIOD_RANGE_S = (0.05, 60.0)
 MAX_MIN_CHANGE_INTERVAL_S = 3600.0  # policy.min_change_interval: beyond an hour the policy is frozen
 MAX_DWELL_S = 3600.0  # a rule's enter_s / exit_s: beyond an hour it never acts
 PSI_WINDOW_US = 1_000_000  # the PSI trigger window (agent/watchers/psi.py): a threshold fits in it
+MEMORY_EXIT_S = 30.0  # the memory rules' dwell below exit before their levers are released
 
 
 # ---- checks (raise ValueError with a message; the loader names the key) -------------
@@ -362,6 +363,7 @@ class RuleDefaults:
     help: str
     levers: tuple[str, ...] = ()
     max_level: str = ACTION_LEVELS[-1]
+    exit_s: float | None = None  # its own dwell below exit (None: policy.exit_s)
 
 
 # The policy's rules, one per signal a watcher publishes (docs/agent.md): above `enter` for
@@ -393,14 +395,19 @@ POLICY_RULES: dict[str, RuleDefaults] = {
         0.25, 0.10, fraction, "busiest CPU's share of time in the NET_RX softirq", ("cpu_share",), "pressured"
     ),
     "turbo_wait_s": RuleDefaults(0.5, 0.25, positive, "oldest queued turbo job's wait (s)"),
-    # memory and io (agent/watchers/psi.py, memory.py; docs/benchmarks.md, node SLO memory cells)
+    # memory and io (agent/watchers/psi.py, memory.py; docs/benchmarks.md, node SLO memory cells).
+    # Their levers treat the cause (the worker's pages kept, the job held), the level's throttle does
+    # not (a smaller batch takes no page from the job): levers only. Released 3 s after the stall, the
+    # lock let the job's next push evict the worker again at once: they hold for 30 s of calm, and
+    # best_effort_memory_held keeps them while the held job pushes (measured, node SLO memory cell).
     "psi_memory_some": RuleDefaults(
         0.10,
         0.02,
         fraction,
         "the node's memory stall fraction (PSI some)",
         ("memory_squeeze", "memory_protect"),
-        "pressured",
+        "normal",
+        MEMORY_EXIT_S,
     ),
     "worker_major_faults_per_s": RuleDefaults(
         50.0,
@@ -408,7 +415,8 @@ POLICY_RULES: dict[str, RuleDefaults] = {
         positive,
         "the worker's major page faults per second (its code and files read back)",
         ("memory_squeeze", "memory_protect"),
-        "pressured",
+        "normal",
+        MEMORY_EXIT_S,
     ),
     # the squeeze holds while the job pushes against it, after the stall it caused has gone; it only
     # keeps the levers engaged (max_level normal: nothing to throttle in the worker for it)
@@ -447,6 +455,7 @@ def merged_rules(rules: Mapping[str, Mapping[str, Any]]) -> dict[str, dict[str, 
             "exit": d.exit,
             "levers": list(d.levers),
             "max_level": d.max_level,
+            **({"exit_s": d.exit_s} if d.exit_s is not None else {}),
             **rules.get(signal, {}),
         }
         for signal, d in POLICY_RULES.items()
