@@ -9,6 +9,8 @@ further step needing an active rule's `enter_s` of fresh evidence above enter, u
 `max_level` of the active rules (a rule whose lever treats its cause stops at `pressured`);
 once the level is above that and every rule not active has been below its exit threshold for
 its `exit_s` since the last change, it steps down one level, and the next step down waits again.
+A rule with max_level normal engages its levers only and has no say in the level either way
+(the memory rules hold their levers for 30 s of calm; the level does not wait for them).
 
 Dwell is time, not a count of samples, because samples are irregular: the agent samples on a
 period and also at once when a source pushes (a PSI trigger, a worker GC pause). A sample
@@ -160,7 +162,12 @@ class DegradationPolicy:
             if may_change and fresh:
                 self._change(self.level + 1, now)
         elif self.level > ceiling:  # down once the rules not active (or capped below) have been healthy
-            healthy = all(_reached(st.below_for(now), st.exit_s) for st in self._state.values() if not st.active)
+            # a rule that never raises the level (max_level normal: its levers only) has no say in it
+            healthy = all(
+                _reached(self._state[r.signal].below_for(now), self._state[r.signal].exit_s)
+                for r in self.rules
+                if not self._state[r.signal].active and r.max_level > NORMAL
+            )
             if may_change and healthy:
                 self._change(self.level - 1, now)
         if active:

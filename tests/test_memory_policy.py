@@ -101,3 +101,12 @@ def test_a_real_io_cgroup_weighed_and_put_back(tmp_path):
     finally:
         for cg in reversed(made):
             h.remove(cg)
+
+
+def test_the_levels_recovery_does_not_wait_for_the_memory_rules_calm():
+    """The memory rules' 30 s of calm holds their levers, not the level another rule raised."""
+    p = policy_from_config(PolicyConfig())
+    d = feed(p, [{"cpu_load": 0.9, "worker_major_faults_per_s": 480.0}] * 10)
+    assert d[-1].level_name == "pressured" and levers(d[-1]) >= MEMORY_LEVERS
+    d = feed(p, [{"cpu_load": 0.0, "worker_major_faults_per_s": 0.0}] * 100, start=1.0)  # 10 s
+    assert d[-1].level_name == "normal" and levers(d[-1]) == MEMORY_LEVERS
