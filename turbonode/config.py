@@ -398,8 +398,9 @@ POLICY_RULES: dict[str, RuleDefaults] = {
     # memory and io (agent/watchers/psi.py, memory.py; docs/benchmarks.md, node SLO memory cells).
     # Their levers treat the cause (the worker's pages kept, the job held), the level's throttle does
     # not (a smaller batch takes no page from the job): levers only. Released 3 s after the stall, the
-    # lock let the job's next push evict the worker again at once: they hold for 30 s of calm, and
-    # best_effort_memory_held keeps them while the held job pushes (measured, node SLO memory cell).
+    # lock let the job's next push evict the worker again (seen in the node SLO memory cells'
+    # logs, docs/benchmarks.md): they hold for 30 s of calm (not measured yet), and
+    # best_effort_memory_held keeps them while the held job pushes.
     "psi_memory_some": RuleDefaults(
         0.10,
         0.02,
