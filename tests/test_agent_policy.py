@@ -176,7 +176,8 @@ def test_config_defaults_and_actions():
         {r.signal for r in p.rules}
         == set(POLICY_RULES)
         == {"cpu_load", "gc_pause_s", "netrx_latency_p99_s", "netrx_cpu_share", "turbo_wait_s"}
-        | {"psi_memory_some", "worker_major_faults_per_s", "best_effort_memory_held", "psi_io_some"}
+        | {"psi_memory_some", "worker_psi_memory_some", "worker_major_faults_per_s", "best_effort_memory_held"}
+        | {"psi_io_some"}
     )
     cpu = next(r for r in p.rules if r.signal == "cpu_load")
     assert (cpu.enter, cpu.exit, cpu.enter_s, cpu.exit_s) == (0.35, 0.25, 0.3, 3.0)

@@ -70,6 +70,15 @@ def test_the_node_stall_engages_the_same_levers_and_noise_below_enter_does_not()
     assert levers(d[-1]) == MEMORY_LEVERS
 
 
+def test_the_workers_own_stall_on_v2_engages_them_and_none_on_v1_never_does():
+    p = policy_from_config(PolicyConfig())
+    d = feed(p, [{"worker_psi_memory_some": None, "psi_memory_some": 0.05}] * 50)  # v1: no such file
+    assert not any(levers(x) for x in d)
+    d = feed(p, [{"worker_psi_memory_some": 0.4, "psi_memory_some": 0.05}] * 5, start=5.0)
+    assert levers(d[-1]) == MEMORY_LEVERS and d[-1].level_name == "normal"
+    assert str(dict(d[-1].levers)["memory_protect"]) == "worker_psi_memory_some=0.4 > 0.1"
+
+
 def test_the_io_stall_engages_the_io_weight_only():
     p = policy_from_config(PolicyConfig())
     d = feed(p, [{"psi_io_some": 0.6}] * 5)

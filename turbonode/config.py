@@ -410,6 +410,17 @@ POLICY_RULES: dict[str, RuleDefaults] = {
         "normal",
         MEMORY_EXIT_S,
     ),
+    # the worker's own cgroup's stall (v2 only; None elsewhere: healthy): the node's thresholds, the
+    # worker's stall being the part of the node's that matters (not measured: no v2 memory here)
+    "worker_psi_memory_some": RuleDefaults(
+        0.10,
+        0.02,
+        fraction,
+        "the worker's memory cgroup's stall fraction (PSI some; cgroup v2)",
+        ("memory_squeeze", "memory_protect"),
+        "normal",
+        MEMORY_EXIT_S,
+    ),
     "worker_major_faults_per_s": RuleDefaults(
         50.0,
         5.0,
