@@ -349,8 +349,8 @@ def test_sizes_outside_the_engines_are_a_400_before_queueing(tmp_path):
     from render.http_api import BadRequest, RequestDefaults, parse_generation
 
     opts = TensorRTOptions(cache_dir=tmp_path, sizes=((512, 512), (512, 768)))  # (height, width)
-    backend = types.SimpleNamespace(options=opts, family=family("tiny"))  # what unsupported_size reads; no GPU
-    check = TensorRTBackend.unsupported_size.__get__(backend)
+    backend = types.SimpleNamespace(options=opts, family=family("tiny"))  # what sizes() reads; no GPU
+    check = TensorRTBackend.sizes.__get__(backend)().unsupported
     assert check(512, 512) is None and check(512, 640) is None and check(512, 768) is None
     assert check(768, 512) == (
         "512x768 is outside what this node's TensorRT engines were built for (512x512 to 768x512; worker.size sets it)"

@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+from .sizes import SizeRange
+
 
 class DiffusionBackend(Protocol):
     """What the engine's stages call: the type of `Engine.backend` (a Backend, or a test's wrapper)."""
@@ -43,12 +45,15 @@ class Backend(ABC):
     def decode(self, latents: torch.Tensor) -> torch.Tensor:
         """Latents as the scheduler left them [B,C,H,W] -> images [B,3,8H,8W] in [-1, 1]."""
 
-    def unsupported_size(self, height: int, width: int) -> str | None:
-        """Why this backend cannot render height x width pixels, or None (any size, by default).
-
-        The HTTP API asks before queueing, so such a request is a 400, not a failed job.
-        """
+    def sizes(self) -> SizeRange | None:
+        """The image sizes this backend renders; None: any (the default). The HTTP API checks a
+        request against them before queueing, so such a request is a 400, not a failed job."""
         return None
+
+    def unsupported_size(self, height: int, width: int) -> str | None:
+        """Why this backend cannot render height x width pixels, or None."""
+        sizes = self.sizes()
+        return None if sizes is None else sizes.unsupported(height, width)
 
     @abstractmethod
     def prepare(self, height: int, width: int) -> None:

@@ -30,6 +30,7 @@ from turbonode.errors import BackendUnavailable
 from . import onnx_export
 from .base import Backend
 from .engine_cache import EngineCache, EngineKey
+from .sizes import SizeRange
 
 log = logging.getLogger(__name__)
 
@@ -304,15 +305,9 @@ class TensorRTBackend(Backend):
     def prepare(self, height: int, width: int) -> None:
         """Nothing left: every profile's engine was built (or loaded) at start."""
 
-    def unsupported_size(self, height: int, width: int) -> str | None:
-        (h0, w0), _, (h2, w2) = size_profile(self.options, self.family.size_multiple)
-        if h0 <= height <= h2 and w0 <= width <= w2:
-            return None
-        # WIDTHxHEIGHT, as the API's 'size' is written
-        return (
-            f"{width}x{height} is outside what this node's TensorRT engines were built for "
-            f"({w0}x{h0} to {w2}x{h2}; worker.size sets it)"
-        )
+    def sizes(self) -> SizeRange:
+        low, _, high = size_profile(self.options, self.family.size_multiple)
+        return SizeRange(low, high, "this node's TensorRT engines")
 
     def _chunks(self, n: int):
         step = self.options.max_batch
