@@ -18,8 +18,6 @@ The model and the render loop run in the engine process (render/remote_engine.py
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import functools
 import logging
 import signal
 import sys
@@ -186,8 +184,7 @@ class Worker:
         loading(f"listening on {url} (control {self.cfg.control_socket}), loading model {self.cfg.model}")
         gone = asyncio.Event()
         try:
-            self.engine = RemoteEngine(on_exit=functools.partial(_set_threadsafe, loop, gone))
-            await self.engine.open_lane()
+            self.engine = RemoteEngine(on_exit=gone.set)
             loaded = await self._load(stop, self.engine)
         except BaseException:
             await self._shutdown(runner)
@@ -222,21 +219,21 @@ class Worker:
             log.error("the engine process exited (status %s); stopping", engine.process.returncode)
             await self._shutdown(runner)
             return 1
-        await self._drain(engine, loop)
+        await self._drain(engine)
         await self._shutdown(runner)
         return 0
 
-    async def _drain(self, engine: RemoteEngine, loop: asyncio.AbstractEventLoop) -> None:
+    async def _drain(self, engine: RemoteEngine) -> None:
         """Stop intake, fail what has not started, give running jobs `drain_timeout` to finish."""
         timeout = self.cfg.drain_timeout
-        failed, running = engine.close_intake()
+        failed, running = await engine.close_intake()
         sdnotify.notify(f"STOPPING=1\nSTATUS=draining {running} running jobs (up to {timeout:g} s)")
         log.info("draining: %d running jobs get up to %g s to finish; %d queued jobs failed", running, timeout, failed)
         started = time.monotonic()
-        if await loop.run_in_executor(None, engine.wait_idle, timeout):
+        if await engine.wait_idle(timeout):
             log.info("drained in %.1f s", time.monotonic() - started)
             return
-        n = engine.fail_all(f"the worker stopped before the job finished (drain timeout {timeout:g} s)")
+        n = await engine.fail_all(f"the worker stopped before the job finished (drain timeout {timeout:g} s)")
         log.warning("drain timeout: failed %d unfinished jobs after %g s", n, timeout)
 
     async def _keep_memory_lock(self, engine: RemoteEngine) -> None:
@@ -272,14 +269,9 @@ class Worker:
         if self.control is not None:
             self.control.close()
         if self.engine is not None:
-            self.engine.stop()
+            await self.engine.stop()
         if self.gc is not None:
             self.gc.uninstall()
-
-
-def _set_threadsafe(loop: asyncio.AbstractEventLoop, event: asyncio.Event) -> None:
-    with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-        loop.call_soon_threadsafe(event.set)
 
 
 def run(cfg: WorkerConfig, on_ready: Callable[[str], None] | None = None, policy=None, node: str = "") -> int:

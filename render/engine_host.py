@@ -1,4 +1,4 @@
-"""The engine process: loads the model, runs the engine, and serves it to the front over a pipe.
+"""The engine process: loads the model, runs the engine, and serves it to the front.
 
 The worker is two processes. The front (render/daemon.py) runs the HTTP API, the control
 socket and the metrics; this one runs only the render loop (render/engine.py) and what it
@@ -6,14 +6,14 @@ needs. They share no GIL: a garbage-collection storm or a busy thread among the 
 request handlers cannot stall a denoising step here, and every GIL hand-back of the render
 loop (each denoiser call, each boundary) waits only for this process's own few threads.
 
-The front starts it (`ENTRY`, with `--fd N --lane-fd M`: one end of each of two socketpairs,
-render/engine_link.py) and sends ("start", WorkerConfig, policy, log levels), and gets ("ready",
-info) once the model is loaded, or ("failed", message). Then this process answers the front's
-calls (the methods of Host below), and pushes events: ("status", stage) while it loads, ("done",
-...) on the lane when a job ends, ("metric", name, args) for the front's WorkerMetrics, ("gc",
-generation, pause_s) for each of its own collections. SIGINT and SIGTERM are ignored: the front
-drains and then stops this process (Ctrl-C in a terminal signals the whole group); when the
-front's end of the pipe closes, it exits.
+The front starts it (`ENTRY`, with `--calls` and `--events`: the endpoints of the two sockets,
+render/engine_link.py) and casts start(WorkerConfig, policy, log levels); this process answers
+("ready", info) once the model is loaded, or ("failed", message) and then waits to be stopped.
+Then its main thread answers the front's calls (the methods of Host below) until told to stop,
+and it posts events: ("status", stage) while it loads, ("done", ...) when a job ends, ("metric",
+name, args) for the front's WorkerMetrics, ("gc", generation, pause_s) for each of its own
+collections. SIGINT and SIGTERM are ignored: the front drains and then stops this process (Ctrl-C
+in a terminal signals the whole group); when the front dies, the kernel kills it (PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -21,22 +21,20 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import queue
+import pickle
 import signal
-import socket
 import sys
 import threading
 import time
-from multiprocessing.connection import Connection
 from typing import Any
 
 from turbonode import logs
 from turbonode.errors import TurbonodeError
 
 from .cpu_threads import WAIT_POLICY_ENV, available_cpus, default_threads, wait_policy_default
-from .engine_link import Link, RemoteError
+from .engine_link import EngineLink, RemoteError
 from .jobs import JobState
-from .png import encode_png
+from .png import base64_png
 
 log = logging.getLogger(__name__)
 
@@ -69,16 +67,21 @@ def job_end(job, now: float) -> tuple:
     return ("done", job.id, job.state.value, job.error, job.finished, job.describe(now), pixels(job))
 
 
+def images(arrays) -> list[pickle.PickleBuffer]:
+    """Images as the HTTP API answers them (base64 PNGs), each to travel as a frame of its own."""
+    return [pickle.PickleBuffer(base64_png(array)) for array in arrays]
+
+
 def encode_pixels(message: tuple) -> tuple:
-    """A job end with its images as base64 PNGs, as the HTTP API answers them."""
+    """A job end with its images encoded (the sender thread's `prepare`)."""
     if message[0] != "done" or message[-1] is None:
         return message
-    return (*message[:-1], [encode_png(image) for image in message[-1]])
+    return (*message[:-1], images(message[-1]))
 
 
 def job_record(job, now: float, with_images: bool) -> dict:
     """A job as `job` answers: state, description, times, and the pixels when asked and held."""
-    images = pixels(job) if with_images else None
+    held = pixels(job) if with_images else None
     return {
         "id": job.id,
         "request": job.request,
@@ -88,16 +91,16 @@ def job_record(job, now: float, with_images: bool) -> dict:
         "finished": job.finished,
         "images_dropped": job.images_dropped,
         "describe": job.describe(now),
-        "images": None if images is None else [encode_png(image) for image in images],
+        "images": None if held is None else images(held),
     }
 
 
 class Host:
-    """The engine's side of the pipe: the calls the front makes, run in the reader thread."""
+    """The engine's side of the channel: the calls the front makes, run in the serving thread."""
 
-    def __init__(self, engine, post_end):
+    def __init__(self, engine, post):
         self.engine = engine
-        self.post_end = post_end  # the lane: the front's event loop reads job ends there
+        self.post = post
 
     def table(self) -> dict:
         e = self.engine
@@ -109,7 +112,6 @@ class Host:
             "snapshot": e.snapshot,
             "tiers": e.jobs.tiers,
             "heartbeat": lambda: (e.alive, e.heartbeat),
-            "unsupported_size": e.backend.unsupported_size,
             "throttle": self.throttle,
             "close_intake": e.close_intake,
             "wait_idle": e.wait_idle,
@@ -117,17 +119,18 @@ class Host:
         }
 
     def submit(self, request, keep_images: bool = True) -> dict:
-        """Queue a job; its end goes to the front on the lane. keep_images=False: the front only
+        """Queue a job; its end goes to the front when it comes. keep_images=False: the front only
         delivers the pixels, so they are dropped here once the end (which holds them) is posted."""
         job = self.engine.submit(request)
 
         def ended(_future) -> None:
-            self.post_end(job_end(job, self.engine.clock()))
+            self.post(job_end(job, self.engine.clock()))
             if not keep_images:
                 job.drop_images()
 
         job.future.add_done_callback(ended)
-        return {"id": job.id, "submitted": job.submitted, "created": job.created}
+        described = job.describe(self.engine.clock())  # what an async request's 202 answers
+        return {"id": job.id, "submitted": job.submitted, "created": job.created, "describe": described}
 
     def job(self, job_id: str, with_images: bool) -> dict | None:
         job = self.engine.get(job_id)
@@ -148,72 +151,34 @@ class Host:
         self.engine.wake()
 
 
-class Channel:
-    """One pipe to the front: its Link (a reader thread) and one sender thread, so no engine
-    thread ever blocks on the pipe or encodes a PNG."""
-
-    def __init__(self, conn: Connection, on_message, on_closed):
-        self.outbox: queue.SimpleQueue = queue.SimpleQueue()
-        self.link = Link(conn, lambda message: on_message(self, message), on_closed)
-        self.sender = threading.Thread(target=self.run_sender, name="turbonode-engine-sender", daemon=True)
-
-    def post(self, message: tuple | None) -> None:
-        """Queue a message for the front (any thread; never blocks on the pipe); None ends the sender."""
-        self.outbox.put(message)
-
-    def run_sender(self) -> None:
-        while True:
-            message = self.outbox.get()
-            if message is None:
-                return
-            self.link.send(encode_pixels(message))
-
-    def stop(self, timeout: float) -> None:
-        self.post(None)
-        self.sender.join(timeout)
-
-
 class Server:
-    """Reads the front's messages on both pipes (render/engine_link.py: the link and the lane);
-    runs its calls and answers each on the pipe it came by; events go out by `post` (the link)
-    and job ends by `lane.post`."""
+    """Serves the front's calls and casts from the thread that calls `serve`; each answer goes
+    out by the link's sender thread."""
 
     BLOCKING = frozenset({"wait_idle"})  # calls that wait: each in its own thread, so others go on
 
-    def __init__(self, conn: Connection, lane: Connection | None = None):
-        self.main = Channel(conn, self._on_message, self._on_closed)
-        self.lane = Channel(lane, self._on_message, self._on_closed) if lane is not None else self.main
-        self.channels = (self.main,) if lane is None else (self.main, self.lane)
-        self.post = self.main.post
+    def __init__(self, link: EngineLink):
+        self.link = link
         self.methods: dict[str, Any] = {}
-        self.stopped = threading.Event()
 
-    def start_senders(self) -> None:
-        for channel in self.channels:
-            channel.sender.start()
-
-    def start_readers(self) -> None:
-        for channel in self.channels:
-            channel.link.start()
-
-    def stop_senders(self, timeout: float) -> None:
-        for channel in self.channels:
-            channel.stop(timeout)
-
-    def _on_message(self, channel: Channel, message: tuple) -> None:
-        kind = message[0]
-        if kind == "call":
-            _, call_id, method, args = message
-            if method in self.BLOCKING:
-                threading.Thread(target=self._answer, args=(channel, call_id, method, args), daemon=True).start()
-            else:
-                self._answer(channel, call_id, method, args)
-        elif kind == "cast":
-            _, method, args = message
-            if method == "stop":
-                self.stopped.set()
-            else:
-                self._run(method, args)
+    def serve(self) -> None:
+        """Until the front casts stop."""
+        while True:
+            kind, *message = self.link.recv()
+            if kind == "call":
+                call_id, method, args = message
+                if method in self.BLOCKING:
+                    threading.Thread(target=self._answer, args=(call_id, method, args), daemon=True).start()
+                else:
+                    self._answer(call_id, method, args)
+            elif kind == "cast":
+                method, args = message
+                if method == "stop":
+                    return
+                try:
+                    self._run(method, args)
+                except Exception:  # noqa: BLE001 - nobody waits for a cast's answer: logged
+                    log.exception("cast %s failed", method)
 
     def _run(self, method: str, args: tuple) -> Any:
         fn = self.methods.get(method)
@@ -221,7 +186,7 @@ class Server:
             raise RemoteError(f"the engine process has no method {method!r} (yet)")
         return fn(*args)
 
-    def _answer(self, channel: Channel, call_id: int, method: str, args: tuple) -> None:
+    def _answer(self, call_id: int, method: str, args: tuple) -> None:
         try:
             reply = ("reply", call_id, True, self._run(method, args))
         except TurbonodeError as exc:  # the project's own errors travel by type (Rejected, FamilyError...)
@@ -229,10 +194,7 @@ class Server:
         except Exception as exc:  # noqa: BLE001 - answered, not raised: the engine keeps serving
             log.exception("call %s failed", method)
             reply = ("reply", call_id, False, RemoteError(f"{method} failed: {type(exc).__name__}: {exc}"))
-        channel.post(reply)
-
-    def _on_closed(self) -> None:
-        self.stopped.set()
+        self.link.post(reply)
 
 
 def torch_threads(configured: int) -> int:
@@ -294,6 +256,7 @@ def build(cfg, policy, metrics, loading):
     )
     info = {
         "backend": backend_info,
+        "sizes": backend.sizes(),
         "family": family.name,
         "model": engine.describe_model(),
         "defaults": {
@@ -306,55 +269,53 @@ def build(cfg, policy, metrics, loading):
     return engine, info
 
 
-def stage(server: Server, what: str) -> None:
+def stage(link: EngineLink, what: str) -> None:
     log.info("%s", what)
-    server.post(("status", what))
+    link.post(("status", what))
 
 
-def serve(conn: Connection, lane: Connection) -> int:
-    server = Server(conn, lane)
-    server.start_senders()
-    start = conn.recv()  # before the readers run: the first message is always the start
-    _, cfg, policy, levels = start
+def serve(calls: str, events: str) -> int:
+    link = EngineLink(calls, events, prepare=encode_pixels)
+    server = Server(link)
+    _, _, (cfg, policy, levels) = link.recv()  # the first message is always the start
     logs.setup(levels.get("", logging.WARNING))
     for name, level in levels.items():
         if name:
             logging.getLogger(name).setLevel(level)
-    server.start_readers()
     from .gc_telemetry import GcMonitor, freeze_after_load
 
     try:
-        engine, info = build(cfg, policy, MetricsRelay(server.post), lambda what: stage(server, what))
+        engine, info = build(cfg, policy, MetricsRelay(link.post), lambda what: stage(link, what))
     except Exception as exc:  # noqa: BLE001 - the front reports it and exits, as a load error in one process did
         if not isinstance(exc, TurbonodeError):
             log.exception("loading the model failed")
         message = str(exc) if isinstance(exc, TurbonodeError) else f"{type(exc).__name__}: {exc}"
-        server.post(("failed", message))
-        server.stop_senders(STOP_TIMEOUT_S)
+        link.post(("failed", message))
+        server.serve()  # until the front, having read why, stops this process
+        link.close(STOP_TIMEOUT_S)
         return 1
-    server.methods = Host(engine, server.lane.post).table()
+    server.methods = Host(engine, link.post).table()
     freeze_after_load()
-    gc = GcMonitor(observe=lambda generation, pause: server.post(("gc", generation, pause))).install()
+    gc = GcMonitor(observe=lambda generation, pause: link.post(("gc", generation, pause))).install()
     engine.start()
-    server.post(("ready", info))
-    server.stopped.wait()
+    link.post(("ready", info))
+    server.serve()
     engine.stop(STOP_TIMEOUT_S)
     gc.uninstall()
-    server.stop_senders(STOP_TIMEOUT_S)
+    link.close(STOP_TIMEOUT_S)
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="render.engine_host", description=__doc__.splitlines()[0])
-    parser.add_argument("--fd", type=int, required=True, help="this process's end of the link (a socketpair)")
-    parser.add_argument("--lane-fd", type=int, required=True, help="this process's end of the lane (a socketpair)")
+    parser.add_argument("--calls", required=True, help="the front's calls socket (render/engine_link.py)")
+    parser.add_argument("--events", required=True, help="the front's events socket")
     args = parser.parse_args(argv)
     wait_policy_default()  # before torch loads: OpenMP reads it once
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     _die_with_parent()
-    link, lane = (Connection(socket.socket(fileno=fd).detach()) for fd in (args.fd, args.lane_fd))
-    return serve(link, lane)
+    return serve(args.calls, args.events)
 
 
 def _die_with_parent() -> None:
@@ -362,9 +323,6 @@ def _die_with_parent() -> None:
     import ctypes
 
     pr_set_pdeathsig = 1
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
-    except (OSError, AttributeError):
-        pass  # not Linux: the closed pipe still ends this process
+    ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
     if os.getppid() == 1:  # the front died before prctl took effect
         sys.exit(1)

@@ -8,9 +8,13 @@ import base64
 import io
 
 
-def encode_png(array) -> str:
+def base64_png(array) -> bytes:
     from PIL import Image
 
     buf = io.BytesIO()
     Image.fromarray(array).save(buf, format="PNG")
-    return base64.b64encode(buf.getvalue()).decode()
+    return base64.b64encode(buf.getvalue())
+
+
+def encode_png(array) -> str:
+    return base64_png(array).decode()

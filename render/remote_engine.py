@@ -3,10 +3,12 @@ and the daemon use of an engine (render/engine.py), served by render/engine_host
 
 The throttle lives here, in the front, where the control socket sets it; each change is
 pushed to the engine process, which expires it on the same monotonic clock. Jobs live in the
-engine process: `enqueue` (awaited on the event loop, over the lane) returns a RemoteJob whose
-future resolves when the engine posts the job's end (with its pixels) on the lane; `get` and
-`cancel` ask the engine. Waiting callers see JobFailed if the engine process exits, and
-`on_exit` tells the daemon, which then exits so that its service manager restarts the worker.
+engine process: `enqueue` (awaited on the event loop) returns a RemoteJob whose end resolves
+when the engine posts it (with its pixels); `get` and `cancel` ask the engine. Everything the
+engine sends is read on the event loop (render/engine_link.py), and so is its exit (a pidfd):
+waiting callers see JobFailed or EngineGone, and `on_exit` tells the daemon, which then exits
+so that its service manager restarts the worker. Calls from other threads wait for their answer
+there; the event loop itself never waits for the engine.
 """
 
 from __future__ import annotations
@@ -15,24 +17,21 @@ import asyncio
 import collections
 import concurrent.futures
 import contextlib
-import functools
 import logging
 import os
-import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from multiprocessing.connection import Connection
 from typing import Any
 
 from turbonode import sdnotify
 from turbonode.errors import TurbonodeError
 
 from .engine_host import ENTRY, METRIC_METHODS
-from .engine_link import AsyncLink, EngineGone, Link, settle
+from .engine_link import EngineGone, FrontLink, settle
 from .jobs import JobCancelled, JobFailed, JobRequest, JobState
 from .memory_lock import MemoryLock
 from .throttle import ThrottleState
@@ -54,7 +53,8 @@ class Picture:
 
 
 class RemoteJob:
-    """A job as the front sees it: its request and identity, and its end once the engine posts it."""
+    """A job as the front sees it: its request and identity, what the engine last said of it, and
+    its end once posted. Its end and `ended` happen on the event loop."""
 
     def __init__(
         self,
@@ -63,24 +63,25 @@ class RemoteJob:
         job_id: str,
         submitted: float,
         created: float,
+        described: dict,
         kept: bool = True,
     ):
         self.engine, self.request, self.id = engine, request, job_id
         self.submitted, self.created = submitted, created
         self.kept = kept  # the engine holds the pixels until told (False: it dropped them once sent)
-        self.state = JobState.QUEUED  # until the end arrives; `describe` asks the engine meanwhile
+        self.state = JobState.QUEUED  # until the end arrives
         self.error: str | None = None
         self.finished: float | None = None
         self.images_dropped = False
         self.samples: list[Picture] = []
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self._waiters: list[asyncio.Future] = []  # ended(): event-loop futures of the end
-        self._waiters_lock = threading.Lock()
+        self.latest = described  # the engine's description at submit, or at the last lookup
         self._final: dict | None = None
 
     @classmethod
     def from_record(cls, engine: RemoteEngine, record: dict) -> RemoteJob:
-        job = cls(engine, record["request"], record["id"], 0.0, record["created"])
+        job = cls(engine, record["request"], record["id"], 0.0, record["created"], record["describe"])
         job._end(record["state"], record["error"], record["finished"], record["describe"], record["images"])
         job.images_dropped = record["images_dropped"]
         return job
@@ -93,7 +94,7 @@ class RemoteJob:
         self.state, self.error, self.finished = JobState(state), error, finished
         if self.state.terminal:
             self._final = described
-        self.samples = [Picture(png) for png in images or ()]
+        self.samples = [Picture(str(png, "ascii")) for png in images or ()]
         if not self.state.terminal or self.future.done():
             return
         if self.state is JobState.DONE:
@@ -102,20 +103,18 @@ class RemoteJob:
             self.future.set_exception(JobCancelled(error or "cancelled"))
         else:
             self.future.set_exception(JobFailed(error or "failed"))
-        with self._waiters_lock:
-            waiters, self._waiters = self._waiters, []
+        waiters, self._waiters = self._waiters, []
         for waiter in waiters:
-            _wake(waiter, self._settle)
+            self._settle(waiter)
 
     def ended(self) -> asyncio.Future:
         """This job's end, awaitable on the running loop; cancelling the wait leaves the job alone.
-        An end read from the lane wakes it in the same turn of the loop (no thread hand-off)."""
+        An end read off the channel wakes it in the same turn of the loop."""
         waiter = asyncio.get_running_loop().create_future()
-        with self._waiters_lock:
-            if not self.future.done():
-                self._waiters.append(waiter)
-                return waiter
-        self._settle(waiter)
+        if self.future.done():
+            self._settle(waiter)
+        else:
+            self._waiters.append(waiter)
         return waiter
 
     def _settle(self, waiter: asyncio.Future) -> None:
@@ -136,13 +135,11 @@ class RemoteJob:
         self._end(JobState.FAILED.value, message, now, described, None)
 
     def describe(self, now: float) -> dict:
-        if self._final is not None:
-            out = dict(self._final)
-            if self.images_dropped:
-                out["images"] = "delivered or expired; no longer held"
-            return out
-        record = self.engine.link.call("job", self.id, False)
-        return record["describe"] if record is not None else {"id": self.id, "state": self.state.value}
+        """As the engine described it last (get and cancel ask it again), or at its end."""
+        out = dict(self._final if self._final is not None else self.latest)
+        if self.images_dropped:
+            out["images"] = "delivered or expired; no longer held"
+        return out
 
     def drop_images(self) -> None:
         """Delivered: free the pixels here and in the engine (unless it has already)."""
@@ -153,28 +150,14 @@ class RemoteJob:
                 self.engine.link.cast("drop_images", self.id)
 
 
-def _wake(waiter: asyncio.Future, settle: Callable[[asyncio.Future], None]) -> None:
-    """Settle an event-loop future from any thread: at once on its loop's thread, else through it."""
-    loop = waiter.get_loop()
-    try:
-        here = asyncio.get_running_loop() is loop
-    except RuntimeError:
-        here = False
-    if here:
-        settle(waiter)
-    else:
-        with contextlib.suppress(RuntimeError):  # the loop has closed: nobody waits any more
-            loop.call_soon_threadsafe(settle, waiter)
-
-
 class JobsView:
-    """The engine's job table, as the readiness checks and the control socket read it."""
+    """The engine's job table, as the readiness checks and the control socket read it (threads)."""
 
-    def __init__(self, link: Link):
+    def __init__(self, link: FrontLink):
         self._link = link
 
     def tiers(self, now: float) -> dict:
-        return self._link.call("tiers", now)
+        return self._link.call_sync("tiers", now)
 
 
 class BackendView:
@@ -188,6 +171,9 @@ class BackendView:
 
 
 class RemoteEngine:
+    """Made on the front's event loop, in its main thread (the engine's death signal follows the
+    thread that started it)."""
+
     clock = staticmethod(time.monotonic)  # CLOCK_MONOTONIC: the same clock in both processes
     wall = staticmethod(time.time)
 
@@ -202,65 +188,55 @@ class RemoteEngine:
         self._jobs: dict[str, RemoteJob] = {}  # live jobs, until the engine posts their end
         # ends posted before the submit's answer was read (a job failed at once): claimed by submit
         self._unclaimed: collections.OrderedDict[str, tuple] = collections.OrderedDict()
-        self._jobs_lock = threading.Lock()
         self._push_lock = threading.Lock()
         self._lost: str | None = None  # why jobs fail from now on: the engine process has exited
         self._loaded: concurrent.futures.Future[dict] = concurrent.futures.Future()
-        front, back = socket.socketpair()
-        self._lane_sock, lane_back = socket.socketpair()
+        loop = asyncio.get_running_loop()
+        self.exited: asyncio.Future[int] = loop.create_future()
+        self.link = FrontLink(self._on_message)
         # systemd hears only the front (the main PID); the engine posts its stages instead
         env = {k: v for k, v in os.environ.items() if k not in ("NOTIFY_SOCKET", "WATCHDOG_USEC", "WATCHDOG_PID")}
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout, first on the path
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
-        # started from the thread that lives as long as the front (the main one): the engine's
-        # death signal follows the thread that started it
-        fds = (back.fileno(), lane_back.fileno())
-        self.process = subprocess.Popen(
-            [sys.executable, "-c", ENTRY, "--fd", str(fds[0]), "--lane-fd", str(fds[1])], pass_fds=fds, env=env
-        )
-        back.close()
-        lane_back.close()
+        calls, events = self.link.endpoints
+        self.process = subprocess.Popen([sys.executable, "-c", ENTRY, "--calls", calls, "--events", events], env=env)
         self.pid = self.process.pid
-        self.link = Link(Connection(front.detach()), self._on_message, self._on_closed).start()
-        self.lane: AsyncLink | None = None  # open_lane, from the event loop
+        self._pidfd = os.pidfd_open(self.pid)  # readable once the process has exited
+        loop.add_reader(self._pidfd, self._exit)
         self.jobs = JobsView(self.link)
         self.backend: BackendView = BackendView({})
-
-    async def open_lane(self) -> None:
-        """Serve the lane from the running event loop (the one the HTTP API runs on)."""
-        self.lane = await AsyncLink.open(self._lane_sock, self._on_message)
+        self.sizes = None  # what the backend renders (render/backends/sizes.py), once loaded
 
     # ---- start-up ---------------------------------------------------------------------
 
     def load(self, cfg, policy=None) -> dict:
-        """Have the engine process load `cfg.model` (blocks for the whole load); what it serves."""
+        """Have the engine process load `cfg.model` (blocks for the whole load, in a thread); what it serves."""
         levels = {name: logging.getLogger(name).level for name in LOG_LEVELS}
-        self.link.send(("start", cfg, policy, levels))
+        self.link.cast("start", cfg, policy, levels)
         self.info = self._loaded.result()
         self.backend = BackendView(self.info["backend"])
+        self.sizes = self.info["sizes"]
         return self.info
 
     def describe_model(self) -> dict:
         return dict(self.info["model"])
 
-    @functools.lru_cache(maxsize=64)  # noqa: B019 - one engine per front; sizes are few
     def unsupported_size(self, height: int, width: int) -> str | None:
-        return self.link.call("unsupported_size", height, width)
+        return None if self.sizes is None else self.sizes.unsupported(height, width)
 
-    # ---- from the engine process ------------------------------------------------------
+    # ---- from the engine process (on the event loop) ----------------------------------
 
     def _on_message(self, message: tuple) -> None:
         kind = message[0]
         if kind == "done":
-            _, job_id, state, error, finished, described, images = message
-            with self._jobs_lock:
-                job = self._jobs.pop(job_id, None)
-                if job is None:
-                    self._unclaimed[job_id] = message
-                    while len(self._unclaimed) > UNCLAIMED_KEPT:
-                        self._unclaimed.popitem(last=False)
+            job_id = message[1]
+            job = self._jobs.pop(job_id, None)
             if job is not None:
-                job._end(state, error, finished, described, images)
+                job._end(*message[2:])
+            else:
+                self._unclaimed[job_id] = message
+                while len(self._unclaimed) > UNCLAIMED_KEPT:
+                    self._unclaimed.popitem(last=False)
         elif kind == "metric":
             _, name, args = message
             if self.metrics is not None and name in METRIC_METHODS:
@@ -275,15 +251,21 @@ class RemoteEngine:
         elif kind == "failed":
             self._loaded.set_exception(EngineLoadError(message[1]))
 
-    def _on_closed(self) -> None:
+    def _exit(self) -> None:
+        """The engine process has exited: every waiting call and job fails, and the daemon hears."""
+        if self.exited.done():
+            return
+        asyncio.get_running_loop().remove_reader(self._pidfd)
+        os.close(self._pidfd)
         code = self.process.wait()
+        self._lost = f"the engine process exited (status {code})"
+        self.link.close(EngineGone(self._lost))  # what it sent before is read first
         if not self._loaded.done():
             self._loaded.set_exception(EngineLoadError(f"the engine process exited while loading (status {code})"))
-        with self._jobs_lock:
-            self._lost = f"the engine process exited (status {code})"
-            jobs, self._jobs = list(self._jobs.values()), {}
+        jobs, self._jobs = list(self._jobs.values()), {}
         for job in jobs:
             job.lost(self._lost, self.clock())
+        self.exited.set_result(code)
         if self.on_exit is not None:
             self.on_exit()
 
@@ -293,52 +275,50 @@ class RemoteEngine:
         """Queue a job; raises Draining, TierShed or QueueFull (all Rejected) when it cannot.
         keep_images=False: the answer waits for it (a sync request), so the engine drops the
         pixels once it has sent them, and delivering them needs no further message."""
-        if self.lane is None:
-            raise EngineGone("the engine's lane is not open")
-        made = await self.lane.call("submit", request, keep_images)
-        job = RemoteJob(self, request, made["id"], made["submitted"], made["created"], keep_images)
-        with self._jobs_lock:
-            ended = self._unclaimed.pop(job.id, None)
-            lost = self._lost
-            if ended is None and lost is None:
-                self._jobs[job.id] = job
+        made = await self.link.call("submit", request, keep_images)
+        job = RemoteJob(self, request, made["id"], made["submitted"], made["created"], made["describe"], keep_images)
+        ended = self._unclaimed.pop(job.id, None)
         if ended is not None:
             job._end(*ended[2:])
-        elif lost is not None:  # accepted just before the engine died: no end will come
-            job.lost(lost, self.clock())
+        elif self._lost is not None:  # accepted just before the engine died: no end will come
+            job.lost(self._lost, self.clock())
+        else:
+            self._jobs[job.id] = job
         return job
 
     def get(self, job_id: str) -> RemoteJob | None:
-        with self._jobs_lock:
-            live = self._jobs.get(job_id)
-        if live is not None:
-            return live
-        record = self.link.call("job", job_id, True)
-        return None if record is None else RemoteJob.from_record(self, record)
+        """The job as the engine has it now (in a thread): a live one's description is refreshed."""
+        live = self._jobs.get(job_id)
+        record = self.link.call_sync("job", job_id, live is None)
+        return self._found(live, record)
 
     def cancel(self, job_id: str) -> RemoteJob | None:
-        record = self.link.call("cancel", job_id)
+        live = self._jobs.get(job_id)
+        return self._found(live, self.link.call_sync("cancel", job_id))
+
+    def _found(self, live: RemoteJob | None, record: dict | None) -> RemoteJob | None:
         if record is None:
-            return None
-        with self._jobs_lock:
-            live = self._jobs.get(job_id)
-        return live if live is not None else RemoteJob.from_record(self, record)
+            return live  # ended and forgotten by the engine meanwhile, or never known
+        if live is None:
+            return RemoteJob.from_record(self, record)
+        live.latest = record["describe"]
+        return live
 
     # ---- status -----------------------------------------------------------------------
 
     def snapshot(self) -> dict:
-        return self.link.call("snapshot")
+        return self.link.call_sync("snapshot")
 
     @property
     def alive(self) -> bool:
         """The engine process runs (cheap: readiness asks on every request)."""
-        return self.process.poll() is None and not self.link.closed
+        return self.process.poll() is None and self.link.closed is None
 
     @property
     def heartbeat(self) -> float:
         """When the engine loop last came round; never, once its thread has died or the process gone."""
         try:
-            turning, at = self.link.call("heartbeat")
+            turning, at = self.link.call_sync("heartbeat")
         except TurbonodeError:
             return float("-inf")
         return at if turning else float("-inf")
@@ -355,33 +335,33 @@ class RemoteEngine:
         t = self.throttle.current()
         self.front_memory_lock.apply(t is not None and t.lock_memory)
 
-    # ---- draining and stop ------------------------------------------------------------
+    # ---- draining and stop (on the event loop) ----------------------------------------
 
-    def close_intake(self) -> tuple[int, int]:
+    async def close_intake(self) -> tuple[int, int]:
         self.accepting = False
-        return self.link.call("close_intake")
+        return await self.link.call("close_intake")
 
-    def wait_idle(self, timeout: float) -> bool:
-        return self.link.call("wait_idle", timeout, timeout=timeout + 5)
+    async def wait_idle(self, timeout: float) -> bool:
+        return await self.link.call("wait_idle", timeout, timeout=timeout + 5)
 
-    def fail_all(self, message: str) -> int:
-        return self.link.call("fail_all", message)
+    async def fail_all(self, message: str) -> int:
+        return await self.link.call("fail_all", message)
 
-    def stop(self, timeout: float = STOP_GRACE_S) -> None:
+    async def stop(self, timeout: float = STOP_GRACE_S) -> None:
         """Let the engine loop finish its boundary and exit; kill it after `timeout`, or at once
         while it loads (a load cannot be interrupted, and nothing runs yet to finish)."""
-        if self.process.poll() is not None:
-            return
-        if not self._loaded.done():
-            log.info("stopping the engine process while it loads the model")
-            self.process.kill()
+        if not self.exited.done():
+            if not self._loaded.done():
+                log.info("stopping the engine process while it loads the model")
+                self.process.kill()
+            else:
+                with contextlib.suppress(EngineGone):
+                    self.link.cast("stop")
+                try:
+                    await asyncio.wait_for(asyncio.shield(self.exited), timeout)
+                except TimeoutError:
+                    log.warning("the engine process did not stop within %g s: killing it", timeout)
+                    self.process.kill()
+        if not self.exited.done():
             self.process.wait()
-            return
-        with contextlib.suppress(EngineGone):
-            self.link.cast("stop")
-        try:
-            self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            log.warning("the engine process did not stop within %g s: killing it", timeout)
-            self.process.kill()
-            self.process.wait()
+            self._exit()

@@ -1,187 +1,155 @@
-"""The worker's two processes: the pipe between front and engine, and what each does when the
+"""The worker's two processes: the channel between front and engine, and what each does when the
 other dies (render/engine_link.py, render/engine_host.py, render/remote_engine.py)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import pickle
 import re
 import signal
-import socket
+import stat
 import threading
 import time
 import urllib.error
 import urllib.request
-from multiprocessing.connection import Connection
 
 import psutil
 import pytest
 
 from render.engine_host import Server
-from render.engine_link import AsyncLink, EngineGone, Frames, Link, RemoteError, frame
+from render.engine_link import EngineGone, EngineLink, FrontLink, RemoteError, pack, unpack
 from render.jobs import JobFailed, QueueFull, TierShed
 from tests.daemon_harness import daemon_env, start, turboctl_argv
 from turbonode.jsonrpc import ControlClient
 from turbonode.metric_names import ENGINE_CPU, ENGINE_RSS
 
 
-def test_rejections_cross_the_pipe_with_their_retry_after():
+def test_rejections_cross_the_channel_with_their_retry_after():
     for exc in (QueueFull("tier relax queue is full (64 jobs waiting)", retry_after=7), TierShed("shed", 3.5)):
         back = pickle.loads(pickle.dumps(exc))
         assert type(back) is type(exc) and str(back) == str(exc) and back.retry_after == exc.retry_after
 
 
-def _linked(methods: dict):
-    """A Server (the engine's side) and a Link (the front's) over a real socketpair."""
-    a, b = socket.socketpair()
-    server = Server(Connection(b.detach()))
-    server.methods = methods
-    server.start_readers()
-    server.start_senders()
+def test_images_travel_as_frames_of_their_own():
+    png = b"iVBOR" * 100_000
+    frames = pack(("done", "job-1", "done", None, 2.0, {}, [pickle.PickleBuffer(png)]))
+    assert len(frames) == 2 and len(frames[0]) < 200 and bytes(frames[1]) == png  # not copied into the pickle
+    message = unpack(frames)
+    assert message[:6] == ("done", "job-1", "done", None, 2.0, {}) and bytes(message[6][0]) == png
+
+
+@contextlib.asynccontextmanager
+async def _linked(methods: dict):
+    """A FrontLink on the running loop and, in a thread, a Server (the engine's side) on real
+    sockets; yields (front, server, events): what the engine sent besides replies, with whether
+    each was handled on the loop's own thread."""
     events: list[tuple] = []
-    closed = threading.Event()
-    front = Link(Connection(a.detach()), events.append, closed.set).start()
-    return server, front, events, closed
+    loop_thread = threading.get_ident()
+    front = FrontLink(lambda m: events.append((m, threading.get_ident() == loop_thread)))
+    link = EngineLink(*front.endpoints)
+    server = Server(link)
+    server.methods = methods
+    serving = threading.Thread(target=server.serve, daemon=True)
+    serving.start()
+    try:
+        yield front, server, events
+    finally:
+        if front.closed is None:
+            front.cast("stop")
+            serving.join(5)
+            link.close(5)
+            front.close(EngineGone("the test ended"))
+        # else the front has seen the engine go: its side stays blocked, as in a dead process
 
 
-def _hang_up(server) -> None:
-    """The engine's end goes away, as when its process exits (a close alone leaves a blocked recv)."""
-    for channel in server.channels:
-        channel.post(None)
-        sock = socket.socket(fileno=channel.link.conn.fileno())
-        sock.shutdown(socket.SHUT_RDWR)
-        sock.detach()
+def _run(test) -> None:
+    asyncio.run(asyncio.wait_for(test(), 30))
 
 
-def test_calls_answer_values_and_errors_and_the_engine_keeps_serving():
+def test_calls_answer_values_and_errors_from_the_loop_and_from_threads():
     def shed():
         raise TierShed("tier relax is shed by the node's throttle (softirq)", retry_after=4)
 
     def broken():
         raise KeyError("nope")
 
-    server, front, events, closed = _linked({"add": lambda x, y: x + y, "shed": shed, "broken": broken})
-    try:
-        assert front.call("add", 2, 3) == 5
-        with pytest.raises(TierShed) as shed_info:  # the project's errors keep their type
-            front.call("shed")
-        assert shed_info.value.retry_after == 4
-        with pytest.raises(RemoteError, match="broken failed: KeyError"):  # others are named
-            front.call("broken")
-        with pytest.raises(RemoteError, match="no method 'missing'"):
-            front.call("missing")
-        assert front.call("add", "a", "b") == "ab"  # still serving
-        server.post(("metric", "observe_step", (0.1, ["turbo"])))
-        deadline = time.monotonic() + 5
-        while not events and time.monotonic() < deadline:
-            time.sleep(0.01)
-        assert events == [("metric", "observe_step", (0.1, ["turbo"]))]
-    finally:
-        _hang_up(server)
-    assert closed.wait(5)  # the engine's end went away: the front's link closes...
-    with pytest.raises(EngineGone):  # ...and every later call says so at once
-        front.call("add", 1, 1)
+    async def front_side():
+        async with _linked({"add": lambda x, y: x + y, "shed": shed, "broken": broken}) as (front, server, events):
+            assert await front.call("add", 2, 3) == 5
+            with pytest.raises(TierShed) as shed_info:  # the project's errors keep their type
+                await front.call("shed")
+            assert shed_info.value.retry_after == 4
+            with pytest.raises(RemoteError, match="broken failed: KeyError"):  # others are named
+                await front.call("broken")
+            with pytest.raises(RemoteError, match="no method 'missing'"):
+                await front.call("missing")
+            loop = asyncio.get_running_loop()
+            assert await loop.run_in_executor(None, front.call_sync, "add", "a", "b") == "ab"  # from a thread
+            with pytest.raises(TierShed):
+                await loop.run_in_executor(None, front.call_sync, "shed")
+            with pytest.raises(RuntimeError, match="blocking call of add on the event loop"):
+                front.call_sync("add", 1, 1)  # would wait for itself
+            assert await asyncio.gather(*(front.call("add", i, i) for i in range(50))) == [2 * i for i in range(50)]
+            server.link.post(("metric", "observe_step", (0.1, ["turbo"])))
+            assert await front.call("add", 0, 0) == 0  # the event was sent first: it arrived first
+            assert events == [(("metric", "observe_step", (0.1, ["turbo"])), True)]  # on the loop's thread
+
+    _run(front_side)
 
 
 def test_a_call_left_unanswered_times_out_with_a_clear_error():
     release = threading.Event()
-    server, front, _, _ = _linked({"wait_idle": lambda: release.wait(10), "add": lambda x, y: x + y})
-    try:
-        with pytest.raises(RemoteError, match="did not answer wait_idle within 0.2 s"):
-            front.call("wait_idle", timeout=0.2)
-        assert front.call("add", 1, 2) == 3  # a blocking call runs apart: the others go on
-    finally:
-        release.set()
-        _hang_up(server)
+
+    async def front_side():
+        async with _linked({"wait_idle": lambda: release.wait(10), "add": lambda x, y: x + y}) as (front, _, _):
+            with pytest.raises(RemoteError, match="did not answer wait_idle within 0.2 s"):
+                await front.call("wait_idle", timeout=0.2)
+            call = lambda: front.call_sync("wait_idle", timeout=0.2)  # noqa: E731
+            with pytest.raises(RemoteError, match="did not answer wait_idle within 0.2 s"):
+                await asyncio.get_running_loop().run_in_executor(None, call)
+            assert await front.call("add", 1, 2) == 3  # a blocking call runs apart: the others go on
+            release.set()
+
+    _run(front_side)
 
 
-def test_a_hang_up_right_after_a_reply_still_reports_the_exit():
-    """The reader settles a reply, then reads EOF before the caller has taken its call off the
-    pending table: closing must leave that answered call alone and still report the exit."""
-    import concurrent.futures
+def test_the_engine_gone_fails_waiting_and_later_calls_at_once():
+    async def front_side():
+        async with _linked({"hang": lambda: time.sleep(2), "add": lambda x, y: x + y}) as (front, server, events):
+            waiting = asyncio.ensure_future(front.call("hang"))
+            loop = asyncio.get_running_loop()
+            waiting_sync = loop.run_in_executor(None, front.call_sync, "hang")
+            server.link.post(("done", "job-1"))  # sent before the end: still read
+            await asyncio.sleep(0.3)
+            front.close(EngineGone("the engine process exited (status -9)"))
+            for call in (waiting, waiting_sync):
+                with pytest.raises(EngineGone, match="status -9"):
+                    await call
+            with pytest.raises(EngineGone):  # and every later one at once
+                await front.call("add", 1, 1)
+            with pytest.raises(EngineGone):
+                await loop.run_in_executor(None, front.call_sync, "add", 1, 1)
+            with pytest.raises(EngineGone):
+                front.cast("throttle", None)
+            assert [m for m, _ in events] == [("done", "job-1")]
 
-    a, b = socket.socketpair()
-    closed = threading.Event()
-    front = Link(Connection(a.detach()), lambda _m: None, closed.set)
-    answered: concurrent.futures.Future = concurrent.futures.Future()
-    answered.set_result(5)
-    front._pending[1] = answered  # answered, not yet collected by its caller
-    front.start()
-    b.close()
-    assert closed.wait(5) and answered.result(0) == 5
-
-
-def test_frames_are_cut_from_any_chunking_as_a_connection_sent_them():
-    a, b = socket.socketpair()
-    sent = [("reply", 1, True, {"id": "job-1"}), ("done", "job-1", "done", None, 2.0, {}, ["x" * 300_000])]
-    conn = Connection(a.detach())
-
-    def send():
-        for message in sent:
-            conn.send(message)
-        conn.close()
-
-    threading.Thread(target=send, daemon=True).start()  # more than the socket buffers
-    stream = b""
-    while chunk := b.recv(1 << 16):
-        stream += chunk
-    b.close()
-    for size in (1, 7, 4096, len(stream)):  # byte by byte, torn headers, whole
-        frames = Frames()
-        got = [m for i in range(0, len(stream), size) for m in frames.feed(stream[i : i + size])]
-        assert got == sent, size
-    assert Frames().feed(frame(sent[1])) == [sent[1]]  # and what the front writes, a Connection reads
+    _run(front_side)
 
 
-def _lane(methods: dict):
-    """A Server whose lane is the second socketpair, and the front's AsyncLink on it (in a loop)."""
-    link_a, link_b = socket.socketpair()
-    lane_a, lane_b = socket.socketpair()
-    server = Server(Connection(link_b.detach()), Connection(lane_b.detach()))
-    server.methods = methods
-    server.start_readers()
-    server.start_senders()
-    return server, link_a, lane_a
+def test_the_sockets_live_in_a_private_directory_removed_once_the_engine_answers():
+    async def front_side():
+        async with _linked({"add": lambda x, y: x + y}) as (front, _, _):
+            where = os.path.dirname(front.endpoints[0].removeprefix("ipc://"))
+            mode = os.stat(where).st_mode
+            assert stat.S_IMODE(mode) == 0o700 and sorted(os.listdir(where)) == ["calls", "events"]
+            assert await front.call("add", 1, 1) == 2
+            assert not os.path.exists(where)  # connected both ways: nobody else can connect now
+            assert await front.call("add", 2, 2) == 4
 
-
-def test_the_lane_answers_calls_and_events_on_the_event_loop():
-    def submit(x):
-        server.lane.post(("ended", x))  # an event (as a job end), posted before the reply: both arrive in order
-        return x * 2
-
-    def shed():
-        raise TierShed("tier relax is shed by the node's throttle (softirq)", retry_after=4)
-
-    server, link_sock, sock = _lane({"submit": submit, "shed": shed, "hang": lambda: time.sleep(2)})
-    events: list[tuple] = []
-
-    async def front():
-        link = await AsyncLink.open(sock, events.append)
-        loop_thread = threading.get_ident()
-        seen = []
-        link._on_message = lambda m: seen.append((m, threading.get_ident() == loop_thread))
-        assert await link.call("submit", 21) == 42
-        assert seen == [(("ended", 21), True)]  # handled on the loop's own thread
-        with pytest.raises(TierShed) as shed_info:
-            await link.call("shed")
-        assert shed_info.value.retry_after == 4
-        with pytest.raises(RemoteError, match="did not answer hang within 0.2 s"):
-            await link.call("hang", timeout=0.2)
-        assert await asyncio.gather(*(link.call("submit", i) for i in range(50))) == [2 * i for i in range(50)]
-        waiting = asyncio.ensure_future(link.call("hang"))
-        await asyncio.sleep(0.1)
-        _hang_up(server)
-        with pytest.raises(EngineGone):  # the engine's end went away: the waiting call says so
-            await waiting
-        with pytest.raises(EngineGone):  # and every later one at once
-            await link.call("submit", 1)
-
-    try:
-        asyncio.run(front())
-    finally:
-        link_sock.close()
+    _run(front_side)
 
 
 # ---- the daemon's two processes ---------------------------------------------------------------
@@ -262,7 +230,8 @@ def test_a_job_lost_with_the_engine_fails_and_says_why():
     from render.jobs import JobRequest
     from render.remote_engine import RemoteJob
 
-    job = RemoteJob(None, JobRequest("p", "turbo", 4, 1, 0.0, 64, 64), "job-x", 1.0, 2.0)  # type: ignore[arg-type]
+    request = JobRequest("p", "turbo", 4, 1, 0.0, 64, 64)
+    job = RemoteJob(None, request, "job-x", 1.0, 2.0, {"id": "job-x", "state": "queued"})  # type: ignore[arg-type]
     job.lost("the engine process exited (status -9)", 3.0)
     with pytest.raises(JobFailed, match="status -9"):
         job.future.result(0)
