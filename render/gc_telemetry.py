@@ -3,9 +3,11 @@
 A full collection in a process holding a large model can pause every thread for tens of
 milliseconds; the agent reads these pauses from `status`, and waits for them with `events`, to
 tell GC stalls from network stalls. The callback runs inside the collector, in whatever thread
-allocated, so it takes no locks and allocates little: it appends to a bounded deque (atomic in
-CPython), bumps counters, and wakes waiters through queue.SimpleQueue, whose put() is
-reentrant (safe where a lock could already be held by the interrupted code).
+allocated, so it allocates little and takes no lock the interrupted code could hold: it appends
+to a bounded deque (atomic in CPython), bumps counters, wakes waiters through queue.SimpleQueue,
+whose put() is reentrant, and calls `observe` (render/metrics.py makes every series of its
+histogram up front, so an observation only takes a lock around a float add, under which
+nothing allocates and so no collection starts).
 """
 
 from __future__ import annotations

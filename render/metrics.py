@@ -10,6 +10,7 @@ scrape. Everything lives in one CollectorRegistry the caller owns, so tests use 
 from __future__ import annotations
 
 import collections
+import gc
 import logging
 import threading
 import time
@@ -122,6 +123,13 @@ class WorkerMetrics:
             self.auth_failures.labels(reason)
         for header in (TIER_HEADER, ACCOUNT_HEADER):
             self.untrusted_headers.labels(header)
+        # Also because the GC callback (render/gc_telemetry.py) observes into gc_pause from inside
+        # a collection, in whatever thread allocated: creating a series allocates under the
+        # metric's lock, so a collection started there would wait for that lock in the same
+        # thread forever (the front records the engine process's pauses on its event loop).
+        # With every series made here, observing takes a lock only around a float add.
+        for generation in range(len(gc.get_count())):
+            self.gc_pause.labels(str(generation))
 
     def request_answered(self, tier: str, outcome: str, code: int, seconds: float) -> None:
         self.request_duration.labels(tier, outcome).observe(seconds)

@@ -11,6 +11,8 @@ import pickle
 import re
 import signal
 import stat
+import subprocess
+import sys
 import threading
 import time
 import urllib.error
@@ -25,6 +27,8 @@ from render.jobs import JobFailed, QueueFull, TierShed
 from tests.daemon_harness import daemon_env, start, turboctl_argv
 from turbonode.jsonrpc import ControlClient
 from turbonode.metric_names import ENGINE_CPU, ENGINE_RSS
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_rejections_cross_the_channel_with_their_retry_after():
@@ -150,6 +154,30 @@ def test_the_sockets_live_in_a_private_directory_removed_once_the_engine_answers
             assert await front.call("add", 2, 2) == 4
 
     _run(front_side)
+
+
+def test_the_engines_gc_pauses_are_recorded_while_a_collection_of_the_front_starts():
+    """The front's event loop records the engine's GC pauses in the histogram that its own GC
+    callback feeds (render/gc_telemetry.py): a collection that starts while the loop holds the
+    metric's lock runs that callback on the same thread, which must not wait for the lock (it
+    would wait forever, and with it every request)."""
+    code = (
+        "import gc\n"
+        "from prometheus_client import CollectorRegistry\n"
+        "from render.gc_telemetry import GcMonitor\n"
+        "from render.metrics import WorkerMetrics\n"
+        "metrics = WorkerMetrics(CollectorRegistry())\n"
+        "front = GcMonitor(observe=metrics.observe_gc).install()\n"
+        "gc.set_threshold(1)  # a collection at every allocation of a container, under a lock too\n"
+        "for generation in (0, 1, 2):\n"
+        "    front.record(generation, 0.01)  # the engine's, as its events bring them\n"
+        "print('recorded', front.collections_total > 3)\n"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, cwd=ROOT)
+    except subprocess.TimeoutExpired:
+        pytest.fail("recording the engine's GC pause deadlocked with the front's own GC callback")
+    assert out.stdout.strip() == "recorded True", out.stderr
 
 
 # ---- the daemon's two processes ---------------------------------------------------------------
