@@ -31,6 +31,7 @@ from turbonode.tier_headers import DOWNGRADED_HEADER, TIER_HEADER
 from turbonode.tiers import PROTECTED_TIER, TIER_NAMES, tos_byte
 
 PATH = "/v1/images/generations"
+SERVED_BY = "X-Served-By"  # deploy/haproxy/turbonode.cfg names the server that answered
 BACKOFF_S = 0.2  # a refused request waits this long, or its Retry-After if longer, before the next
 
 
@@ -50,6 +51,7 @@ class Outcome:
     account: str = ""  # the name of the API key it was sent with ('' without one)
     served_tier: str | None = None  # what the answer says served it (X-Turbonode-Tier) ...
     downgraded: str | None = None  # ... and why that is not `tier` (X-Turbonode-Downgraded)
+    server: str = ""  # who answered, behind a balancer (its X-Served-By header)
 
 
 class TierConnection(http.client.HTTPConnection):
@@ -115,6 +117,7 @@ def request_image(
         payload = resp.read()
         out.status = resp.status
         out.served_tier, out.downgraded = resp.getheader(TIER_HEADER), resp.getheader(DOWNGRADED_HEADER)
+        out.server = resp.getheader(SERVED_BY) or ""
         if resp.status == 200:
             info = json.loads(payload).get("turbonode") or {}
             out.queue_wait_s, out.elapsed_s = info.get("queue_wait_s"), info.get("elapsed_s")
@@ -144,10 +147,14 @@ def run_load(
     seed: int | None = None,
     key: tuple[str, str] | None = None,
     probe_keys: list[tuple[str, str]] | None = None,
+    start_at: float | None = None,
 ) -> list[Outcome]:
     """`clients[tier]` closed-loop clients, plus `probes` open-loop turbo requests at `rate` per
     second; until the last probe is answered, or for `duration` seconds without probes. Every
-    request carries `key` (name, API key), the probes `probe_keys` in turn where given."""
+    request carries `key` (name, API key), the probes `probe_keys` in turn where given. The load
+    starts at `start_at` (CLOCK_MONOTONIC, the same in every process), else now."""
+    if start_at is not None:
+        time.sleep(max(0.0, start_at - time.monotonic()))
     started = time.monotonic()
     outcomes: list[Outcome] = []
     lock = threading.Lock()
@@ -285,6 +292,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="NAME=KEY",
         help="the probes' API keys, in turn (repeatable; default --key)",
     )
+    parser.add_argument(
+        "--start-at",
+        type=float,
+        help="start at this CLOCK_MONOTONIC time (s), so that another process can time its events by the load's",
+    )
     args = parser.parse_args(argv)
     outcomes = run_load(
         args.url,
@@ -298,6 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         seed=args.seed,
         key=args.key,
         probe_keys=args.probe_key,
+        start_at=args.start_at,
     )
     print(json.dumps([asdict(o) for o in outcomes]))
     return 0

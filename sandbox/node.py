@@ -31,6 +31,7 @@ from turbonode.rates import parse_rate
 from turbonode.stats import percentile
 
 from . import faults
+from .interrupt import Closing
 from .loadgen import Outcome, summarize
 from .netns import Sandbox
 from .node_memory import NodeMemory, evict_libraries
@@ -46,13 +47,13 @@ class DemoError(TurbonodeError):
     pass
 
 
-class DemoNode:
+class DemoNode(Closing):
     """The sandbox, the worker and whatever a phase starts; `close` undoes all of it."""
 
-    def __init__(self, settings: DemoSettings, log=print):
+    def __init__(self, settings: DemoSettings, log=print, sandbox: Sandbox | None = None):
         self.s = settings
         self.log = log
-        self.sandbox = Sandbox(prefix="tnd")
+        self.sandbox = sandbox or Sandbox(prefix="tnd")  # a fleet's node brings its own (sandbox/fleet.py)
         # named after the node's namespace, so a test can find it; removed on close unless keep_logs
         self.tmp = Path(tempfile.mkdtemp(prefix=f"turbonode-demo-{self.sandbox.server}-"))
         self.procs: list[subprocess.Popen] = []
@@ -156,16 +157,6 @@ class DemoNode:
             self.log(f"logs kept in {self.tmp}")
         else:
             shutil.rmtree(self.tmp, ignore_errors=True)
-
-    def __enter__(self) -> DemoNode:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     # ---- helpers ---------------------------------------------------------------------
 

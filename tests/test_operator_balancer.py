@@ -10,17 +10,16 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
 from conftest import KERNEL_SKIP
 from daemon_harness import ROOT, daemon_env, start, stop, turboctl_argv
 
+from sandbox.fleet import wait_state
 from sandbox.netns import Fleet
 
 pytestmark = [
@@ -80,32 +79,6 @@ def haproxy_config(workers: list[tuple[str, str]], stats: Path, port: int = PORT
         lines.append(line)
     assert len(seen) == len(workers)
     return "\n".join(lines) + "\n"
-
-
-def server_states(stats: Path) -> dict[tuple[str, str], str]:
-    """(backend, server) -> UP/DOWN, from HAProxy's runtime API."""
-    with socket.socket(socket.AF_UNIX) as s:
-        s.settimeout(5)
-        s.connect(str(stats))
-        s.sendall(b"show stat\n")
-        data = b""
-        while chunk := s.recv(65536):
-            data += chunk
-    out = {}
-    for line in data.decode().splitlines():
-        f = line.split(",")
-        if len(f) > 17 and f[1] not in ("FRONTEND", "BACKEND", "svname"):
-            out[(f[0], f[1])] = f[17]
-    return out
-
-
-def wait_state(stats: Path, want: dict[tuple[str, str], str], timeout: float) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        states = server_states(stats)
-        if all(states.get(k, "").startswith(v) for k, v in want.items()) or time.monotonic() > deadline:
-            return states
-        time.sleep(0.1)
 
 
 def test_the_shipped_config_passes_haproxy_check_as_shipped():
