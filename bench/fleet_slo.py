@@ -1,0 +1,341 @@
+"""Fleet SLO benchmark: turbo across three nodes behind a real HAProxy, one node impaired at a time.
+
+    flock /tmp/turbonode-bench.lock .venv/bin/python bench/fleet_slo.py [--rate 1.5] [--requests 300]
+        [--cells none,rolling] [--modes plain,turbonode] [--plain-cells rolling] [--json FILE]
+
+The fleet (sandbox/fleet.py): three sandbox nodes, each a network namespace with its link shaped
+to --link, the real worker (tiny model) and, in turbonode mode, its agent and HTB tree; each
+node's processes in a cgroup of its own capped at --cpus CPUs (this VM has two cores: 3 x 0.5
+leaves half a core to HAProxy, the clients and the agents, so the nodes do not simply share the
+machine). Debian's HAProxy in a front namespace runs deploy/haproxy/turbonode.cfg with only the
+nodes' addresses substituted. From a client namespace, through HAProxy: turbo requests open-loop
+(Poisson, --rate per second over the fleet, --requests per cell, the same arrivals in every cell),
+fast and relax clients closed-loop.
+
+Cells:
+  none     no fault
+  rolling  each node in turn gets one fault for a window of requests / rate / nodes seconds, so
+           that one node of three is impaired at every moment: node0 a GC storm in its worker
+           (bench/garbage.py, re-armed every 5 s), node1 the demo's fault (stress-ng on every CPU
+           in the node's cgroup + 4 bulk flows to the front), node2 its worker killed with -9 at the
+           window's start and restarted by its supervisor 2 s later (systemd's Restart=on-failure)
+Modes, side by side in one run:
+  plain      HAProxy round-robin with TCP checks and retries of failed connects only (plain_config of
+             the shipped file), FIFO nodes (one FIFO shaped to the link), no agent, workers that
+             queue whatever comes
+  turbonode  the shipped file (per-tier /readyz checks, retry and redispatch of a refused or
+             unanswered request), each node's agent, workers with worker.refuse_unready and so
+             deadline-aware admission (worker.slo: turbo 2 s, fast FAST_SLO_S)
+
+Per cell and mode: fleet turbo n, p50/p99/max of the answered, turbo errors (any client-visible
+answer but 200: a 5xx, a reset), SLO attainment (the share of turbo and of fast requests answered
+within their objective), the share of turbo each node served during its own fault window, fast
+and relax images/s, the requests HAProxy retried and the worker restarts.
+Targets: turbonode's turbo p99 in `rolling` <= 1.2 x its p99 in `none`; 0 client-visible turbo errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.node_slo import GC_REARM_S, WORKER_PY  # noqa: E402
+from sandbox import faults  # noqa: E402
+from sandbox.demo import preflight  # noqa: E402
+from sandbox.fleet import FleetNode, FleetSettings, SandboxFleet  # noqa: E402
+from sandbox.interrupt import exit_on_signals  # noqa: E402
+from sandbox.loadgen import Outcome, summarize  # noqa: E402
+from sandbox.node import AgentWatch  # noqa: E402
+from sandbox.settings import DemoSettings  # noqa: E402
+from turbonode.errors import ControlError  # noqa: E402
+from turbonode.stats import percentile  # noqa: E402
+from turbonode.tiers import PROTECTED_TIER  # noqa: E402
+
+CELLS = ("none", "rolling")
+MODES = ("plain", "turbonode")
+ROLLING = ("gc", "cpu+bulk", "kill")  # node i's fault in window i
+TURBO_SLO_S, FAST_SLO_S = 2.0, 10.0
+TARGET_RATIO = 1.2
+LEAD_S = 3.0  # the load generator starts (python, in the client namespace) before the first request
+SETTLE_TIMEOUT_S = 120.0
+
+
+class SloFleetNode(FleetNode):
+    """A fleet node with bench/garbage.py's thread in its worker (the gc fault), as bench/node_slo.py's."""
+
+    def _turboctl(self, *args: str) -> list[str]:
+        if args[:1] != ("worker",):
+            return super()._turboctl(*args)
+        return [sys.executable, "-c", WORKER_PY, *args]
+
+
+class Rolling:
+    """The rolling fault: node i's fault from start_at + i * window for `window` seconds."""
+
+    def __init__(self, nodes: list[FleetNode], start_at: float, window: float, log):
+        self.nodes, self.start_at, self.window, self.log = nodes, start_at, window, log
+        self.windows: list[dict] = []  # node, fault, start_s, end_s (seconds from start_at)
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="rolling-fault", daemon=True)
+
+    def _run(self) -> None:
+        for i, (node, fault) in enumerate(zip(self.nodes, ROLLING)):
+            begin = self.start_at + i * self.window
+            if self.stop.wait(max(0.0, begin - time.monotonic())):
+                return
+            self.log(f"  window {i}: {fault} on {node.name}")
+            record = {"node": node.name, "fault": fault, "start_s": time.monotonic() - self.start_at}
+            self.windows.append(record)
+            end = begin + self.window
+            if fault == "gc":
+                while not self.stop.is_set() and time.monotonic() < end:
+                    node.worker.send_signal(signal.SIGUSR1)
+                    self.stop.wait(min(GC_REARM_S, max(0.0, end - time.monotonic())))
+                node.worker.send_signal(signal.SIGUSR2)
+            elif fault == "cpu+bulk":
+                procs = faults.start(node, ("cpu", "bulk"), self.window + 5)
+                self.stop.wait(max(0.0, end - time.monotonic()))
+                for proc in procs:
+                    node.release(proc)
+            else:
+                record["killed_s"] = node.kill_worker() - self.start_at
+                self.stop.wait(max(0.0, end - time.monotonic()))
+            record["end_s"] = time.monotonic() - self.start_at
+
+    def __enter__(self) -> Rolling:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        self.thread.join(60)
+
+
+def node_settings(mode: str, link: str) -> DemoSettings:
+    slo = {"turbo": TURBO_SLO_S, "fast": FAST_SLO_S}
+    worker = {"slo": slo, "refuse_unready": mode == "turbonode"}
+    return DemoSettings(rate=link, worker_config=worker)
+
+
+def settle(fleet: SandboxFleet, log) -> None:
+    """Every worker up and idle, and HAProxy seeing each up, before a cell starts."""
+    deadline = time.monotonic() + SETTLE_TIMEOUT_S
+    for node in fleet.nodes:
+        while time.monotonic() < deadline:
+            try:
+                tiers = node.worker_rpc.call("status")["tiers"]
+                if not any(t["queued"] or t["in_flight"] for t in tiers.values()):
+                    break
+            except ControlError:
+                pass
+            time.sleep(0.5)
+    assert fleet.balancer is not None
+    up = {(b, n.name): "UP" for b in ("turbo", "workers") for n in fleet.nodes}
+    states = fleet.balancer.wait(up, max(1.0, deadline - time.monotonic()))
+    if any(not states.get(k, "").startswith("UP") for k in up):
+        log(f"warning: not every server is up before the cell: {states}")
+
+
+def run_cell(fleet: SandboxFleet, cell: str, mode: str, args: argparse.Namespace, log) -> dict:
+    settle(fleet, log)
+    assert fleet.balancer is not None
+    retried_before = len(fleet.balancer.retried())
+    restarts_before = {n.name: len(n.restarts) for n in fleet.nodes}
+    agents, watches = [], {}
+    for node in fleet.nodes:
+        if mode == "plain":
+            node.plain_fifo()
+        else:
+            agents.append((node, node.start_agent()))
+    try:
+        watches = {node.name: AgentWatch(node.agent_rpc) for node, _ in agents}
+        start_at = time.monotonic() + LEAD_S
+        window = args.requests / args.rate / len(fleet.nodes)
+        rolling = Rolling(fleet.nodes, start_at, window, log)
+        clients = {"fast": args.fast_clients, "relax": args.relax_clients}
+        if cell == "rolling":
+            with rolling:
+                outcomes = fleet.load(clients, args.requests, args.rate, start_at, seed=args.seed)
+        else:
+            outcomes = fleet.load(clients, args.requests, args.rate, start_at, seed=args.seed)
+        wall = time.monotonic() - start_at
+    finally:
+        for watch in watches.values():
+            watch.stop()
+        for node, agent in agents:
+            node.release(agent)
+        if mode == "plain":
+            for node in fleet.nodes:
+                node.remove_fifo()
+    restarts = [
+        {"node": n.name, "down_s": round(r.back - r.exited, 2) if r.back else None}
+        for n in fleet.nodes
+        for r in n.restarts[restarts_before[n.name] :]
+    ]
+    return {
+        **figures(outcomes, wall, rolling.windows),
+        "retried": fleet.balancer.retried()[retried_before:],
+        "restarts": restarts,
+        "agents": {name: w.summary() for name, w in watches.items()},
+        "outcomes": [asdict(o) for o in outcomes],
+    }
+
+
+def figures(outcomes: list[Outcome], wall: float, windows: list[dict]) -> dict:
+    turbo = [o for o in outcomes if o.tier == PROTECTED_TIER]
+    ok = [o for o in turbo if o.status == 200]
+    fast = [o for o in outcomes if o.tier == "fast"]
+    latency = [o.latency for o in ok]
+    tiers = summarize(outcomes, wall)
+    shares = []
+    for w in windows:
+        sent = [o for o in turbo if w["start_s"] <= o.sent_at < w.get("end_s", float("inf"))]
+        mine = sum(o.server == w["node"] for o in sent)
+        shares.append({**w, "turbo_sent": len(sent), "served_by_it": mine, "share": mine / len(sent) if sent else None})
+    return {
+        "turbo": {
+            "n": len(turbo),
+            "ok": len(ok),
+            "errors": len(turbo) - len(ok),
+            "error_kinds": sorted({f"{o.status} {o.error[:80]}" for o in turbo if o.status != 200}),
+            "p50_s": percentile(latency, 50),
+            "p99_s": percentile(latency, 99),
+            "max_s": max(latency, default=None),
+            "attainment": sum(o.latency <= TURBO_SLO_S for o in ok) / len(turbo) if turbo else None,
+            "by_server": {s: sum(o.server == s for o in ok) for s in sorted({o.server for o in ok})},
+        },
+        "fast": {
+            "n": len(fast),
+            "attainment": sum(o.status == 200 and o.latency <= FAST_SLO_S for o in fast) / len(fast) if fast else None,
+            "images_per_s": (tiers.get("fast") or {}).get("images_per_s"),
+        },
+        "relax_images_per_s": (tiers.get("relax") or {}).get("images_per_s"),
+        "windows": shares,
+        "wall_s": wall,
+    }
+
+
+def _ms(v) -> str:
+    return "-" if v is None else f"{v * 1000:.0f}"
+
+
+def _pct(v) -> str:
+    return "-" if v is None else f"{v:.1%}"
+
+
+def report(result: dict) -> str:
+    lines = [
+        f"fleet of {result['nodes']} nodes x {result['cpus']:g} CPU behind HAProxy; turbo {result['rate']:g}/s "
+        f"open-loop, {result['requests']} per cell; latency in ms from the client namespace",
+        f"{'cell':<8} {'mode':<10} {'n':>4} {'p50':>6} {'p99':>6} {'max':>6} {'errors':>6} {'turbo SLO':>9} "
+        f"{'fast SLO':>8} {'fast/s':>6} {'relax/s':>7} {'retried':>7}  own-window share (node: fault)",
+    ]
+    for cell, by_mode in result["cells"].items():
+        for mode, r in by_mode.items():
+            t = r["turbo"]
+            shares = ", ".join(f"{w['node']}: {w['fault']} {_pct(w['share'])}" for w in r["windows"])
+            lines.append(
+                f"{cell:<8} {mode:<10} {t['n']:>4} {_ms(t['p50_s']):>6} {_ms(t['p99_s']):>6} {_ms(t['max_s']):>6} "
+                f"{t['errors']:>6} {_pct(t['attainment']):>9} {_pct(r['fast']['attainment']):>8} "
+                f"{r['fast']['images_per_s'] or 0:>6.2f} {r['relax_images_per_s'] or 0:>7.2f} "
+                f"{len(r['retried']):>7}  {shares}"
+            )
+            if t["error_kinds"]:
+                lines.append(f"{'':<20}turbo errors: {'; '.join(t['error_kinds'])}")
+            if r["restarts"]:
+                lines.append(
+                    f"{'':<20}restarts: " + ", ".join(f"{x['node']} back after {x['down_s']} s" for x in r["restarts"])
+                )
+    tn = {cell: by_mode.get("turbonode", {}).get("turbo", {}) for cell, by_mode in result["cells"].items()}
+    ref, rolled = (tn.get("none") or {}).get("p99_s"), (tn.get("rolling") or {}).get("p99_s")
+    if ref and rolled:
+        ratio = rolled / ref
+        errors = tn["rolling"]["errors"]
+        lines.append(
+            f"target: turbonode rolling p99 <= {TARGET_RATIO:g} x none p99 ({_ms(ref)} ms): {ratio:.2f}x "
+            f"({'met' if ratio <= TARGET_RATIO else 'missed'}); turbo errors {errors} "
+            f"({'met' if errors == 0 else 'missed'})"
+        )
+    lines.append(f"load average before: {result['loadavg_before']}, after: {result.get('loadavg_after')}")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--cells", default=",".join(CELLS), help=f"comma-separated, from {', '.join(CELLS)}")
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument(
+        "--plain-cells",
+        default="rolling",
+        help="the cells the plain fleet runs (default rolling: the side by side; the target compares turbonode cells)",
+    )
+    ap.add_argument("--requests", type=int, default=300, help="turbo requests per cell and mode")
+    ap.add_argument("--rate", type=float, default=1.5, help="turbo arrivals per second over the fleet (Poisson)")
+    ap.add_argument("--nodes", type=int, default=3)
+    ap.add_argument("--cpus", type=float, default=0.5, help="each node's CPU quota")
+    ap.add_argument("--link", default="20mbit", help="each node's link rate")
+    ap.add_argument("--fast-clients", type=int, default=1)
+    ap.add_argument("--relax-clients", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=23, help="the turbo arrivals' seed (the same in every cell)")
+    ap.add_argument("--json", help="write every figure (and every request's outcome) here")
+    ap.add_argument("--keep-logs", action="store_true", help="keep the nodes' and HAProxy's logs (paths printed)")
+    ap.add_argument("--report", metavar="JSON", help="print the table of a run saved with --json; run nothing")
+    args = ap.parse_args()
+    if args.report:
+        print(report(json.loads(Path(args.report).read_text())))
+        return 0
+    cells = [c for c in args.cells.split(",") if c]
+    modes = [m for m in args.modes.split(",") if m]
+    plain_cells = [c for c in args.plain_cells.split(",") if c]
+    if bad := [c for c in cells + plain_cells if c not in CELLS] + [m for m in modes if m not in MODES]:
+        ap.error(f"unknown cell or mode: {', '.join(bad)}")
+    if args.nodes < len(ROLLING) and "rolling" in cells:
+        ap.error(f"the rolling fault needs {len(ROLLING)} nodes")
+    preflight()
+    exit_on_signals()
+
+    def log(msg: str) -> None:
+        print(msg, file=sys.stderr, flush=True)
+
+    result: dict = {
+        "cells": {},
+        "nodes": args.nodes,
+        "cpus": args.cpus,
+        "rate": args.rate,
+        "requests": args.requests,
+        "link": args.link,
+        "clients": {"fast": args.fast_clients, "relax": args.relax_clients},
+        "loadavg_before": os.getloadavg(),
+    }
+    try:
+        for mode in modes:
+            settings = FleetSettings(args.nodes, args.cpus, node_settings(mode, args.link), mode == "plain")
+            settings.node.keep_logs = args.keep_logs
+            with SandboxFleet(settings, log, SloFleetNode) as fleet:
+                for cell in cells if mode == "turbonode" else [c for c in cells if c in plain_cells]:
+                    log(f"{mode}, {cell}: {args.requests} turbo requests at {args.rate:g}/s")
+                    r = run_cell(fleet, cell, mode, args, log)
+                    result["cells"].setdefault(cell, {})[mode] = r
+                    t = r["turbo"]
+                    log(f"  turbo n={t['n']} p50={_ms(t['p50_s'])} p99={_ms(t['p99_s'])} ms errors={t['errors']}")
+    finally:
+        result["loadavg_after"] = os.getloadavg()
+        if args.json:  # also what a failed or interrupted run measured so far
+            Path(args.json).write_text(json.dumps(result, indent=1))
+    print(report(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
