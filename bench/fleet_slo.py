@@ -18,7 +18,8 @@ Cells:
            that one node of three is impaired at every moment: node0 a GC storm in its worker
            (bench/garbage.py, re-armed every 5 s), node1 the demo's fault (stress-ng on every CPU
            in the node's cgroup + 4 bulk flows to the front), node2 its worker killed with -9 at the
-           window's start and restarted by its supervisor 2 s later (systemd's Restart=on-failure)
+           window's start and started again 2 s later by the node's supervisor (sandbox/node.py, as
+           systemd's Restart=on-failure)
 Modes, side by side in one run:
   plain      HAProxy round-robin with TCP checks and retries of failed connects only (plain_config of
              the shipped file), FIFO nodes (one FIFO shaped to the link), no agent, workers that
@@ -109,7 +110,10 @@ class Rolling:
                 for proc in procs:
                     node.release(proc)
             else:
+                exits = len(node.worker_exits)
                 record["killed_s"] = node.kill_worker() - self.start_at
+                back = node.wait_back(exits + 1, max(0.0, end - time.monotonic()))
+                record["back_s"] = back - self.start_at if back is not None else None
                 self.stop.wait(max(0.0, end - time.monotonic()))
             record["end_s"] = time.monotonic() - self.start_at
 
@@ -151,7 +155,6 @@ def run_cell(fleet: SandboxFleet, cell: str, mode: str, args: argparse.Namespace
     settle(fleet, log)
     assert fleet.balancer is not None
     retried_before = len(fleet.balancer.retried())
-    restarts_before = {n.name: len(n.restarts) for n in fleet.nodes}
     agents, watches = [], {}
     for node in fleet.nodes:
         if mode == "plain":
@@ -178,10 +181,10 @@ def run_cell(fleet: SandboxFleet, cell: str, mode: str, args: argparse.Namespace
         if mode == "plain":
             for node in fleet.nodes:
                 node.remove_fifo()
-    restarts = [
-        {"node": n.name, "down_s": round(r.back - r.exited, 2) if r.back else None}
-        for n in fleet.nodes
-        for r in n.restarts[restarts_before[n.name] :]
+    restarts = [  # the killed worker's: killed -> answering again (None: not within its window)
+        {"node": w["node"], "down_s": round(w["back_s"] - w["killed_s"], 2) if w.get("back_s") else None}
+        for w in rolling.windows
+        if "killed_s" in w
     ]
     return {
         **figures(outcomes, wall, rolling.windows),

@@ -7,8 +7,8 @@ agent and HTB tree (or the plain FIFO), and its faults. A node's processes run i
 the node's own with a CPU quota, the same for every node (`cpus`), so that nodes compete for
 their own share and not for this machine's CPUs: the worker in `<node>/worker`, best-effort batch
 work in `<node>/batch` (the agent's cpu_share lever lowers it), everything else the node runs (its
-agent, a fault's hog or bulk flows) in `<node>/other`. A supervisor thread restarts a worker that
-exits, RESTART_S later, as systemd's Restart= does (systemd/turbonode-worker.service).
+agent, a fault's hog or bulk flows) in `<node>/other`. A worker that exits is started again by
+DemoNode's supervisor, as its unit's Restart=on-failure would; `wait_back` says when it answers.
 
 HAProxy runs the shipped deploy/haproxy/turbonode.cfg with this fleet's addresses substituted
 (`fleet_config`: each backend's first server line is the template of one line per node, and the
@@ -29,7 +29,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -48,8 +47,6 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_CONFIG = ROOT / "deploy/haproxy/turbonode.cfg"
 SHIPPED_STATS_SOCKET = "/run/haproxy/turbonode.sock"
 BALANCER_PORT = 8460  # the shipped config's `bind :8460`
-RESTART_S = 2.0  # systemd/turbonode-worker.service: RestartSec=2s
-WORKER_UP_S = 240.0  # a restarted worker loads its model again (minutes on a loaded machine)
 # Lines of the shipped config a plain balancer does without: tier-aware health checks and retries
 # of refused requests (HAProxy then checks TCP connects and retries only a failed connect).
 PLAIN_DROPS = re.compile(r"^\s*(option httpchk|http-check |retry-on )")
@@ -105,17 +102,8 @@ class NodeLink(Sandbox):
         pass
 
 
-@dataclass
-class Restart:
-    """A worker's exit and return, monotonic seconds."""
-
-    exited: float
-    back: float | None = None
-
-
 class FleetNode(DemoNode):
-    """A DemoNode on a fleet's node namespace, in a cgroup of its own capped at `cpus`, whose
-    worker a supervisor restarts when it exits."""
+    """A DemoNode on a fleet's node namespace, in a cgroup of its own capped at `cpus`."""
 
     def __init__(self, settings: DemoSettings, link: NodeLink, name: str, cpus: float, log=print):
         super().__init__(settings, log, sandbox=link)
@@ -126,9 +114,6 @@ class FleetNode(DemoNode):
         self.other_cgroup = f"{self.node_cgroup}/other"
         # the fleet's nodes share their peer (the front): a client cgroup of each node's own name
         self.client_cgroup = f"/{link.server}-client"
-        self.restarts: list[Restart] = []
-        self._supervising = threading.Event()
-        self._supervisor: threading.Thread | None = None
 
     @property
     def address(self) -> str:
@@ -138,16 +123,7 @@ class FleetNode(DemoNode):
         super().start()
         if self.cgroups is None:  # DemoNode.start carries on without cgroups; a fleet node cannot
             raise DemoError(f"{self.name} has no cgroup of its own: a fleet needs the cpu controller for its quotas")
-        self._supervising.set()
-        self._supervisor = threading.Thread(target=self._supervise, name=f"supervisor-{self.name}", daemon=True)
-        self._supervisor.start()
         return self
-
-    def close(self) -> None:
-        self._supervising.clear()
-        if self._supervisor is not None:
-            self._supervisor.join(WORKER_UP_S)
-        super().close()
 
     def _make_cgroups(self, cgroups: CpuHierarchy) -> None:
         """The node's cgroup with its quota and `other` in it, then DemoNode's: the worker's and the
@@ -159,11 +135,11 @@ class FleetNode(DemoNode):
             Path(path).write_text(value)
         super()._make_cgroups(cgroups)
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+    def spawn(self, name: str, argv: list[str], placed: bool = False) -> subprocess.Popen:
         """The worker in its cgroup (DemoNode.spawn), anything else the node runs in `other`."""
-        return super().spawn(name, argv if name == "worker" else self.in_cgroup(self.other_cgroup, argv))
+        return super().spawn(name, argv if name == "worker" else self.in_cgroup(self.other_cgroup, argv), placed)
 
-    # ---- the supervisor ----------------------------------------------------------------
+    # ---- a worker's exit -----------------------------------------------------------------
 
     def kill_worker(self) -> float:
         """SIGKILL the worker's main process (its engine process follows); when, monotonic."""
@@ -172,32 +148,17 @@ class FleetNode(DemoNode):
             os.kill(self.worker.pid, signal.SIGKILL)
         return at
 
-    def _supervise(self) -> None:
-        while self._supervising.is_set():
-            if self.worker.poll() is None:
-                time.sleep(0.1)
-                continue
-            restart = Restart(time.monotonic())
-            self.restarts.append(restart)
-            self.log(f"{self.name}: the worker exited ({self.worker.returncode}); restarting in {RESTART_S:g} s")
-            time.sleep(RESTART_S)
-            if not self._supervising.is_set():
-                return
-            self.procs.remove(self.worker)
-            self.worker = self.spawn("worker", self.worker_argv())
-            deadline = time.monotonic() + WORKER_UP_S
-            while self._supervising.is_set() and self.worker.poll() is None and time.monotonic() < deadline:
-                try:
+    def wait_back(self, exits: int, timeout: float) -> float | None:
+        """When the worker answered again once it had exited `exits` times in all (DemoNode's
+        supervisor starts it again), monotonic; None if not within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if len(self.worker_exits) >= exits and self.worker.poll() is None:
+                with contextlib.suppress(ControlError):
                     self.worker_rpc.call("ping")
-                    restart.back = time.monotonic()
-                    self.log(f"{self.name}: the worker is back after {restart.back - restart.exited:.1f} s")
-                    break
-                except ControlError:
-                    time.sleep(0.2)
-
-    def worker_argv(self) -> list[str]:
-        """What DemoNode.start runs as the worker."""
-        return self.sandbox.cmd(self.sandbox.server, *self._turboctl("worker", "run", "--config", str(self.config)))
+                    return time.monotonic()
+            time.sleep(0.2)
+        return None
 
 
 # ---- HAProxy -----------------------------------------------------------------------------
