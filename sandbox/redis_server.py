@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from .interrupt import Closing
+
 REDIS_SERVER = "redis-server"
 REDIS_SKIP = None if shutil.which(REDIS_SERVER) else "redis-server not installed (Debian package redis-server)"
 START_TIMEOUT_S = 10.0
@@ -30,7 +32,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-class RedisServer:
+class RedisServer(Closing):
     def __init__(self, unix_socket: bool = False):
         self.dir = Path(tempfile.mkdtemp(prefix="tn-redis-"))
         self.unix = self.dir / "redis.sock" if unix_socket else None
@@ -87,16 +89,6 @@ class RedisServer:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
-
-    def __enter__(self) -> RedisServer:
-        try:
-            return self.start()
-        except BaseException:
-            self.close()
-            raise
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
     def close(self) -> None:
         self.stop()
