@@ -20,6 +20,10 @@ from turbonode.errors import ConfigError
 
 APPLIED_TTL_S = 86400  # how long a batch id is remembered: far longer than any retry takes
 PURGE_EVERY = 1000  # SQLite: expired rows are deleted at start and every this many batches
+# SQLite waits for another worker's lock: long while opening (a node's workers start together, and
+# a worker that gives up fails to start), short per batch (on the event loop; the ledger retries).
+OPEN_BUSY_S = 10.0
+BATCH_BUSY_MS = 100
 
 
 class LedgerStore(Protocol):
@@ -88,12 +92,13 @@ class SqliteStore:
         self.where = path
         self.now = now  # Unix seconds, for expiry
         os.makedirs(os.path.dirname(path) or ".", mode=0o750, exist_ok=True)
-        self.db = sqlite3.connect(path, timeout=0.1, isolation_level=None, check_same_thread=False)
+        self.db = sqlite3.connect(path, timeout=OPEN_BUSY_S, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")  # WAL: a commit survives a crash of the process
         self.db.execute("CREATE TABLE IF NOT EXISTS spent (key TEXT PRIMARY KEY, us INTEGER NOT NULL, expires REAL)")
         self.db.execute("CREATE TABLE IF NOT EXISTS applied (id TEXT PRIMARY KEY, expires REAL)")
         self._purge()
+        self.db.execute(f"PRAGMA busy_timeout={BATCH_BUSY_MS}")
         self._batches = 0
 
     def _purge(self) -> None:

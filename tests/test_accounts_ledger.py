@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import json
+import sqlite3
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -121,6 +123,30 @@ def test_two_workers_charging_one_key_lose_no_update(kind, tmp_path, request):
             await store.close()
 
     assert asyncio.run(total()) == sum(o["charged"] for o in outs)
+
+
+def test_a_worker_opening_the_embedded_ledger_waits_for_anothers_write(tmp_path):
+    """A node's workers start together: one opening the file while another holds its write lock
+    waits for it instead of failing to start (seen as 'database is locked' under load)."""
+    path = str(tmp_path / "ledger.sqlite3")
+    asyncio.run(SqliteStore(path, time.time).close())  # the file exists, as after a first start
+    holder = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+    holder.execute("BEGIN IMMEDIATE")
+    release = threading.Timer(0.5, lambda: holder.execute("COMMIT"))
+    release.start()
+    try:
+        store = SqliteStore(path, time.time)
+    finally:
+        release.join()
+        holder.close()
+
+    async def charge_and_read():
+        await store.add("b1", {KEY: 5}, {KEY: time.time() + 100})
+        value = (await store.read([KEY]))[0]
+        await store.close()
+        return value
+
+    assert asyncio.run(charge_and_read()) == 5
 
 
 @needs_redis
