@@ -1,7 +1,7 @@
 """Accounts benchmark: what API keys and a Redis ledger cost, how exact the ledger is, and a key
 running out of turbo budget on a loaded node (docs/benchmarks.md, "Accounts").
 
-    /work/helpers/machine exclusive .venv/bin/python bench/accounts.py [--parts latency,fleet,slo]
+    .venv/bin/python bench/accounts.py [--parts latency,fleet,slo]
         [--requests 1000] [--probes 300] [--rate 2] [--json FILE]
 
 Real parts throughout: `turboctl worker run` (tiny model, each with its engine process), Debian's

@@ -1,7 +1,7 @@
 """Turbo latency through the whole worker (front and engine process) on loopback, per checkout,
 side by side: what the front <-> engine channel costs a turbo request, idle and in a GC storm.
 
-    flock /tmp/turbonode-bench.lock .venv/bin/python bench/worker_turbo.py --trees /work/main,. \\
+    .venv/bin/python bench/worker_turbo.py --trees /path/to/other/checkout,. \\
         [--requests 100] [--rounds 5] [--json FILE]
 
 Each checkout's worker runs at once (`turboctl worker run --model tiny`, its own code first on
