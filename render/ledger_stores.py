@@ -93,13 +93,26 @@ class SqliteStore:
         self.now = now  # Unix seconds, for expiry
         os.makedirs(os.path.dirname(path) or ".", mode=0o750, exist_ok=True)
         self.db = sqlite3.connect(path, timeout=OPEN_BUSY_S, isolation_level=None, check_same_thread=False)
+        deadline = time.monotonic() + OPEN_BUSY_S
+        while True:
+            try:
+                self._set_up()
+                break
+            except sqlite3.OperationalError as exc:
+                # Switching a new file to WAL answers "locked" at once, without the busy wait,
+                # while another worker's connection sets it up: try again until it has.
+                if "locked" not in str(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.05)
+        self.db.execute(f"PRAGMA busy_timeout={BATCH_BUSY_MS}")
+        self._batches = 0
+
+    def _set_up(self) -> None:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.execute("PRAGMA synchronous=NORMAL")  # WAL: a commit survives a crash of the process
         self.db.execute("CREATE TABLE IF NOT EXISTS spent (key TEXT PRIMARY KEY, us INTEGER NOT NULL, expires REAL)")
         self.db.execute("CREATE TABLE IF NOT EXISTS applied (id TEXT PRIMARY KEY, expires REAL)")
         self._purge()
-        self.db.execute(f"PRAGMA busy_timeout={BATCH_BUSY_MS}")
-        self._batches = 0
 
     def _purge(self) -> None:
         with self.db:
