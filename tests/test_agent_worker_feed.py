@@ -136,8 +136,33 @@ def test_worker_without_events_is_polled(tmp_path):
     try:
         sample(ww)
         old.gc(0.05)
-        assert wait_for(lambda: ww.due(0) and ww.sample(0).get("gc_pause_s") == 0.05, WAIT_S)
-        assert ww.ok and ww.summary()["events"] is False and ww.feed.pushes == 0
+        assert pushed(ww)  # a polled answer that shows a long pause wakes the loop as an event would
+        assert ww.sample(0).get("gc_pause_s") == 0.05
+        assert ww.ok and ww.summary()["events"] is False and ww.feed.pushes == 1
+    finally:
+        srv.close()
+        ww.close()
+
+
+def test_an_excursion_first_seen_in_a_status_answer_is_pushed_once(tmp_path):
+    """The periodic status can be the answer that first shows an excursion (CI, 18:30 UTC: the
+    feed then took it as known and the events calls after it never woke the loop)."""
+    path = str(tmp_path / "old.sock")
+    old = MiniWorker(with_events=False)  # every answer is a status: the race made certain
+    srv = old.serve(path)
+    ww = WorkerWatcher(WorkerFeed(path, {"turbo_wait_s": 0.5}, period=0.05))
+    try:
+        sample(ww)
+        old.set_turbo_wait(0.8)
+        assert pushed(ww)
+        before = ww.feed.pushes
+        for _ in range(3):  # the excursion goes on: reported every period, not pushed again
+            assert sample(ww)["turbo_wait_s"] == 0.8
+        assert ww.feed.pushes == before
+        old.set_turbo_wait(0.1)
+        assert wait_for(lambda: ww.due(0) and ww.sample(0)["turbo_wait_s"] == 0.1, WAIT_S)
+        old.set_turbo_wait(0.9)
+        assert pushed(ww) and ww.feed.pushes == before + 1
     finally:
         srv.close()
         ww.close()

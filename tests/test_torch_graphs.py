@@ -111,7 +111,8 @@ def gil_hog():
 
 def test_a_graph_call_takes_the_gil_back_once_not_at_every_op():
     # Eagerly, every op gives the GIL up and waits up to a switch interval to get it back:
-    # hundreds of ops, seconds per step next to the hog. A graph gives it up once per call.
+    # hundreds of ops, seconds per step next to the hog (measured: ~460-490 intervals per call
+    # of this graph's ops run eagerly). A graph gives it up a few times per call (3-20 measured).
     family = load_model("tiny")
     backend = make_backend("torch", family, "cpu")
     backend.prepare(SIZE, SIZE)  # traced (and profiled) before the hog starts: tracing runs the Python
@@ -120,9 +121,15 @@ def test_a_graph_call_takes_the_gil_back_once_not_at_every_op():
         graph = torch.jit.trace(backend.denoiser, tuple(inputs[n] for n in family.input_names), check_trace=False)
     ops = sum(1 for _ in graph.inlined_graph.nodes())
     assert ops > 300, ops
+    alone = _time_calls(backend, inputs, 3)  # the calls' own compute is not waiting
     with gil_hog():
-        started = time.monotonic()
-        for _ in range(3):
-            backend.predict(inputs)
-        waits = (time.monotonic() - started) / HOG_SWITCH_S
-    assert waits < 3 * 10, f"3 graph calls waited ~{waits:.0f} switch intervals for the GIL (a graph has {ops} ops)"
+        waits = (_time_calls(backend, inputs, 3) - alone) / HOG_SWITCH_S
+    # A tenth of an interval per op at most: eager waits about one per op.
+    assert waits < 3 * ops / 10, f"3 graph calls waited ~{waits:.0f} switch intervals (a graph has {ops} ops)"
+
+
+def _time_calls(backend, inputs, n: int) -> float:
+    started = time.monotonic()
+    for _ in range(n):
+        backend.predict(inputs)
+    return time.monotonic() - started

@@ -153,6 +153,10 @@ class WorkerFeed:
         turbo_wait = (tiers.get("turbo") or {}).get("oldest_wait_s")
         if turbo_wait is not None and not isinstance(turbo_wait, (int, float)):
             raise TypeError(f"tiers.turbo.oldest_wait_s is not a number: {str(turbo_wait)[:40]!r}")
+        # An event is news once, whichever answer shows it first: a status (periodic, or a polled
+        # older worker) that brings a pause or the start of an excursion wakes the loop too, else
+        # the events calls after it (whose cursor and excursion state it moved) never would.
+        event = answer.get("event") or self._crossed(pauses, turbo_wait)
         self._cursor, self._turbo_wait = last_seq, turbo_wait
         with self._lock:
             if self._news.error is not None:
@@ -163,7 +167,17 @@ class WorkerFeed:
                 self._news.status = answer
             self._news.error = None
             self._fresh = True
-        return answer.get("event")
+        return event
+
+    def _crossed(self, pauses: list[dict[str, Any]], turbo_wait: float | None) -> str | None:
+        """The event a status answer shows without naming it, by the thresholds `events` is given."""
+        gc_limit, wait_limit = self.wake_on.get("gc_pause_s"), self.wake_on.get("turbo_wait_s")
+        if gc_limit is not None and any(p.get("pause_s", 0) > gc_limit for p in pauses):
+            return "gc_pause"
+        was_over = self._turbo_wait is not None and wait_limit is not None and self._turbo_wait > wait_limit
+        if wait_limit is not None and turbo_wait is not None and turbo_wait > wait_limit and not was_over:
+            return "turbo_wait"
+        return None
 
     def _failed(self, error: str) -> None:
         with self._lock:
