@@ -1,15 +1,17 @@
-"""The agent daemon: composition root. Builds watchers, policy, actuator, the status socket
-and the metrics endpoint from the configuration, then runs the sampling loop.
+"""The agent daemon: composition root. Builds the node's watchers and policy, one unit per
+worker of the node (its watchers, policy, throttle lane and levers: agent/worker_unit.py), the
+actuator, the status socket and the metrics endpoint from the configuration, then runs the
+sampling loop.
 
 Nothing on the node is touched before the agent holds what it owns (agent/ownership.py: its
-socket, its worker, its device): a second agent is refused having changed nothing. In dry-run
+socket, its workers, its device): a second agent is refused having changed nothing. In dry-run
 it changes nothing at all: no mounts, no tree, no classifier, no pins; it logs what it would do.
 
 Signal handlers only set a flag (and wake the loop through the wakeup fd). Sources that push
-(PSI triggers, the worker's events) hand the loop file descriptors; when one fires the loop
+(PSI triggers, each worker's events) hand the loop file descriptors; when one fires the loop
 samples at once rather than at its next tick. sd_notify
 READY/WATCHDOG/STOPPING when run under systemd. On stop the datapath stays in place
-(qos.keep_on_stop, fail-static); the worker throttle is released and the relax ceil
+(qos.keep_on_stop, fail-static); every worker's throttle is released and the relax ceil
 restored so nothing stays degraded behind a stopped agent.
 """
 
@@ -24,9 +26,8 @@ from contextlib import ExitStack
 from dataclasses import dataclass
 
 from turbonode import sdnotify
-from turbonode.config import Config
+from turbonode.config import Config, node_workers
 from turbonode.errors import TurbonodeError
-from turbonode.jsonrpc import ControlClient
 from turbonode.rates import parse_rate
 from turbonode.rpc_server import UnixRpcServer
 from turbonode.tiers import tier
@@ -34,19 +35,18 @@ from turbonode.tiers import tier
 from . import metrics
 from .actuator import Actuator
 from .levers import LEVER_STATE_FILE, Levers
+from .levers.cgroup import WorkerCgroup
 from .levers.memory import best_effort_memory_cgroups
 from .loop import AgentLoop
 from .mounts import ensure_mounts
 from .ownership import owned
-from .policy import Actions, actions_table, policy_from_config
+from .policy import actions_table, policy_from_config
 from .watchers.cpu import CpuWatcher
-from .watchers.gpu import GpuWatcher
 from .watchers.memory import MemoryWatcher
 from .watchers.psi import PsiTriggers, PsiWatcher
 from .watchers.softirq import SoftirqWatcher
 from .watchers.softnet import SoftnetWatcher
-from .watchers.worker import WorkerWatcher
-from .watchers.worker_feed import WorkerFeed
+from .worker_unit import LANE_TIMEOUT_S, node_scope, worker_unit
 
 log = logging.getLogger("turbonode.agent")
 
@@ -110,20 +110,19 @@ def doing(cfg: Config) -> str:
 
 def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
     a = cfg.agent
-    client = ControlClient(a.worker_socket, timeout=max(0.5, 2 * a.sample_period))
-    policy = policy_from_config(cfg.policy)
-    # the worker pushes what crosses a rule's enter threshold
-    worker = WorkerWatcher(WorkerFeed(a.worker_socket, {r.signal: r.enter for r in policy.rules}))
+    workers = [worker_unit(spec, cfg, gpu_nvml) for spec in node_workers(cfg)]
+
+    def worker_pids() -> list[int]:  # the workers' own compute is no contention
+        return [pid for u in workers for pid in u.feed.pids()]
+
     watchers = [
-        CpuWatcher(a.procfs, worker_pids=worker.pids),  # the worker's own compute is no contention
+        CpuWatcher(a.procfs, worker_pids=worker_pids),
         PsiWatcher(a.procfs, PsiTriggers(a.procfs, cfg.policy.psi_trigger_us)),
         SoftnetWatcher(a.procfs),
         SoftirqWatcher(a.procfs, a.sysfs),
-        GpuWatcher(gpu_nvml),
-        worker,
-        MemoryWatcher(
+        MemoryWatcher(  # node-wide: the node's memory, every worker's major faults
             a.procfs,
-            worker.pids,
+            worker_pids,
             cfg.levers.cgroup_root,
             cfg.levers.memory_worker_cgroup,
             best_effort_memory_cgroups(cfg.levers),
@@ -132,9 +131,9 @@ def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
     link = parse_rate(cfg.qos.rate)
     relax = tier("relax")
     state = cfg.levers.state_file or os.path.join(os.path.dirname(a.socket), LEVER_STATE_FILE)
-    levers = Levers(cfg.levers, state, lambda: int(client.call("ping")["pid"]), a.procfs, a.dry_run, worker.pids)
+    cgroups = [WorkerCgroup(u.name, u.spec.cgroup, u.feed.pid) for u in workers]
+    levers = Levers(cfg.levers, state, cgroups, a.procfs, a.dry_run, worker_pids)
     actuator = Actuator(
-        client,
         a.throttle_ttl,
         a.dry_run,
         datapath,
@@ -146,14 +145,16 @@ def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
         from .watchers.htb import HtbWatcher
 
         watchers.append(HtbWatcher(datapath))
-    return AgentLoop(watchers, policy, actions_table(cfg.policy), actuator, a.sample_period)
+    node_policy = policy_from_config(cfg.policy, node_scope)
+    return AgentLoop(watchers, node_policy, actions_table(cfg.policy), actuator, workers, a.sample_period)
 
 
 def run(cfg: Config, flags: Flags | None = None) -> int:
     flags = flags or Flags()
     a = cfg.agent
     with ExitStack() as stack:
-        stack.enter_context(owned(a))  # first: nothing is touched before the agent holds what it owns
+        # first: nothing is touched before the agent holds what it owns
+        stack.enter_context(owned(a, [w.control_socket for w in node_workers(cfg)]))
         datapath = open_datapath(cfg)
         if datapath is not None:
             stack.callback(datapath.close)  # our socket and lock only: the datapath stays in the kernel
@@ -164,12 +165,17 @@ def run(cfg: Config, flags: Flags | None = None) -> int:
         loop = build_loop(cfg, datapath)
         if loop.actuator.levers is not None:  # before any change of ours: what a killed agent left
             loop.actuator.levers.restore_leftovers()
-        for w in loop.watchers:
+        for w in loop.all_watchers():
             stack.callback(w.close)
+        for unit in loop.workers:
+            unit.lane.start()
         stack.callback(_shutdown, loop, cfg, datapath)
         status = UnixRpcServer(a.socket, {"status": loop.status, "ping": lambda: "pong"}, owner="agent").start()
         stack.callback(status.close)
-        server = metrics.serve(metrics.build_registry(loop.watchers, loop.metrics_state, cfg.node.name), a.metrics)
+        registry = metrics.build_registry(
+            loop.watchers, loop.metrics_state, cfg.node.name, {u.name: u.watchers for u in loop.workers}
+        )
+        server = metrics.serve(registry, a.metrics)
         log.info("metrics on %s:%d/metrics, status on %s", *server.server_address[:2], a.socket)
         stack.callback(server.server_close)
         stack.callback(server.shutdown)
@@ -181,8 +187,8 @@ def _run_loop(loop: AgentLoop, flags: Flags, period: float, what: str) -> None:
     rfd, wfd = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
     poller = select.poll()
     poller.register(rfd, select.POLLIN)
-    pushers = {fd: w for w in loop.watchers for fd in w.wake_fds()}
-    for w in loop.watchers:
+    pushers = {fd: w for w in loop.all_watchers() for fd in w.wake_fds()}
+    for w in loop.all_watchers():
         for fd, mask in w.wake_fds().items():
             poller.register(fd, mask)
 
@@ -199,12 +205,12 @@ def _run_loop(loop: AgentLoop, flags: Flags, period: float, what: str) -> None:
         due = time.monotonic()
         while not flags.stop:
             now = time.monotonic()
-            decision = loop.step(now)
+            loop.step(now)
             if not ready:  # READY once the first sample is published, so `status` is never empty
-                sdnotify.notify(f"READY=1\nSTATUS={what}; level {decision.level_name}")
+                sdnotify.notify(f"READY=1\nSTATUS={what}; {loop.describe()}")
                 ready = True
-            elif decision.changed:
-                sdnotify.notify(f"STATUS={what}; level {decision.describe()}")
+            elif loop.changed:
+                sdnotify.notify(f"STATUS={what}; {loop.describe()}")
             if watchdog and now - last_ping >= watchdog:
                 sdnotify.notify("WATCHDOG=1")
                 last_ping = now
@@ -238,7 +244,8 @@ def _drain(fd: int) -> bool:
 
 
 def _shutdown(loop: AgentLoop, cfg: Config, datapath) -> None:
-    loop.actuator.apply(Actions(), "agent stopping", "shutdown", time.monotonic())
+    # every worker's release at once: one that does not answer costs its own lane's timeout only
+    loop.shutdown(time.monotonic(), max(LANE_TIMEOUT_S, 2 * cfg.agent.sample_period) + 1)
     if loop.actuator.levers is not None:
         loop.actuator.levers.close()
     if datapath is not None and not cfg.qos.keep_on_stop and not cfg.agent.dry_run:

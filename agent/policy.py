@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -95,6 +95,15 @@ class Decision:
     @property
     def level_name(self) -> str:
         return LEVELS[self.level]
+
+    def change(self, at: float) -> dict[str, Any]:
+        """This decision as a level change for the status, `at` its wall-clock time."""
+        return {
+            "at": at,
+            "from": LEVELS[self.previous],
+            "to": self.level_name,
+            "reasons": [r.as_dict() for r in self.reasons],
+        }
 
     def describe(self) -> str:
         why = ", ".join(map(str, self.reasons)) or "all signals healthy"
@@ -242,8 +251,9 @@ class DegradationPolicy:
 # ---- configuration ---------------------------------------------------------------------
 
 
-def rules_from_config(cfg: PolicyConfig) -> tuple[Rule, ...]:
-    """One rule per `[policy.rules.<signal>]` table (turbonode.config.POLICY_RULES), less the disabled."""
+def rules_from_config(cfg: PolicyConfig, scope: Callable[[str], bool] = lambda signal: True) -> tuple[Rule, ...]:
+    """One rule per `[policy.rules.<signal>]` table (turbonode.config.POLICY_RULES), less the disabled,
+    for the signals `scope` takes (the node's or a worker's: agent/worker_unit.py)."""
     try:  # loading checked it; a PolicyConfig built in code is checked here
         policy_rules(cfg.rules)
     except ValueError as exc:
@@ -259,12 +269,12 @@ def rules_from_config(cfg: PolicyConfig) -> tuple[Rule, ...]:
             LEVELS.index(t.get("max_level", LEVELS[-1])),
         )
         for signal, t in cfg.rules.items()
-        if signal not in cfg.disabled
+        if signal not in cfg.disabled and scope(signal)
     )
 
 
-def policy_from_config(cfg: PolicyConfig) -> DegradationPolicy:
-    return DegradationPolicy(rules_from_config(cfg), cfg.enter_s, cfg.exit_s, cfg.min_change_interval)
+def policy_from_config(cfg: PolicyConfig, scope: Callable[[str], bool] = lambda signal: True) -> DegradationPolicy:
+    return DegradationPolicy(rules_from_config(cfg, scope), cfg.enter_s, cfg.exit_s, cfg.min_change_interval)
 
 
 # ---- actions ---------------------------------------------------------------------------

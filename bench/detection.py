@@ -1,6 +1,6 @@
-"""Detection benchmark: real faults, time from fault onset to the throttle applied at the worker.
+"""Detection benchmark: real faults, time from fault onset to the throttle applied at each worker.
 
-    flock /tmp/turbonode-bench.lock python bench/detection.py [--repeats 3] [--healthy-minutes 5]
+    flock /tmp/turbonode-bench.lock python bench/detection.py [--repeats 3] [--healthy-minutes 5] [--workers 2]
 
 Runs in a sandbox (two network namespaces joined by veth, sandbox/netns.py): the agent shapes
 the sandbox node's device and watches the host; the real worker (`turboctl worker run`,
@@ -14,6 +14,10 @@ polling the worker's `status` every 10 ms, and also reports when that poll first
 adds the poll's own latency: tens of ms while the worker's threads stall behind GC pauses).
 Then a noisy but healthy load runs for --healthy-minutes while level changes are counted, and
 the agent's CPU (% of one core) and RSS are measured.
+
+With `--workers N` the node runs N workers under the one agent (`[workers.a]`, ...): the gc fault
+is in worker a only, and the bench times a's throttle and checks that no other worker was
+throttled for it; the cpu and netrx faults are node-wide, and every worker's throttle is timed.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ import argparse
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -29,6 +34,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psutil
@@ -91,23 +97,37 @@ FAULTS = {"netrx": fault_netrx, "cpu": fault_cpu, "gc": fault_gc}
 
 
 def steady(node: Node) -> bool:
-    """Settled, and the agent's last level change at least STEADY_S ago."""
+    """Settled, and the agent's last level change (the node's or a worker's) at least STEADY_S ago."""
     if not node.settled():
         return False
-    last = (call(node.agent_rpc, "status") or {}).get("last_change")
-    return last is None or time.time() - last["at"] >= STEADY_S
+    st = call(node.agent_rpc, "status") or {}
+    changes = [st.get("last_change"), *(w.get("last_change") for w in st.get("workers", {}).values())]
+    last = max((c["at"] for c in changes if c), default=None)
+    return last is None or time.time() - last >= STEADY_S
+
+
+OWN = ("gc",)  # faults in one worker (the first); the others are node-wide
+CAUSE = re.compile(r"(\w+)=")
 
 
 def measure(node: Node, name: str, repeats: int) -> dict:
-    times, seen, causes, recoveries = [], [], [], []
+    """Per worker the fault is for (gc: the first; else every one): when its throttle came; for a
+    fault of one worker, whether another was throttled while it lasted."""
+    targets = node.names[:1] if name in OWN else node.names
+    bystanders = [n for n in node.names if n not in targets]
+    times: dict[str, list] = {w: [] for w in targets}
+    seen: dict[str, list] = {w: [] for w in targets}
+    causes: dict[str, list] = {w: [] for w in targets}
+    spilled, recoveries = [], []
     for _ in range(repeats):
         if not wait_for(lambda: steady(node), RECOVER_TIMEOUT_S, 0.2):
             # Something else (another process on a shared machine) keeps the node degraded:
             # a throttle already in place would read as instant detection, so skip the run.
             st = call(node.agent_rpc, "status") or {}
-            causes.append("not settled: " + ",".join(r["signal"] for r in st.get("active", [])))
-            times.append(None)
-            seen.append(None)
+            for w in targets:
+                causes[w].append("not settled: " + ",".join(r["signal"] for r in st.get("active", [])))
+                times[w].append(None)
+                seen[w].append(None)
             continue
         start = FAULTS[name]
         if name == "netrx":  # iperf3's server must be up first: onset is the client's start
@@ -116,21 +136,21 @@ def measure(node: Node, name: str, repeats: int) -> dict:
         else:
             t0, wall0 = time.monotonic(), time.time()
             procs = start(node)
-        hit = wait_for(node.throttle, DETECT_TIMEOUT_S)
-        t1 = time.monotonic()
-        # The agent publishes its status right after acting: wait for the change it made.
-        change = (
-            wait_for(
-                # called within this iteration: wall0 is the current one
-                lambda: (c := (call(node.agent_rpc, "status") or {}).get("last_change")) and c["at"] >= wall0 and c,  # noqa: B023
-                2,
-            )
-            or {}
-        )
-        causes.append(",".join(r["signal"] for r in change.get("reasons", [])) if hit else "none")
-        # when the worker set it; a renewal before the first poll saw it only makes this later
-        times.append(hit["expires_at"] - hit["ttl_s"] - wall0 if hit else None)
-        seen.append(t1 - t0 if hit else None)
+        with ThreadPoolExecutor(len(node.names)) as pool:  # each worker polled on its own, every 10 ms
+            timed = {
+                w: pool.submit(lambda w=w: (wait_for(lambda: node.throttle(w), DETECT_TIMEOUT_S), time.monotonic()))
+                for w in targets
+            }
+            # the others, for as long as the fault lasts: a fault of one worker throttles no other
+            others = {w: pool.submit(wait_for, lambda w=w: node.throttle(w), FAULT_S) for w in bystanders}
+            hits = {w: f.result() for w, f in timed.items()}
+        spilled.append([w for w, f in others.items() if f.result()])
+        for w, (hit, t1) in hits.items():
+            cause = CAUSE.search(hit["reason"]) if hit else None
+            causes[w].append(cause.group(1) if cause else "none")
+            # when the worker set it; a renewal before the first poll saw it only makes this later
+            times[w].append(hit["expires_at"] - hit["ttl_s"] - wall0 if hit else None)
+            seen[w].append(t1 - t0 if hit else None)
         for p in procs:
             try:
                 p.wait(timeout=FAULT_S + 5)
@@ -142,18 +162,23 @@ def measure(node: Node, name: str, repeats: int) -> dict:
         t_end = time.monotonic()
         if wait_for(node.settled, RECOVER_TIMEOUT_S, 0.1):
             recoveries.append(time.monotonic() - t_end)
-    got = [t for t in times if t is not None]
-    polled = [t for t in seen if t is not None]
+    workers = {}
+    for w in targets:
+        got = [t for t in times[w] if t is not None]
+        polled = [t for t in seen[w] if t is not None]
+        workers[w] = {
+            "detected": len(got),
+            "p50_s": statistics.median(got) if got else None,
+            "max_s": max(got) if got else None,
+            "times_s": times[w],
+            "seen_p50_s": statistics.median(polled) if polled else None,
+            "causes": causes[w],
+        }
     return {
         "fault": name,
         "runs": repeats,
-        "detected": len(got),
-        "p50_s": statistics.median(got) if got else None,
-        "max_s": max(got) if got else None,
-        "times_s": times,
-        "seen_p50_s": statistics.median(polled) if polled else None,
-        "seen_times_s": seen,
-        "causes": causes,
+        "workers": workers,
+        "others_throttled": spilled if bystanders else None,  # a fault of one worker: who else was throttled
         "recovery_p50_s": statistics.median(recoveries) if recoveries else None,
     }
 
@@ -213,9 +238,10 @@ def healthy(node: Node, minutes: float) -> dict:
     cpu1, wall = agent.cpu_times(), time.monotonic() - t0
     used = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system)
     changes = node.level_changes()[before:]
-    ups = [f"{sig}={val}" for direction, _, _, sig, val in changes if direction == "escalate"]
+    ups = [f"{scope} {sig}={val}" for scope, direction, _, _, sig, val in changes if direction == "escalate"]
     return {
         "minutes": round(wall / 60, 2),
+        "workers": len(node.names),
         "level_changes": len(changes),
         "escalations_by": ups,
         "agent_cpu_pct_of_core": 100 * used / wall,
@@ -234,6 +260,7 @@ def main() -> int:
     ap.add_argument("--healthy-minutes", type=float, default=1.0)
     period = AgentConfig().sample_period
     ap.add_argument("--period", type=float, default=period, help=f"agent sample period (default {period:g} s)")
+    ap.add_argument("--workers", type=int, default=1, help="workers on the node (gc is in the first)")
     ap.add_argument("--json", dest="json_out", help="also write the results here")
     ap.add_argument("--logs", help="keep the agent's and worker's logs in this directory")
     args = ap.parse_args()
@@ -251,39 +278,47 @@ def main() -> int:
         os.makedirs(args.logs, exist_ok=True)
     with (
         contextlib.nullcontext(args.logs) if args.logs else tempfile.TemporaryDirectory(prefix="tn-detect-") as tmp,
-        Node(tmp, args.period) as node,
+        Node(tmp, args.period, workers=args.workers) as node,
     ):
         results = [measure(node, f, args.repeats) for f in faults]
         calm = healthy(node, args.healthy_minutes) if args.healthy_minutes > 0 else None
-        watchers = (call(node.agent_rpc, "status") or {}).get("watchers", {})
+        final = call(node.agent_rpc, "status") or {}
+        watchers, workers = final.get("watchers", {}), final.get("workers", {})
         if not wait_for(node.settled, RECOVER_TIMEOUT_S, 0.2):
             print("node did not return to normal at the end", file=sys.stderr)
+    if args.json_out:  # before the tables: what was measured is kept whatever printing them does
+        out = {"detection": results, "healthy": calm, "watchers": watchers, "workers": workers}
+        Path(args.json_out).write_text(json.dumps(out, indent=2))
     print(
-        f"\ndetection: fault onset -> throttle applied at the worker (period {args.period} s, "
-        f"{args.repeats} runs each, target <= 1 s)"
+        f"\ndetection: fault onset -> throttle applied at each worker (period {args.period} s, "
+        f"{args.repeats} runs each, {len(node.names)} worker(s), target <= 1 s; per worker <= 500 ms p50)"
     )
-    print(f"{'fault':<7} {'detected':>8} {'p50':>8} {'max':>8} {'seen p50':>9} {'recovery p50':>13}  signal(s)")
+    print(f"{'fault':<7} {'worker':<8} {'detected':>8} {'p50':>8} {'max':>8} {'seen p50':>9}  signal(s)")
     for r in results:
-        print(
-            f"{r['fault']:<7} {r['detected']:>4}/{r['runs']:<3} {fmt(r['p50_s']):>8} {fmt(r['max_s']):>8} "
-            f"{fmt(r['seen_p50_s']):>9} {fmt(r['recovery_p50_s']):>13}  {'; '.join(sorted(set(r['causes'])))}"
-        )
-        print(f"{'':<7} times: {', '.join(fmt(t) for t in r['times_s'])}")
+        for w, d in r["workers"].items():
+            print(
+                f"{r['fault']:<7} {w:<8} {d['detected']:>4}/{r['runs']:<3} {fmt(d['p50_s']):>8} {fmt(d['max_s']):>8} "
+                f"{fmt(d['seen_p50_s']):>9}  {'; '.join(sorted(set(d['causes'])))}"
+            )
+            print(f"{'':<16} times: {', '.join(fmt(t) for t in d['times_s'])}")
+        if r["others_throttled"] is not None:
+            hit = sum(bool(x) for x in r["others_throttled"])
+            print(f"{'':<16} other workers throttled during the fault: {hit}/{len(r['others_throttled'])} runs")
+        print(f"{'':<16} recovery p50 {fmt(r['recovery_p50_s'])}")
     if calm:
         why = f" (escalations: {', '.join(calm['escalations_by'])})" if calm["escalations_by"] else ""
         print(
-            f"\nhealthy noisy load for {calm['minutes']} min: {calm['level_changes']} level changes{why}; "
+            f"\nhealthy noisy load for {calm['minutes']} min, {calm['workers']} worker(s): "
+            f"{calm['level_changes']} level changes{why}; "
             f"agent CPU {calm['agent_cpu_pct_of_core']:.2f} % of one core (target <= 2 %), "
             f"RSS {calm['agent_rss_mib']:.0f} MiB"
         )
     triggers = watchers.get("psi", {}).get("triggers") or {}
     print(
         f"PSI triggers: armed on {triggers.get('armed')}, window {triggers.get('window')}, "
-        f"error {triggers.get('error')}; worker pushes: {watchers.get('worker', {}).get('pushes')}"
+        f"error {triggers.get('error')}; worker pushes: "
+        + ", ".join(f"{n} {w['watchers']['worker'].get('pushes')}" for n, w in workers.items())
     )
-    if args.json_out:
-        out = {"detection": results, "healthy": calm, "watchers": watchers}
-        Path(args.json_out).write_text(json.dumps(out, indent=2))
     return 0
 
 

@@ -1,7 +1,8 @@
 """A sandbox node for benchmarks and end-to-end tests: two network namespaces joined by veth
-(sandbox/netns.py), the real worker (`turboctl worker run`, tiny model) with bench/garbage.py
-installed in its process, and the agent shaping the sandbox device. Everything it starts is
-stopped, and the datapath removed, on exit, also when the body raises.
+(sandbox/netns.py), the real workers (`turboctl worker run`, tiny model; one, or several as
+`[workers.a]`, `[workers.b]`, ... of one node) with bench/garbage.py installed in each process,
+and the agent shaping the sandbox device. Everything it starts is stopped, and the datapath
+removed, on exit, also when the body raises.
 """
 
 from __future__ import annotations
@@ -20,11 +21,13 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from sandbox.netns import Sandbox  # noqa: E402
+from turbonode.config import DEFAULT_WORKER, instance_socket  # noqa: E402
 from turbonode.errors import ControlError, TurbonodeError  # noqa: E402
 from turbonode.jsonrpc import ControlClient  # noqa: E402
 
 POLL_S = 0.01
-LEVEL_LINE = re.compile(r"level (escalate|recover) (\w+) -> (\w+): (\w+)=([\d.e+-]+|n/a)")
+# the agent's log of a level change: the node's or a worker's
+LEVEL_LINE = re.compile(r"(node|worker \S+): level (escalate|recover) (\w+) -> (\w+): (\w+)=([\d.e+-]+|n/a)")
 # The real worker CLI, with the garbage thread installed in the same process first.
 WORKER_PY = (
     "import sys; sys.argv[0] = 'turboctl'; from bench.garbage import Garbage; Garbage().install(); "
@@ -56,16 +59,20 @@ def call(client: ControlClient, method: str, **params):
 
 
 class Node:
-    """Sandbox + worker + agent, all torn down on exit."""
+    """Sandbox + workers + agent, all torn down on exit. One worker is the node's `default` (no
+    [workers] tables), several are a, b, c, ...: `workers` and `worker_rpcs` by name."""
 
-    def __init__(self, tmp: str, period: float = 0.25, extra_toml: str = ""):
+    def __init__(self, tmp: str, period: float = 0.25, extra_toml: str = "", workers: int = 1):
         self.tmp = str(tmp)
         self.period = period
         self.extra_toml = extra_toml  # appended to the config file, e.g. a [policy] table
+        self.names = [DEFAULT_WORKER] if workers == 1 else [chr(ord("a") + i) for i in range(workers)]
         self.procs: list[subprocess.Popen] = []
         self._logs: list = []
         self.sandbox = Sandbox(prefix="tnb")
-        self.worker = self.agent = None
+        self.workers: dict[str, subprocess.Popen] = {}
+        self.worker_rpcs: dict[str, ControlClient] = {}
+        self.agent: subprocess.Popen | None = None
 
     def __enter__(self) -> Node:
         sb = self.sandbox.create()
@@ -78,19 +85,25 @@ class Node:
     def _start(self, sb: Sandbox) -> Node:
         env = {**os.environ, "PYTHONPATH": str(ROOT)}
         wsock, asock = f"{self.tmp}/worker.sock", f"{self.tmp}/agent.sock"
+        one = self.names == [DEFAULT_WORKER]
+        tables = "" if one else "".join(f'[workers.{n}]\nlisten = "127.0.0.1:{free_port()}"\n' for n in self.names)
         cfg = Path(self.tmp, "turbonode.toml")
         cfg.write_text(
             f'[qos]\nrate = "100mbit"\n'
             f'[worker]\ncontrol_socket = "{wsock}"\nlisten = "127.0.0.1:{free_port()}"\nmax_batch = 2\n'
-            f'[agent]\nsocket = "{asock}"\nworker_socket = "{wsock}"\nmetrics = "127.0.0.1:{free_port()}"\n'
-            f"sample_period = {self.period}\nthrottle_ttl = 1.0\n{self.extra_toml}"
+            f'[agent]\nsocket = "{asock}"\n'
+            + (f'worker_socket = "{wsock}"\n' if one else "")
+            + f'metrics = "127.0.0.1:{free_port()}"\n'
+            f"sample_period = {self.period}\nthrottle_ttl = 1.0\n{self.extra_toml}{tables}"
         )
-        self.worker = self._spawn(
-            [sys.executable, "-c", WORKER_PY, "worker", "run", "--config", str(cfg)], env, "worker.log"
-        )
-        self.worker_rpc = ControlClient(wsock, timeout=1.0)
-        if not wait_for(lambda: call(self.worker_rpc, "ping"), 120, 0.2):
-            raise TurbonodeError(f"worker did not start: {self.log('worker')[-2000:]}")
+        for name in self.names:  # they load at once
+            instance = [] if one else ["--instance", name]
+            argv = [sys.executable, "-c", WORKER_PY, "worker", "run", "--config", str(cfg), *instance]
+            self.workers[name] = self._spawn(argv, env, f"{self.log_name(name)}.log")
+            self.worker_rpcs[name] = ControlClient(wsock if one else instance_socket(wsock, name), timeout=1.0)
+        for name, rpc in self.worker_rpcs.items():
+            if not wait_for(lambda rpc=rpc: call(rpc, "ping"), 180, 0.2):
+                raise TurbonodeError(f"worker {name} did not start: {self.log(self.log_name(name))[-2000:]}")
         self.agent = self._spawn(
             [
                 sys.executable,
@@ -142,17 +155,28 @@ class Node:
 
         return Datapath(self.sandbox.dev, self.sandbox.server)
 
+    @property
+    def worker(self) -> subprocess.Popen:
+        """The first worker (the node's only one, or a)."""
+        return self.workers[self.names[0]]
+
+    @staticmethod
+    def log_name(name: str) -> str:
+        return "worker" if name == DEFAULT_WORKER else f"worker-{name}"
+
     def log(self, name: str) -> str:
         return Path(self.tmp, f"{name}.log").read_text()
 
     def level_changes(self) -> list[tuple]:
-        """(direction, from, to, first signal, its value) for every level change logged so far."""
+        """(scope, direction, from, to, first signal, its value) for every level change logged so far;
+        scope is 'node' or 'worker NAME'."""
         return LEVEL_LINE.findall(self.log("agent"))
 
-    def throttle(self):
-        st = call(self.worker_rpc, "status")
+    def throttle(self, name: str | None = None):
+        """The throttle in force at worker `name` (default: the first)."""
+        st = call(self.worker_rpcs[name or self.names[0]], "status")
         return st and st.get("throttle")
 
     def settled(self) -> bool:
         st = call(self.agent_rpc, "status")
-        return bool(st) and st["level"] == "normal" and not self.throttle()
+        return bool(st) and st["level"] == "normal" and not any(self.throttle(n) for n in self.names)

@@ -1,7 +1,7 @@
 """Node SLO benchmark: turbo's end-to-end latency under every fault, plain node vs turbonode.
 
     flock /tmp/turbonode-bench.lock .venv/bin/python bench/node_slo.py [--cells none,cpu] [--requests 100]
-        [--json FILE]
+        [--workers 2] [--json FILE]
 
 The sandbox node and client as `turboctl demo` builds them (sandbox/node.py: two network
 namespaces joined by veth, the node's side shaped to the link rate, the real worker on the
@@ -19,6 +19,7 @@ Each cell adds one fault (or all of them), bounded in time and inside the namesp
   bulk        4 unmarked iperf3 TCP flows out of the node
   relax-flood 36 more closed-loop relax clients (>= 32 relax jobs queued)
   gc          cyclic garbage in the worker process (bench/garbage.py), re-armed every 5 s
+  cpu-bulk    cpu and bulk at once (node-wide)
   all         every fault from cpu to gc at once
   all-but-gc  every fault from cpu to relax-flood at once
   memory      a job in the batch cgroup allocating until the node reclaims (PSI memory some
@@ -39,6 +40,14 @@ it; a worker that exits is started again after 2 s, as systemd would. The memory
 are sandbox/pressure.py programs (sandbox/faults.py). Per cell the turbo requests that failed
 (`err`), the worker's exits and the OOM kills per cgroup are counted, and the node's memory and
 io stall and the worker's major faults are measured in both modes (the `pressure` line).
+
+With `--workers N` the node runs N workers under one agent, as a multi-GPU node does (`[workers.a]`,
+`[workers.b]`, ...: each its own port, socket and cgroup and, with as many CPUs, a CPU of its own),
+and the same load arrives at each, `--requests` turbo requests per worker. The worker's own faults
+(gc, relax-flood) hit worker a only; the others are node-wide. The report is per worker, against
+its own `none` p99, with what the agent did to each. Targets: in `gc`, every worker but a keeps its
+turbo p99 <= 1.1x its `none` p99 (a's storm does not spill) and only a is throttled (a's own rules
+act on a); in node-wide cells every worker's p99 <= 2x its own `none`.
 """
 
 from __future__ import annotations
@@ -71,13 +80,15 @@ from turbonode.stats import percentile  # noqa: E402
 from turbonode.tiers import PROTECTED_TIER  # noqa: E402
 
 SINGLE = ("cpu", "cpu-batch", "softirq", "bulk", "relax-flood", "gc")
-COMBINED = {"all": SINGLE, "all-but-gc": SINGLE[:-1]}
+COMBINED = {"cpu-bulk": ("cpu", "bulk"), "all": SINGLE, "all-but-gc": SINGLE[:-1]}
+OWN_FAULTS = ("gc", "relax-flood")  # faults of one worker (a, the first): the others are the node's
 MEMORY = ("memory", "memory-stream", "oom", "io")  # issue 24: memory and io pressure
 CELLS = ("none", *SINGLE, *COMBINED, *MEMORY)
 MODES = ("plain", "turbonode")
 FIRST_PACKET = ("listener", "reflect", "off")  # the worker's handshake_tier, tcp_reflect_tos, neither
 REFERENCE_CELL = "none"
 TARGET_RATIO = 2.0
+SPILL_RATIO = 1.1  # --workers: another worker's turbo p99 in `gc` (a's storm) against its own `none`
 BACKGROUND = {"fast": 1, "relax": 2}
 FLOOD_CLIENTS = 36  # relax-flood: closed-loop relax clients on top of the background (>= 32 queued)
 GC_REARM_S = 5.0  # bench/garbage.py stops a burst after MAX_BURST_S (10 s)
@@ -158,16 +169,18 @@ class SloNode(DemoNode):
         fault = Fault()
         names = COMBINED.get(cell, (cell,))
         fault.procs += faults.start(self, tuple(n for n in names if n in faults.FAULTS), seconds)
-        if "gc" in names:
+        if "gc" in names:  # in the first worker only
+            victim = self.workers[0].proc
+            assert victim is not None
 
             def rearm() -> None:
                 while not fault.stop_event.is_set():
-                    self.worker.send_signal(signal.SIGUSR1)
+                    victim.send_signal(signal.SIGUSR1)
                     fault.stop_event.wait(GC_REARM_S)
 
             fault.threads.append(threading.Thread(target=rearm, daemon=True))
             fault.threads[-1].start()
-            fault.on_stop.append(lambda: self.worker.send_signal(signal.SIGUSR2))
+            fault.on_stop.append(lambda: victim.send_signal(signal.SIGUSR2))
         return fault
 
     def run_cell(self, cell: str, mode: str, requests: int, rate: float) -> dict:
@@ -183,10 +196,10 @@ class SloNode(DemoNode):
         try:
             time.sleep(MEMORY_WARMUP_S if cell == "memory" else WARMUP_S if cell != "none" else 0)
             watch = AgentWatch(self.agent_rpc) if agent else None
-            clients = dict(BACKGROUND)
-            if "relax-flood" in COMBINED.get(cell, (cell,)):
-                clients["relax"] += FLOOD_CLIENTS
-            outcomes, wall = self.load(clients, requests, rate, self.knobs.nodelay)
+            clients = {w.name: dict(BACKGROUND) for w in self.workers}
+            if "relax-flood" in COMBINED.get(cell, (cell,)):  # at the first worker only
+                clients[self.workers[0].name]["relax"] += FLOOD_CLIENTS
+            loads = self.load_all(clients, requests, rate, self.knobs.nodelay)
         finally:
             if watch:
                 watch.stop()
@@ -195,22 +208,33 @@ class SloNode(DemoNode):
                 self.release(agent)
             else:
                 self.remove_fifo()
-        result = summarize_cell(outcomes, wall, watch.summary() if watch else None)
-        result["node"] = node_events(before, self.counters())
-        return result
+        summary = watch.summary() if watch else None
+        events = node_events(before, self.counters())
+        if len(loads) == 1:
+            ((outcomes, wall),) = loads.values()
+            result = summarize_cell(outcomes, wall, summary)
+            result["node"] = events
+            return result
+        return {
+            "workers": {name: summarize_cell(outcomes, wall, None) for name, (outcomes, wall) in loads.items()},
+            "wall_s": max(wall for _, wall in loads.values()),
+            "agent": summary,
+            "node": events,
+        }
 
     def counters(self) -> dict:
-        """What the node has counted so far: stall seconds (PSI some totals), the worker's major
-        faults per pid, its exits, OOM kills per memory cgroup."""
+        """What the node has counted so far: stall seconds (PSI some totals), the workers' major
+        faults per pid, their exits, OOM kills per memory cgroup."""
         stall = {}
         for res in ("memory", "io"):
             with open(f"/proc/pressure/{res}") as f:
                 stall[res] = float(f.readline().rsplit("total=", 1)[1]) / 1e6
         faults = {}
-        with contextlib.suppress(ControlError):
-            for pid in self.worker_rpc.call("status").get("pids", []):
-                with contextlib.suppress(OSError, ValueError, IndexError):
-                    faults[pid] = process_major_faults(Path(f"/proc/{pid}/stat").read_text())
+        for w in self.workers:
+            with contextlib.suppress(ControlError):
+                for pid in (w.rpc.call("status") if w.rpc else {}).get("pids", []):
+                    with contextlib.suppress(OSError, ValueError, IndexError):
+                        faults[pid] = process_major_faults(Path(f"/proc/{pid}/stat").read_text())
         return {
             "at": time.monotonic(),
             "stall_s": stall,
@@ -224,13 +248,19 @@ class SloNode(DemoNode):
         deadline = time.monotonic() + SETTLE_TIMEOUT_S
         while time.monotonic() < deadline:
             try:
-                tiers = self.worker_rpc.call("status")["tiers"]
-                if not any(t["queued"] or t["in_flight"] for t in tiers.values()):
+                busy = [
+                    t
+                    for w in self.workers
+                    if w.rpc
+                    for t in w.rpc.call("status")["tiers"].values()
+                    if t["queued"] or t["in_flight"]
+                ]
+                if not busy:
                     return
             except ControlError:
                 pass
             time.sleep(0.5)
-        self.log("warning: the worker did not drain before the next cell")
+        self.log("warning: the workers did not drain before the next cell")
 
 
 # ---- figures -----------------------------------------------------------------------------
@@ -270,6 +300,8 @@ def _ms(v) -> str:
 
 
 def report(result: dict) -> str:
+    if result.get("workers", 1) > 1:
+        return report_workers(result)
     cells, modes = result["cells"], result["modes"]
     ref = cells.get(REFERENCE_CELL, {}).get("turbonode", {}).get("tiers", {}).get(PROTECTED_TIER, {}).get("p99_s")
     head = f"{'n':>4} {'err':>3} {'p50':>6} {'p99':>6} {'max':>6} {'conn99':>6} {'fast/s':>6} {'relax/s':>7}"
@@ -322,6 +354,80 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def turbo_p99(r: dict | None) -> float | None:
+    return None if r is None else r["tiers"].get(PROTECTED_TIER, {}).get("p99_s")
+
+
+def report_workers(result: dict) -> str:
+    """--workers: turbo per worker and mode, against the worker's own `none` p99, and what the
+    agent did to it; then the targets."""
+    cells, modes = result["cells"], result["modes"]
+    names = list(next(iter(cells.values()))[modes[0]]["workers"])
+    ref = {n: turbo_p99(cells.get(REFERENCE_CELL, {}).get("turbonode", {}).get("workers", {}).get(n)) for n in names}
+    head = f"{'n':>4} {'p50':>6} {'p99':>6} {'max':>6} {'relax/s':>7}"
+    lines = [
+        f"turbo latency in ms per worker ({len(names)} workers, the load at each; send to last byte, from the "
+        "client namespace); relax in images/s; p99/ref: the worker's turbonode p99 over its own none p99",
+        f"{'cell':<12} {'worker':<7}"
+        + "".join(f"  {m:^{len(head)}}" for m in modes)
+        + "  p99/ref  agent on this worker",
+        f"{'':<12} {'':<7}" + "".join(f"  {head}" for _ in modes),
+    ]
+    spill, own_only, nodewide = [], [], []
+    for cell, by_mode in cells.items():
+        for name in names:
+            row = f"{cell:<12} {name:<7}"
+            for m in modes:
+                r = by_mode.get(m, {}).get("workers", {}).get(name)
+                if r is None:
+                    row += "  " + " " * len(head)
+                    continue
+                t = r["tiers"].get(PROTECTED_TIER, {})
+                relax = (r["tiers"].get("relax") or {}).get("images_per_s") or 0
+                figures = [_ms(t.get(k)) for k in ("p50_s", "p99_s", "max_s")]
+                row += f"  {t.get('ok', 0):>4} {figures[0]:>6} {figures[1]:>6} {figures[2]:>6} {relax:>7.2f}"
+            p99 = turbo_p99(by_mode.get("turbonode", {}).get("workers", {}).get(name))
+            ratio = p99 / ref[name] if p99 and ref[name] else None
+            row += f"  {ratio:>7.2f}" if ratio is not None else f"  {'-':>7}"
+            seen = ((by_mode.get("turbonode") or {}).get("agent") or {}).get("workers", {}).get(name)
+            if seen:
+                why = f" ({', '.join(seen['reasons'])})" if seen["reasons"] else ""
+                levers = ", ".join(f"{k} {v:.0%}" for k, v in sorted(seen["levers"].items()) if v)
+                row += f"  {seen['max_level']}{why}, throttled {seen['throttled_share']:.0%}" + (
+                    f", {levers}" if levers else ""
+                )
+            lines.append(row)
+            if ratio is None or cell == REFERENCE_CELL:
+                continue
+            if cell == "gc":
+                if name != names[0]:
+                    spill.append((name, ratio))
+                if seen:
+                    own_only.append((name, seen["throttled_share"], "gc_pause_s" in seen["reasons"]))
+            elif not set(COMBINED.get(cell, (cell,))) <= set(OWN_FAULTS):
+                nodewide.append((cell, name, ratio))
+    if spill:
+        met = all(r <= SPILL_RATIO for _, r in spill)
+        lines.append(
+            f"target gc (a's storm does not spill): every other worker's p99 <= {SPILL_RATIO:g} x its none: "
+            + ", ".join(f"{n} {r:.2f}x" for n, r in spill)
+            + (" - met" if met else " - MISSED")
+        )
+    if own_only:
+        lines.append(
+            "a's own rules act on a only: "
+            + ", ".join(f"{n} throttled {share:.0%}{' (gc_pause_s)' if gc else ''}" for n, share, gc in own_only)
+        )
+    if nodewide:
+        missed = [f"{c}/{n} {r:.2f}x" for c, n, r in nodewide if r > TARGET_RATIO]
+        lines.append(
+            f"target node-wide faults: every worker's p99 <= {TARGET_RATIO:g} x its none: met in "
+            f"{len(nodewide) - len(missed)}/{len(nodewide)}" + (f"; missed: {', '.join(missed)}" if missed else "")
+        )
+    lines.append(f"knobs: {result['knobs']}; load average before: {result['loadavg_before']}")
+    return "\n".join(lines)
+
+
 # Where a turbo request's time went, from its outcome (client timings and the worker's own):
 # the TCP handshake, the job in the worker's engine (submit -> finished), the worker's front
 # around it (the request read, the job's submission and end, the answer built: first byte -
@@ -340,9 +446,10 @@ def stages(result: dict) -> str:
     lines = [f"where turbo's time went, p50/p99 ms (answered requests)\n{'cell':<12} {'mode':<9}{head}"]
     for cell, by_mode in result["cells"].items():
         for mode, r in by_mode.items():
+            outcomes = [o for w in r.get("workers", {"": r}).values() for o in w["outcomes"]]
             done = [
                 o
-                for o in r["outcomes"]
+                for o in outcomes
                 if o["tier"] == PROTECTED_TIER and o["status"] == 200 and None not in (o["connect_s"], o["elapsed_s"])
             ]
             row = f"{cell:<12} {mode:<9}"
@@ -398,6 +505,12 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=100, help="turbo requests per cell and mode")
     ap.add_argument("--rate", type=float, default=1.0, help="turbo arrivals per second (Poisson)")
     ap.add_argument("--link", default="20mbit", help="the node's link rate, shaped in both modes")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="workers on the node, each under the load (gc and relax-flood hit the first)",
+    )
     ap.add_argument("--worker-threads", type=int, default=0, help="worker.intra_op_threads (0: its default)")
     ap.add_argument("--omp-wait-policy", default="", choices=("", "ACTIVE", "PASSIVE"))
     ap.add_argument(
@@ -440,8 +553,8 @@ def main() -> int:
     bad = [c for c in cells if c not in CELLS] + [m for m in modes if m not in MODES]
     if bad:
         ap.error(f"unknown cell or mode: {', '.join(bad)}")
-    if args.requests < 1 or args.rate <= 0:
-        ap.error("--requests must be >= 1 and --rate positive")
+    if args.requests < 1 or args.rate <= 0 or args.workers < 1:
+        ap.error("--requests and --workers must be >= 1 and --rate positive")
     preflight()
     for sig in (signal.SIGTERM, signal.SIGINT):  # unwind through the `with`: everything is removed
         signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
@@ -464,7 +577,11 @@ def main() -> int:
     if args.node_memory <= 0 and set(cells) & set(faults.MEMORY_FAULTS):
         ap.error("the memory cells need --node-memory: it bounds what they allocate")
     settings = DemoSettings(
-        rate=args.link, worker_config=worker, extra_toml=knobs.agent_toml, node_memory_mb=args.node_memory
+        rate=args.link,
+        worker_config=worker,
+        extra_toml=knobs.agent_toml,
+        node_memory_mb=args.node_memory,
+        workers=args.workers,
     )
     result: dict = {
         "cells": {},
@@ -474,6 +591,7 @@ def main() -> int:
         "rate": args.rate,
         "link": args.link,
         "node_memory_mb": args.node_memory,
+        "workers": args.workers,
         "loadavg_before": os.getloadavg(),
     }
 
@@ -502,8 +620,10 @@ def run_cells(node: SloNode, cells: list[str], modes: list[str], args: argparse.
                     log(f"cell {cell}, {mode}: {args.requests} turbo requests at {args.rate:g}/s")
                     r = node.run_cell(cell, mode, args.requests, args.rate)
                     result["cells"].setdefault(cell, {})[mode] = r
-                    t = r["tiers"].get(PROTECTED_TIER, {})
-                    log(f"  turbo n={t.get('ok')} p50={_ms(t.get('p50_s'))} p99={_ms(t.get('p99_s'))} ms")
+                    for name, w in r.get("workers", {"": r}).items():
+                        t = w["tiers"].get(PROTECTED_TIER, {})
+                        at = f" at {name}" if name else ""
+                        log(f"  turbo{at} n={t.get('ok')} p50={_ms(t.get('p50_s'))} p99={_ms(t.get('p99_s'))} ms")
         finally:
             result["loadavg_after"] = os.getloadavg()
             if args.json:  # also what a failed or interrupted run measured so far

@@ -19,6 +19,7 @@ from collections.abc import Callable
 import psutil
 
 from turbonode import jsonrpc
+from turbonode.config import DEFAULT_WORKER
 from turbonode.rpc_server import UnixRpcServer
 from turbonode.throttle_params import THROTTLE_HELD
 from turbonode.tiers import PROTECTED_TIER, TIER_NAMES
@@ -50,8 +51,9 @@ class ControlHandlers:
         started: float | None = None,
         backend_info: dict | None = None,
         readiness: Callable[[str | None], Readiness] | None = None,
+        name: str = DEFAULT_WORKER,
     ):
-        self.engine = engine
+        self.engine, self.name = engine, name  # name: the node's name for this worker ([workers.<name>])
         self.readiness = readiness  # the HTTP API's (render/http_api.py): what /readyz?tier=T answers
         self.gc = gc_monitor
         self.started = time.monotonic() if started is None else started
@@ -71,7 +73,12 @@ class ControlHandlers:
         }
 
     def ping(self) -> dict:
-        return {"pong": True, "pid": os.getpid(), "uptime_s": round(time.monotonic() - self.started, 3)}
+        return {
+            "pong": True,
+            "pid": os.getpid(),
+            "uptime_s": round(time.monotonic() - self.started, 3),
+            "name": self.name,
+        }
 
     @staticmethod
     def _check_cursor(since_gc_seq) -> None:
@@ -105,6 +112,7 @@ class ControlHandlers:
                 "model": self.engine.describe_model(),
                 "backend": self.backend_info,
                 "uptime_s": round(time.monotonic() - self.started, 3),
+                "name": self.name,
                 # whose CPU time is the worker's own, not load on the node (agent/watchers/cpu.py)
                 "pids": [process.pid for process in self._processes],
             }

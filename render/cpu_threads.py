@@ -20,6 +20,7 @@ import os
 from collections.abc import MutableMapping
 
 from turbonode.cgroups import CgroupError, CpuHierarchy
+from turbonode.errors import TurbonodeError
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 DEFAULT_WAIT_POLICY = "PASSIVE"
@@ -29,6 +30,21 @@ def wait_policy_default(env: MutableMapping[str, str] | None = None) -> str:
     """Set OMP_WAIT_POLICY=PASSIVE unless the environment already chose; call before importing torch."""
     target = os.environ if env is None else env
     return target.setdefault(WAIT_POLICY_ENV, DEFAULT_WAIT_POLICY)
+
+
+def pin_cpus(cpus: frozenset[int]) -> None:
+    """Run this process (and the engine process it starts, which inherits it) on `cpus` only
+    ([workers.<name>] cpus): several workers on one node then never share a CPU, and the
+    default thread count below follows from the pinned set. Empty: leave the affinity alone."""
+    if not cpus:
+        return
+    try:
+        os.sched_setaffinity(0, cpus)
+    except OSError as exc:  # EINVAL: none of them online here
+        here = ",".join(map(str, sorted(os.sched_getaffinity(0))))
+        raise TurbonodeError(
+            f"cannot run on CPUs {sorted(cpus)}: {exc.strerror or exc} (this host's: {here})"
+        ) from None
 
 
 def available_cpus(procfs: str = "/proc", cgroup_root: str = "/sys/fs/cgroup", pid: int | str = "self") -> float:

@@ -26,13 +26,13 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from turbonode import sdnotify
-from turbonode.config import WorkerConfig, split_host_port
+from turbonode.config import DEFAULT_WORKER, WorkerConfig, split_host_port
 from turbonode.errors import TurbonodeError
 from turbonode.exposition import daemon_registry
-from turbonode.jsonrpc import SERVER_ERROR, RpcError
+from turbonode.jsonrpc import SERVER_ERROR, WORKER_LOADING, RpcError
 from turbonode.metric_names import ENGINE_PROCESS
 
-from .cpu_threads import wait_policy_default
+from .cpu_threads import pin_cpus, wait_policy_default
 from .memory_lock import MemoryLock
 from .readiness import ENGINE_STALL_S
 from .remote_engine import RemoteEngine
@@ -67,7 +67,7 @@ def loading_handlers() -> dict[str, Callable[..., Any]]:
     after a load of minutes."""
 
     def refuse(**_params: Any) -> Any:
-        raise RpcError(SERVER_ERROR, "the worker is loading its model")
+        raise RpcError(SERVER_ERROR, WORKER_LOADING)
 
     return {"ping": refuse, "status": refuse, "throttle": refuse, "release": refuse}
 
@@ -75,15 +75,15 @@ def loading_handlers() -> dict[str, Callable[..., Any]]:
 class Worker:
     """Everything a running worker owns: `serve` binds, loads (`load`) and runs until a signal."""
 
-    def __init__(self, cfg: WorkerConfig, policy=None, node: str = ""):
+    def __init__(self, cfg: WorkerConfig, policy=None, node: str = "", name: str = DEFAULT_WORKER):
         from .accounts import Accounts
         from .http_api import Api
         from .http_log import MalformedRequestLog
         from .metrics import WorkerMetrics
 
-        self.cfg, self.policy = cfg, policy
+        self.cfg, self.policy, self.name = cfg, policy, name
         self.backend_info: dict[str, Any] = {}
-        registry, served = daemon_registry("worker", node, self._build_labels)
+        registry, served = daemon_registry("worker", node, self._build_labels, worker=name)
         self.metrics = WorkerMetrics(registry)
         self.metrics.watch_load(cfg.capacity)
         # the keys file and the ledger: a bad keys file or an unwritable ledger file stops the start here
@@ -197,7 +197,7 @@ class Worker:
         assert engine is not None and gc is not None and self.control is not None and self.defaults is not None
         gc.install()
         handlers = ControlHandlers(
-            engine, gc, started=started, backend_info=self.backend_info, readiness=self.api.readiness
+            engine, gc, started=started, backend_info=self.backend_info, readiness=self.api.readiness, name=self.name
         )
         self.control.handlers.update(handlers.table())
         self.api.attach(engine, self.defaults)
@@ -274,10 +274,19 @@ class Worker:
             self.gc.uninstall()
 
 
-def run(cfg: WorkerConfig, on_ready: Callable[[str], None] | None = None, policy=None, node: str = "") -> int:
+def run(
+    cfg: WorkerConfig,
+    on_ready: Callable[[str], None] | None = None,
+    policy=None,
+    node: str = "",
+    name: str = DEFAULT_WORKER,
+    cpus: frozenset[int] = frozenset(),
+) -> int:
     """Serve a worker from a WorkerConfig until a signal; returns the exit status. `node` names the
-    node in the metrics' `node` label ('' = the hostname)."""
+    node in the metrics' `node` label ('' = the hostname), `name` the worker in their `worker`
+    label; `cpus`, when given, are the only CPUs it (and its engine process) runs on."""
+    pin_cpus(cpus)  # first: the engine process inherits it, and sizes its threads to it
     if "torch" not in sys.modules:  # OpenMP reads its wait policy once, when torch loads it
         wait_policy_default()
-    worker = Worker(cfg, policy, node)
+    worker = Worker(cfg, policy, node, name)
     return asyncio.run(worker.serve(on_ready))

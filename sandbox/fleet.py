@@ -36,11 +36,12 @@ from pathlib import Path
 
 from turbonode.cgroups import CpuHierarchy
 from turbonode.errors import ControlError
+from turbonode.jsonrpc import ControlClient
 
 from .interrupt import Closing
 from .loadgen import Outcome
 from .netns import Fleet, Sandbox, _ip
-from .node import REQUEST_TIMEOUT_S, WORKER_PORT, DemoError, DemoNode, _stop
+from .node import REQUEST_TIMEOUT_S, DemoError, DemoNode, _stop
 from .settings import DemoSettings
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,16 +109,38 @@ class FleetNode(DemoNode):
     def __init__(self, settings: DemoSettings, link: NodeLink, name: str, cpus: float, log=print):
         super().__init__(settings, log, sandbox=link)
         self.name, self.cpus = name, cpus
-        self.node_cgroup = f"/{link.server}-node"
-        self.worker_cgroup = f"{self.node_cgroup}/worker"
-        self.batch_cgroup = f"{self.node_cgroup}/batch"
-        self.other_cgroup = f"{self.node_cgroup}/other"
+        self.top_cgroup = f"/{link.server}-node"
+        self.other_cgroup = self.node_cgroup("other")
         # the fleet's nodes share their peer (the front): a client cgroup of each node's own name
         self.client_cgroup = f"/{link.server}-client"
 
+    def node_cgroup(self, role: str) -> str:
+        """Inside the node's own cgroup, under its quota."""
+        return f"/{self.sandbox.server}-node/{role}"
+
+    # a fleet's node runs one worker (settings.workers = 1): the fleet balances over nodes
+    @property
+    def worker(self) -> subprocess.Popen:
+        """Its worker's process now (a new one after each restart)."""
+        proc = self.workers[0].proc
+        if proc is None:
+            raise DemoError(f"{self.name} is not started")
+        return proc
+
+    @property
+    def worker_rpc(self) -> ControlClient:
+        rpc = self.workers[0].rpc
+        if rpc is None:
+            raise DemoError(f"{self.name} is not started")
+        return rpc
+
+    @property
+    def worker_cgroup(self) -> str:
+        return self.workers[0].cgroup
+
     @property
     def address(self) -> str:
-        return f"{self.sandbox.server_ip}:{WORKER_PORT}"
+        return f"{self.sandbox.server_ip}:{self.workers[0].port}"
 
     def start(self) -> FleetNode:
         super().start()
@@ -128,16 +151,17 @@ class FleetNode(DemoNode):
     def _make_cgroups(self, cgroups: CpuHierarchy) -> None:
         """The node's cgroup with its quota and `other` in it, then DemoNode's: the worker's and the
         batch cgroup (inside the node's here) and the load generator's (beside it)."""
-        for cg in (self.node_cgroup, self.other_cgroup):
+        for cg in (self.top_cgroup, self.other_cgroup):
             cgroups.create(cg)
             self._made.append(cg)
-        for path, value in cgroups.quota_writes(self.node_cgroup, self.cpus):
+        for path, value in cgroups.quota_writes(self.top_cgroup, self.cpus):
             Path(path).write_text(value)
         super()._make_cgroups(cgroups)
 
-    def spawn(self, name: str, argv: list[str], placed: bool = False) -> subprocess.Popen:
-        """The worker in its cgroup (DemoNode.spawn), anything else the node runs in `other`."""
-        return super().spawn(name, argv if name == "worker" else self.in_cgroup(self.other_cgroup, argv), placed)
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        """The worker in its cgroup (its argv moves itself there), anything else the node runs in `other`."""
+        worker = name == self.log_name(self.workers[0])
+        return super().spawn(name, argv if worker else self.in_cgroup(self.other_cgroup, argv))
 
     # ---- a worker's exit -----------------------------------------------------------------
 

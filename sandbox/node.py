@@ -1,15 +1,18 @@
-"""The demo's sandbox node: two network namespaces (sandbox/netns.py), the real worker serving
-HTTP inside the node namespace, and what a phase starts around it: the agent, bulk iperf3
-flows, the stress-ng fault and the tiered image requests from the client namespace
-(sandbox.loadgen). With `node_memory_mb`, the node's processes run under a memory cgroup of
-that size (sandbox/node_memory.py). A worker that exits is started again after 2 s, as its
-unit's Restart=on-failure would (an OOM kill, say). `close` stops every process it started by
-PID and deletes the namespaces (and with them the qdiscs), its cgroups and its temporary
-directory, also when a phase fails.
+"""The demo's sandbox node: two network namespaces (sandbox/netns.py), the real workers (one,
+or several as a multi-GPU node runs them: `[workers.<name>]`, each its own port, socket, cgroup
+and, while there are enough CPUs, a CPU of its own) serving HTTP inside the node namespace, and
+what a phase starts around them: the agent, bulk iperf3 flows, the stress-ng fault and the tiered
+image requests from the client namespace (sandbox.loadgen, one load per worker). With
+`node_memory_mb`, the node's processes run under a memory cgroup of that size
+(sandbox/node_memory.py). A worker that exits is started again after 2 s, as its unit's
+Restart=on-failure would (an OOM kill, say). `close` stops every process it started by PID and
+deletes the namespaces (and with them the qdiscs), its cgroups and its temporary directory, also
+when a phase fails.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -19,10 +22,12 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from turbonode.cgroups import V2_WEIGHT_MAX, CgroupError, CpuHierarchy
-from turbonode.config import WorkerConfig, split_host_port
+from turbonode.config import DEFAULT_WORKER, WorkerConfig, split_host_port
 from turbonode.config_example import toml_value
 from turbonode.errors import ControlError, TurbonodeError
 from turbonode.jsonrpc import ControlClient
@@ -47,6 +52,25 @@ class DemoError(TurbonodeError):
     pass
 
 
+@dataclass
+class SandboxWorker:
+    """One worker of the sandbox node: `turboctl worker run --instance NAME` in a cgroup of its own."""
+
+    name: str
+    port: int
+    socket: str
+    cgroup: str
+    cpus: str  # its own CPUs ('' : any)
+    argv: list[str] = field(default_factory=list)  # what starts it (in its cgroup), again after an exit
+    proc: subprocess.Popen | None = None
+    rpc: ControlClient | None = None
+
+
+def worker_names(n: int) -> list[str]:
+    """One worker: the node's `default`, as a file naming none has; several: a, b, c, ..."""
+    return [DEFAULT_WORKER] if n == 1 else [chr(ord("a") + i) for i in range(n)]
+
+
 class DemoNode(Closing):
     """The sandbox, the worker and whatever a phase starts; `close` undoes all of it."""
 
@@ -66,8 +90,19 @@ class DemoNode(Closing):
         except CgroupError as exc:
             self.cgroups = None
             log(f"no cgroup CPU controller ({exc}): the worker shares its cgroup; cpu_share has nothing to favour")
-        self.worker_cgroup = f"/{self.sandbox.server}-worker"
-        self.batch_cgroup = f"/{self.sandbox.server}-batch"
+        pinned = 1 < settings.workers <= len(os.sched_getaffinity(0))  # each its own CPU while there are enough
+        cpus = sorted(os.sched_getaffinity(0))
+        self.workers = [
+            SandboxWorker(
+                name,
+                WORKER_PORT + i,
+                f"{self.tmp}/worker.sock" if settings.workers == 1 else f"{self.tmp}/worker-{name}.sock",
+                self.node_cgroup("worker" if settings.workers == 1 else f"worker-{name}"),
+                str(cpus[i]) if pinned else "",
+            )
+            for i, name in enumerate(worker_names(settings.workers))
+        ]
+        self.batch_cgroup = self.node_cgroup("batch")
         # The load generator stands for clients on other machines: in a cgroup of its own at the
         # top CPU weight, so that the node's CPU use (the worker's, raised by cpu_share) does not
         # slow the client's own reading and its delay is not counted as the node's latency.
@@ -77,13 +112,18 @@ class DemoNode(Closing):
         self.memory = NodeMemory(
             self.sandbox.server,
             settings.node_memory_mb,
-            {"worker": self.worker_cgroup, "batch": self.batch_cgroup},
+            # the workers share the node's `worker` memory and io cgroups; each has a cpu cgroup of its own
+            {"worker": f"/{self.sandbox.server}-worker", "batch": self.batch_cgroup},
             log,
         )
-        self._roles = {self.worker_cgroup: "worker", self.batch_cgroup: "batch", self.agent_cgroup: "agent"}
+        self._roles = {
+            **{w.cgroup: "worker" for w in self.workers},
+            self.batch_cgroup: "batch",
+            self.agent_cgroup: "agent",
+        }
         self.worker_exits: list[tuple[float, int]] = []  # (monotonic time, exit status) of each exit
         self._closing = threading.Event()
-        self._supervisor: threading.Thread | None = None
+        self._supervisors: list[threading.Thread] = []
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -98,55 +138,70 @@ class DemoNode(Closing):
                 self.log(f"cannot make the node's cgroups ({exc}): running without the cgroup lever")
         self.memory.make()
         worker = "".join(f"{k} = {toml_value(v)}\n" for k, v in self.s.worker_config.items())
+        tables = "".join(
+            f"[workers.{w.name}]\n" + (f'cpus = "{w.cpus}"\n' if w.cpus else "")
+            for w in self.workers
+            if self.s.workers > 1
+        )  # the sockets and ports follow from the names (turbonode.config.node_workers)
         self.config.write_text(
             f'[qos]\ndev = "{sb.dev}"\nnetns = "{sb.server}"\nrate = "{self.s.rate}"\nkeep_on_stop = false\n'
             f'[worker]\nlisten = "0.0.0.0:{WORKER_PORT}"\ncontrol_socket = "{self.tmp}/worker.sock"\n'
             f'model = "tiny"\ndevice = "cpu"\nsize = {self.s.size}\nmax_batch = 4\ndrain_timeout = 2.0\n'
             # fewer steps than the defaults: more requests per phase, so p99 means something
             f"steps = {{ turbo = 2, fast = 4, other = 6, relax = 8 }}\n{worker}"
-            f'[agent]\nsocket = "{self.tmp}/agent.sock"\nworker_socket = "{self.tmp}/worker.sock"\n'
-            'metrics = "127.0.0.1:0"\n'
+            f'[agent]\nsocket = "{self.tmp}/agent.sock"\n'
+            + (f'worker_socket = "{self.tmp}/worker.sock"\n' if self.s.workers == 1 else "")
+            + 'metrics = "127.0.0.1:0"\n'
             "[levers]\n"
             + (f'best_effort_cgroups = ["{self.batch_cgroup}"]\n' if self.cgroups is not None else "")
             + self.memory.levers_toml()
             + self.s.extra_toml
+            + tables
         )
         self.log(
             f"node: netns {sb.server} ({sb.server_ip}, {sb.dev} shaped to {self.s.rate}); "
             f"client: netns {sb.client} ({sb.client_ip})" + (f"; logs in {self.tmp} (kept)" if self.s.keep_logs else "")
         )
         if self.memory.memory is not None:
-            evict_libraries()  # the worker's reads charge its libraries to the node (sandbox/node_memory.py)
-        self.worker = self.spawn(
-            "worker", sb.cmd(sb.server, *self._turboctl("worker", "run", "--config", str(self.config)))
-        )
-        self.worker_rpc = ControlClient(f"{self.tmp}/worker.sock", timeout=2.0)
-        self._wait(self.worker, lambda: self.worker_rpc.call("ping"), 180, "worker")
-        self.log(f"worker: tiny model serving http://{sb.server_ip}:{WORKER_PORT}")
-        self._supervisor = threading.Thread(target=self._supervise, args=(self.worker.args,), daemon=True)
-        self._supervisor.start()
+            evict_libraries()  # the workers' reads charge their libraries to the node (sandbox/node_memory.py)
+        for w in self.workers:  # they load at once
+            instance = ("--instance", w.name) if self.s.workers > 1 else ()
+            argv = sb.cmd(sb.server, *self._turboctl("worker", "run", "--config", str(self.config), *instance))
+            w.argv = self.in_cgroup(w.cgroup, argv)
+            w.proc = self.spawn(self.log_name(w), w.argv)
+            w.rpc = ControlClient(w.socket, timeout=2.0)
+        for w in self.workers:
+            assert w.proc is not None and w.rpc is not None
+            self._wait(w.proc, functools.partial(w.rpc.call, "ping"), 180, self.log_name(w))
+            pinned = f" on CPU {w.cpus}" if w.cpus else ""
+            self.log(f"worker {w.name}: tiny model serving http://{sb.server_ip}:{w.port}{pinned}")
+        for w in self.workers:
+            supervisor = threading.Thread(target=self._supervise, args=(w,), daemon=True)
+            supervisor.start()
+            self._supervisors.append(supervisor)
         return self
 
-    def _supervise(self, argv: list[str]) -> None:
-        """Start the worker again when it exits, as systemd would (Restart=on-failure)."""
+    def _supervise(self, w: SandboxWorker) -> None:
+        """Start worker `w` again when it exits, as systemd would (Restart=on-failure)."""
+        assert w.proc is not None
         while not self._closing.wait(0.5):
-            if self.worker.poll() is None:
+            if w.proc.poll() is None:
                 continue
             now = time.monotonic()
-            self.worker_exits.append((now, self.worker.returncode))
+            self.worker_exits.append((now, w.proc.returncode))
             burst, interval = START_LIMIT
             if sum(now - at < interval for at, _ in self.worker_exits) > burst:
-                self.log(f"the worker exited {burst + 1} times within {interval:g} s: not starting it again")
+                self.log(f"the workers exited {burst + 1} times within {interval:g} s: not starting {w.name} again")
                 return
-            self.log(f"the worker exited ({self.worker.returncode}): starting it again in {RESTART_S:g} s")
+            self.log(f"worker {w.name} exited ({w.proc.returncode}): starting it again in {RESTART_S:g} s")
             if self._closing.wait(RESTART_S):
                 return
-            self.worker = self.spawn("worker", argv, placed=True)
+            w.proc = self.spawn(self.log_name(w), w.argv)
 
     def close(self) -> None:
         self._closing.set()
-        if self._supervisor is not None:
-            self._supervisor.join(5)
+        for supervisor in self._supervisors:
+            supervisor.join(5)
         for proc in reversed(self.procs):
             _stop(proc)
         self.procs.clear()
@@ -160,8 +215,16 @@ class DemoNode(Closing):
 
     # ---- helpers ---------------------------------------------------------------------
 
+    def node_cgroup(self, role: str) -> str:
+        """The cpu cgroup of the node's `role` (a worker, its batch work): one of its own at the top."""
+        return f"/{self.sandbox.server}-{role}"
+
+    @staticmethod
+    def log_name(w: SandboxWorker) -> str:
+        return "worker" if w.name == DEFAULT_WORKER else f"worker-{w.name}"
+
     def _make_cgroups(self, cgroups: CpuHierarchy) -> None:
-        for cg in (self.worker_cgroup, self.batch_cgroup, self.client_cgroup):
+        for cg in (*(w.cgroup for w in self.workers), self.batch_cgroup, self.client_cgroup):
             cgroups.create(cg)
             self._made.append(cg)
         path, _ = cgroups.weight_file(self.client_cgroup)
@@ -188,12 +251,11 @@ class DemoNode(Closing):
         moves = " && ".join(f"echo $$ > {f}" for f in files)
         return ["sh", "-c", f'{moves} && exec "$@"', "sh", *argv]
 
-    def spawn(self, name: str, argv: list[str], placed: bool = False) -> subprocess.Popen:
-        """Start `argv` in a session of its own, logging to <name>.log; the worker and the agent in
-        their cgroups (unless `placed`: argv already moves itself)."""
-        roles = {"worker": self.worker_cgroup, "agent": self.agent_cgroup}
-        if name in roles and not placed:
-            argv = self.in_cgroup(roles[name], argv)
+    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
+        """Start `argv` in a session of its own, logging to <name>.log; the agent in its cgroups
+        (a worker's argv moves itself into its own: in_cgroup)."""
+        if name == "agent":
+            argv = self.in_cgroup(self.agent_cgroup, argv)
         with open(self.tmp / f"{name}.log", "a") as out:
             proc = subprocess.Popen(
                 argv,
@@ -268,18 +330,40 @@ class DemoNode(Closing):
 
     def run_load(self, watch_agent: bool) -> dict:
         """The faults and the tiered requests together: open-loop turbo probes for about
-        `duration` seconds, closed-loop clients of the other tiers until the last is answered."""
+        `duration` seconds, closed-loop clients of the other tiers until the last is answered,
+        at every worker; the tiers summed over the workers, and each worker's own."""
         d = self.s.duration
         started = faults.start(self, ("bulk", "cpu") if self.s.stress else ("bulk",), d + 30)
         watcher = AgentWatch(self.agent_rpc) if watch_agent else None
         try:
-            outcomes, wall = self.load(self.s.clients, max(1, round(d * self.s.turbo_rate)), self.s.turbo_rate)
+            loads = self.load_all(
+                {w.name: self.s.clients for w in self.workers}, max(1, round(d * self.s.turbo_rate)), self.s.turbo_rate
+            )
         finally:
             if watcher:
                 watcher.stop()
             for proc in started:
                 self.release(proc)
-        return {"tiers": summarize(outcomes, wall), "agent": watcher.summary() if watcher else None}
+        every = [o for outcomes, _ in loads.values() for o in outcomes]
+        wall = max(w for _, w in loads.values())
+        return {
+            "tiers": summarize(every, wall),
+            "workers": {name: summarize(outcomes, w) for name, (outcomes, w) in loads.items()},
+            "agent": watcher.summary() if watcher else None,
+        }
+
+    def load_all(
+        self, clients: dict[str, dict[str, int]], probes: int, rate: float, nodelay: bool = True
+    ) -> dict[str, tuple[list[Outcome], float]]:
+        """One load per worker, all at once (`clients` per worker name): each worker's outcomes
+        and the seconds its load ran."""
+        by_name = {w.name: w for w in self.workers}
+        with ThreadPoolExecutor(len(clients)) as pool:
+            futures = {
+                name: pool.submit(self.load, tiers, probes, rate, nodelay, port=by_name[name].port)
+                for name, tiers in clients.items()
+            }
+            return {name: f.result() for name, f in futures.items()}
 
     def load(
         self,
@@ -289,11 +373,13 @@ class DemoNode(Closing):
         nodelay: bool = True,
         key: tuple[str, str] | None = None,
         probe_keys: list[tuple[str, str]] | None = None,
+        port: int = WORKER_PORT,
     ) -> tuple[list[Outcome], float]:
-        """sandbox.loadgen from the client namespace: every outcome, and the seconds it ran.
-        `key`, `probe_keys`: the API keys (name, key) it sends (sandbox.loadgen.run_load)."""
+        """sandbox.loadgen from the client namespace to the worker on `port`: every outcome, and
+        the seconds it ran. `key`, `probe_keys`: the API keys (name, key) it sends
+        (sandbox.loadgen.run_load)."""
         sb = self.sandbox
-        argv = [sys.executable, "-m", "sandbox.loadgen", f"http://{sb.server_ip}:{WORKER_PORT}"]
+        argv = [sys.executable, "-m", "sandbox.loadgen", f"http://{sb.server_ip}:{port}"]
         argv += ["--size", str(self.s.size), "--timeout", str(REQUEST_TIMEOUT_S), "--probes", str(probes)]
         argv += ["--rate", str(rate), *(f"--clients={t}={n}" for t, n in clients.items())]
         if not nodelay:
@@ -320,14 +406,14 @@ WATCHED_SIGNALS = ("cpu_load", "psi_cpu_some", "psi_memory_some", "worker_major_
 
 
 class AgentWatch:
-    """Polls the agent's status during a phase: the highest level and the throttles it applied."""
+    """Polls the agent's status during a phase: the highest level and the throttles it applied,
+    on the node and on each worker (what each worker's own rules did shows there)."""
 
     def __init__(self, rpc: ControlClient):
         self.rpc = rpc
-        self.levels: list[int] = []
-        self.throttles: list[dict] = []
-        self.reasons: set[str] = set()
-        self.levers: dict[str, int] = {}  # lever -> polls it was engaged at
+        self.node = _Seen()
+        self.workers: dict[str, _Seen] = {}
+        self.levers: dict[str, int] = {}  # the node's lever -> polls it was engaged at
         self.signals: dict[str, list[float]] = {}  # what the policy saw, per poll (WATCHED_SIGNALS)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -339,13 +425,15 @@ class AgentWatch:
                 st = self.rpc.call("status")
             except ControlError:
                 continue
-            self.levels.append(st.get("level_index", 0))
-            self.reasons |= {r["signal"] for r in st.get("active", [])}
-            actions = st.get("actions") or {}
-            throttle = actions.get("worker_throttle") or (actions.get("applied") or {}).get("throttle")
-            if throttle:
-                self.throttles.append(throttle)
-            for name, lever in (actions.get("levers") or {}).items():
+            self.node.saw(st.get("level_index", 0), [r["signal"] for r in st.get("active", [])], None, {})
+            for name, w in (st.get("workers") or {}).items():
+                self.workers.setdefault(name, _Seen()).saw(
+                    w.get("level_index", 0),
+                    [r["signal"] for r in w.get("active", [])],
+                    w.get("sent") or w.get("applied"),
+                    w.get("levers") or {},
+                )
+            for name, lever in ((st.get("actions") or {}).get("levers") or {}).items():
                 if isinstance(lever, dict) and "engaged" in lever:
                     self.levers[name] = self.levers.get(name, 0) + bool(lever["engaged"])
             for name in WATCHED_SIGNALS:
@@ -358,16 +446,55 @@ class AgentWatch:
         self._thread.join(5)
 
     def summary(self) -> dict:
-        top = max(self.levels, default=0)
-        return {
-            "max_level": LEVELS[top],
-            "reasons": sorted(self.reasons),
-            "throttled_share": len(self.throttles) / len(self.levels) if self.levels else 0.0,
-            "last_throttle": self.throttles[-1] if self.throttles else None,
-            "levers": {name: n / len(self.levels) for name, n in self.levers.items()} if self.levels else {},
+        """The node's (the highest level anywhere, every active rule, the levers of the node and,
+        with one worker, its throttle) and each worker's."""
+        workers = {name: seen.summary() for name, seen in self.workers.items()}
+        polls = len(self.node.levels)
+        out = {
+            **self.node.summary(),
+            "max_level": LEVELS[
+                max([max(self.node.levels, default=0), *(max(s.levels, default=0) for s in self.workers.values())])
+            ],
+            "reasons": sorted(set(self.node.reasons).union(*(s.reasons for s in self.workers.values()))),
+            "levers": {name: n / polls for name, n in self.levers.items()} if polls else {},
             "signals_p50_p90": {
                 name: [round(percentile(v, q) or 0.0, 3) for q in (50, 90)] for name, v in self.signals.items()
             },
+            "workers": workers,
+        }
+        if len(workers) == 1:  # the node's only worker: its throttle is the node's
+            (only,) = workers.values()
+            out.update(throttled_share=only["throttled_share"], last_throttle=only["last_throttle"])
+            out["levers"] = {**out["levers"], **only["levers"]}
+        return out
+
+
+class _Seen:
+    """What the agent said of one part (the node, a worker) poll by poll."""
+
+    def __init__(self):
+        self.levels: list[int] = []
+        self.reasons: set[str] = set()
+        self.throttles: list[dict] = []
+        self.levers: dict[str, int] = {}
+
+    def saw(self, level: int, active: list[str], throttle: dict | None, levers: dict) -> None:
+        self.levels.append(level)
+        self.reasons |= set(active)
+        if throttle:
+            self.throttles.append(throttle)
+        for name, lever in levers.items():
+            if isinstance(lever, dict) and "engaged" in lever:
+                self.levers[name] = self.levers.get(name, 0) + bool(lever["engaged"])
+
+    def summary(self) -> dict:
+        polls = len(self.levels)
+        return {
+            "max_level": LEVELS[max(self.levels, default=0)],
+            "reasons": sorted(self.reasons),
+            "throttled_share": len(self.throttles) / polls if polls else 0.0,
+            "last_throttle": self.throttles[-1] if self.throttles else None,
+            "levers": {name: n / polls for name, n in self.levers.items()} if polls else {},
         }
 
 

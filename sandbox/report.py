@@ -28,6 +28,18 @@ def comparison(result: dict) -> str:
                 f"{_ms(s['p99_s']):>7} {_ms(s.get('max_s')):>7} {'-' if rate is None else f'{rate:.2f}':>5}"
             )
         lines.append(f"{tier:6}  {cells[0]}  {cells[1]}")
+    per_worker = result["with"].get("workers") or {}
+    if len(per_worker) > 1:  # turbo at each worker: the load ran at every one
+        lines.append("")
+        for name in per_worker:
+            cells = []
+            for phase in ("without", "with"):
+                t = (result[phase].get("workers") or {}).get(name, {}).get("turbo") or empty
+                cells.append(f"{t['ok']:>3}/{t['requests']:<4} p50 {_ms(t['p50_s']):>5} p99 {_ms(t['p99_s']):>5} ms")
+            seen = ((result["with"].get("agent") or {}).get("workers") or {}).get(name) or {}
+            why = f", {seen['max_level']}" + (f" ({', '.join(seen['reasons'])})" if seen.get("reasons") else "")
+            throttled = f", throttled {seen['throttled_share']:.0%}" if seen else ""
+            lines.append(f"turbo at worker {name}: without {cells[0]}  with {cells[1]}{why if seen else ''}{throttled}")
     agent = result["with"].get("agent") or {}
     if agent:
         levers = agent.get("levers") or {}
@@ -35,7 +47,7 @@ def comparison(result: dict) -> str:
         lines.append(
             f"agent: highest level {agent['max_level']}"
             + (f" ({', '.join(agent['reasons'])})" if agent["reasons"] else "")
-            + f", worker throttled {agent['throttled_share']:.0%} of the time"
+            + (f", worker throttled {agent['throttled_share']:.0%} of the time" if len(per_worker) <= 1 else "")
             + (f", levers engaged: {', '.join(f'{n} {v:.0%}' for n, v in sorted(levers.items()))}" if levers else "")
             + (f", last throttle {agent['last_throttle']}" if agent["last_throttle"] else "")
         )

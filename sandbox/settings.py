@@ -15,6 +15,7 @@ class DemoSettings:
     clients: dict = field(default_factory=lambda: {"fast": 1, "other": 1, "relax": 2})  # closed loop
     stress: bool = True  # the fault: stress-ng on every CPU during the load
     keep_logs: bool = False  # keep the daemons' logs (and the node's config) after the demo
+    workers: int = 1  # the node's workers ([workers.<name>] a, b, ...; one: the node's `default`)
     worker_config: dict = field(default_factory=dict)  # more [worker] keys (turbonode.config.WorkerConfig)
     extra_toml: str = ""  # more tables for the node's configuration file, e.g. [policy]
     node_memory_mb: int = 0  # the node's RAM: its processes under a memory cgroup this large (0: none)

@@ -1,6 +1,7 @@
 """Helpers for the agent's tests: a small stand-in for the worker's control server (the agreed
 JSON-RPC methods) on a real AF_UNIX socket, for tests that must not depend on a diffusion
-model; and a scrape of one collector through a fresh registry."""
+model; one worker's unit of the agent (its feed, policy and throttle lane) for a socket; and a
+scrape of one collector through a fresh registry."""
 
 import os
 import threading
@@ -9,7 +10,14 @@ import time
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
+from agent.levers import WorkerLevers
 from agent.metrics import WatcherCollector
+from agent.policy import DegradationPolicy, Rule
+from agent.throttle_lane import ThrottleLane
+from agent.watchers.worker import WorkerWatcher
+from agent.watchers.worker_feed import WorkerFeed
+from agent.worker_unit import WorkerUnit
+from turbonode.config import LeversConfig, WorkerSpec
 from turbonode.jsonrpc import INVALID_PARAMS, ControlClient, RpcError
 from turbonode.rpc_server import UnixRpcServer
 
@@ -22,6 +30,7 @@ class MiniWorker:
         self.pauses = []
         self.throttle_state = None
         self.calls = []
+        self.throttled_at: list[float] = []  # wall clock of each throttle call, as it arrived
         self.turbo_wait = 0.0
         self.with_events = with_events
         self.changed = threading.Condition()
@@ -78,6 +87,7 @@ class MiniWorker:
         if "turbo" in list(paused_tiers) + list(shed_tiers) + list(step_caps or {}):
             raise RpcError(INVALID_PARAMS, "turbo is never throttled")
         self.calls.append(("throttle", reason))
+        self.throttled_at.append(time.time())
         self.throttle_state = {
             "max_batch": max_batch,
             "paused_tiers": list(paused_tiers),
@@ -127,3 +137,14 @@ def scrape(watcher) -> str:
     reg = CollectorRegistry()
     reg.register(WatcherCollector(watcher))
     return generate_latest(reg).decode()
+
+
+def agent_unit(
+    path: str, rules: tuple[Rule, ...] = (), ttl_s: float = 3.0, name: str = "default", timeout: float = 0.5
+) -> WorkerUnit:
+    """The agent's unit for the worker at `path` (as agent/worker_unit.worker_unit builds it, with
+    the rules given), its throttle lane started; `loop.shutdown` or `unit.lane.close` ends it."""
+    spec = WorkerSpec(name, path, "", (), "cpu", "", frozenset())
+    feed = WorkerWatcher(WorkerFeed(path, {r.signal: r.enter for r in rules}, name=name))
+    lane = ThrottleLane(name, ControlClient(path, timeout=timeout), ttl_s).start()
+    return WorkerUnit(spec, feed, None, DegradationPolicy(rules), lane, WorkerLevers(LeversConfig(), name))

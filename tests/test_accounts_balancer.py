@@ -52,7 +52,8 @@ def balanced():
         assert mapped.exit_code == 0, mapped.output
         (work / "turbonode-keys.map").write_text(mapped.output)
         stats = work / "haproxy.sock"
-        text = haproxy_config([("w1", "127.0.0.1"), ("w2", "127.0.0.1")], stats, port)
+        names = ("w1", "w2", "w3", "w4")  # the shipped file's four servers, all this one worker
+        text = haproxy_config([(n, "127.0.0.1", port) for n in names], stats)
         text = text.replace("bind :8460", f"bind 127.0.0.1:{lb}")
         # the key check, as its comment says to turn it on: the map written, the lines uncommented
         checks = re.findall(r"^\s*#(http-request set-.*txn\.account.*)$", text, re.M)
@@ -73,7 +74,7 @@ def balanced():
                 pass
             assert time.monotonic() < deadline, procs[0][1].text
             time.sleep(0.1)
-        up = {(b, n): "UP" for b in ("turbo", "workers") for n in ("w1", "w2")}
+        up = {(b, n): "UP" for b in ("turbo", "workers") for n in names}
         assert wait_state(stats, up, 20) == up
         yield f"http://127.0.0.1:{lb}", f"http://127.0.0.1:{port}"
     finally:

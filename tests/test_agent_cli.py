@@ -26,11 +26,10 @@ SNAPSHOT = {
         "gpu": {"ok": False, "error": "NVML unavailable: no driver"},
     },
     "actions": {
-        "applied": {"relax_ceil_pct": 25, "throttle": {"max_batch": 2, "paused_tiers": ["relax"]}},
+        "applied": {"relax_ceil_pct": 25},
         "dry_run": False,
         "levers": {
             "cpu_share": {"engaged": True, "reason": "netrx_cpu_share=0.41 > 0.25", "error": None},
-            "worker_threads": {"engaged": False, "reason": "", "error": None},
             "changed": {},
             "restore_problems": [],
         },
@@ -54,10 +53,17 @@ SNAPSHOT = {
             "limit": {"class": "1:41", "ceil_bps": 25_000_000, "in_force": True, "until": 1002.5},
         },
     },
-    "worker": {
-        "state": "ok",
-        "tiers": {"turbo": {"queued": 1, "in_flight": 2, "oldest_wait_s": 0.012, "queue_wait_p99_s": 0.03}},
-        "throttle": {"max_batch": 2, "paused_tiers": ["relax"], "step_caps": {}, "expires_in_s": 2.1},
+    "workers": {
+        "default": {
+            "state": "ok",
+            "tiers": {"turbo": {"queued": 1, "in_flight": 2, "oldest_wait_s": 0.012, "queue_wait_p99_s": 0.03}},
+            "throttle": {"max_batch": 2, "paused_tiers": ["relax"], "step_caps": {}, "expires_in_s": 2.1},
+            "level": "degraded",
+            "active": [{"signal": "netrx_cpu_share", "value": 0.41, "threshold": 0.25, "crossed": "above enter"}],
+            "sent": {"max_batch": 2, "paused_tiers": ["relax"]},
+            "hold": None,
+            "levers": {"worker_threads": {"engaged": False, "reason": "", "error": None}},
+        }
     },
 }
 
@@ -72,12 +78,14 @@ def test_status_table_shows_level_why_qos_worker(tmp_path):
     finally:
         srv.close()
     assert out.exit_code == 1, out.output  # the worker's own socket does not answer: shown, and exit 1
-    assert "worker:   unreachable" in out.output and "the agent sees it ok" in out.output
+    assert "worker default: unreachable" in out.output and "the agent sees it ok" in out.output
     text = out.output
     assert "level:    degraded" in text
     assert "pressured -> degraded" in text and "netrx_cpu_share=0.41 > 0.25" in text
     assert "relax ceil 25 %" in text
-    assert "levers:   cpu_share engaged (netrx_cpu_share=0.41 > 0.25); worker_threads off" in text
+    assert "levers:   cpu_share engaged (netrx_cpu_share=0.41 > 0.25)" in text
+    assert "agent:    level degraded: netrx_cpu_share=0.41 > 0.25; throttle sent {'max_batch': 2" in text
+    assert "levers:   worker_threads off" in text
     assert "gpu: NVML unavailable: no driver" in text
     assert "/proc/softirqs fallback" in text
     relax = next(line for line in text.splitlines() if line.startswith("relax"))

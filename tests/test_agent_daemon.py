@@ -110,11 +110,12 @@ def test_cpu_load_throttles_worker_then_recovers(tmp_path, worker):
         scrape = lambda: urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
         # the worker's first answer reaches the loop with a sample after the first;
         # every series carries the configured node name (node.name)
-        worker_ok = 'turbonode_worker_collector_success{node="tn-agent-test"} 1.0'
+        # and a worker's series its `worker` label
+        worker_ok = 'turbonode_worker_collector_success{node="tn-agent-test",worker="default"} 1.0'
         text = wait_for(lambda: (t := scrape()) and worker_ok in t and t, 5)
         assert text, scrape()
         assert 'turbonode_cpu_collector_success{node="tn-agent-test"} 1.0' in text
-        assert 'turbonode_degradation_level{node="tn-agent-test"} 0.0' in text
+        assert 'turbonode_degradation_level{node="tn-agent-test",worker="default"} 0.0' in text
         fake.busy = 0.9
         assert wait_for(lambda: worker.throttle_state, 5), "no throttle within 5 s of 90 % CPU"
         assert "cpu_load=0.9 > 0.35" in worker.throttle_state["reason"]
@@ -126,9 +127,9 @@ def test_cpu_load_throttles_worker_then_recovers(tmp_path, worker):
         result = wait_for(lambda: (r := cli()).exit_code == 0 and "throttle: max_batch=" in r.output and r, 2)
         assert result, cli().output
         assert "level:" in result.output and "cpu_load=0.9 > 0.35" in result.output
-        assert "worker:   ok" in result.output
+        assert "worker default: ok" in result.output
         js = CliRunner().invoke(main, [*status, "--json"])
-        assert json.loads(js.output)["agent"]["worker"]["state"] == "ok"
+        assert json.loads(js.output)["agent"]["workers"]["default"]["state"] == "ok"
         fake.busy = 0.72  # inside the hysteresis band: the level holds
         time.sleep(2)
         assert agent.call("status")["level"] != "normal"
@@ -137,8 +138,9 @@ def test_cpu_load_throttles_worker_then_recovers(tmp_path, worker):
         assert wait_for(lambda: worker.calls and worker.calls[-1][0] == "release", 2)
         assert worker.throttle_state is None
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert 'turbonode_throttle_actions_total{action="throttle",node="tn-agent-test",reason="cpu_load"}' in text
-        assert 'turbonode_throttle_actions_total{action="release",node="tn-agent-test",reason="recovery"} 1.0' in text
+        actions = 'turbonode_throttle_actions_total{action="%s",node="tn-agent-test",reason="%s",worker="default"}'
+        assert actions % ("throttle", "cpu_load") in text
+        assert actions % ("release", "recovery") + " 1.0" in text
     finally:
         rc, out = stop(proc)
         fake.close()
@@ -158,14 +160,15 @@ def test_absent_worker_and_dry_run(tmp_path):
     try:
         st = wait_for(lambda: (s := agent.call("status"))["level"] != "normal" and s, 10)
         assert st, "a zero threshold must escalate"
-        st = wait_for(lambda: (s := agent.call("status"))["worker"]["state"] == "absent" and s["worker"]["error"], 5)
-        assert st and "does not exist" in st, agent.call("status")["worker"]
+        seen = lambda: agent.call("status")["workers"]["default"]
+        st = wait_for(lambda: (w := seen())["state"] == "absent" and w["error"], 5)
+        assert st and "does not exist" in st, seen()
         st = agent.call("status")
         assert st["actions"]["dry_run"] is True
         result = CliRunner().invoke(
             main, ["status", "--socket", f"{tmp_path}/agent.sock", "--worker-socket", f"{tmp_path}/nobody.sock"]
         )
-        assert "worker:   unreachable" in result.output and "the agent sees it absent" in result.output
+        assert "worker default: unreachable" in result.output and "the agent sees it absent" in result.output
         assert "(dry-run)" in result.output and result.exit_code == 1
     finally:
         rc, out = stop(proc)
@@ -197,15 +200,16 @@ def test_a_watcher_raising_anything_is_reported_and_the_agent_keeps_running(tmp_
     proc = None
     try:
         proc, agent, _ = start_agent(tmp_path, wsock, "sample_period = 0.1\n")
-        assert wait_for(lambda: agent.call("status")["watchers"]["worker"]["ok"], 10)
+        seen = lambda: agent.call("status")["workers"]["default"]
+        assert wait_for(lambda: seen()["watchers"]["worker"]["ok"], 10)
         answer["status"] = {"gc": {"last_seq": 5, "pauses": [{"seq": 5, "generation": 2}]}}  # no pause_s
-        st = wait_for(lambda: (s := agent.call("status"))["watchers"]["worker"]["error"] and s, 10)
+        st = wait_for(lambda: (w := seen())["watchers"]["worker"]["error"] and w, 10)
         assert st and st["watchers"]["worker"]["error"] == "KeyError: 'pause_s'", st["watchers"]["worker"]
-        assert st["worker"] == {"state": "absent", "error": "KeyError: 'pause_s'"}
+        assert (st["state"], st["error"]) == ("absent", "KeyError: 'pause_s'")
         time.sleep(0.5)  # several more samples of the same failure
         assert proc.poll() is None and agent.call("ping") == "pong"
         answer["status"] = good
-        assert wait_for(lambda: agent.call("status")["watchers"]["worker"]["ok"], 10)
+        assert wait_for(lambda: seen()["watchers"]["worker"]["ok"], 10)
     finally:
         server.close()
         if proc is not None:

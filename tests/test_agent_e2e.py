@@ -2,10 +2,11 @@
 
 The fault is real: cyclic garbage inside the worker process (bench/garbage.py) makes its
 collector pause for tens of ms; the agent reads the pauses from the worker's status, throttles
-the worker and lowers the relax ceil on the real HTB tree; after the garbage stops it steps
-back down and releases. Then the agent is killed while throttling: the throttle expires on
-its own and the datapath stays in place (fail-static). Only the GC rule is armed so that other
-load on a shared machine cannot decide the outcome.
+that worker and leaves the node's relax ceil on the real HTB tree alone (a worker's own rule
+acts on that worker only); after the garbage stops it steps back down and releases. Then the
+agent is killed while throttling: the throttle expires on its own and the datapath stays in
+place (fail-static). Only the GC rule is armed so that other load on a shared machine cannot
+decide the outcome.
 """
 
 import signal
@@ -38,16 +39,19 @@ def test_gc_fault_throttles_real_worker_then_releases_and_expires(tmp_path):
         assert t, node.log("agent")[-2000:]
         assert "gc_pause_s" in t["reason"]
         # The agent publishes its status just after acting: wait for it rather than race it.
-        change = wait_for(lambda: status().get("last_change"), 2)
+        change = wait_for(lambda: status().get("workers", {}).get("default", {}).get("last_change"), 2)
         assert change["reasons"][0]["signal"] == "gc_pause_s" and change["reasons"][0]["value"] > 0.005
-        assert wait_for(lambda: relax_ceil() < 100_000_000, 3)
+        # GC pauses are the worker's own rule: it throttles that worker, and the node's relax
+        # ceiling (which follows the node-wide rules) stays where it was
+        assert status()["node"]["level"] == "normal" and relax_ceil() == 100_000_000
 
         node.worker.send_signal(signal.SIGUSR2)  # fault over
         assert wait_for(lambda: level() == "normal", 30), status()
         assert wait_for(lambda: node.throttle() is None, 2)
         assert wait_for(lambda: relax_ceil() == 100_000_000, 3)
         log = node.log("agent")
-        assert "escalate normal -> pressured: gc_pause_s=" in log and "worker release" in log
+        assert "worker default: level escalate normal -> pressured: gc_pause_s=" in log
+        assert "worker default: release" in log
 
         # The agent dies while throttling: nobody renews, the lease runs out, the datapath stays.
         node.worker.send_signal(signal.SIGUSR1)

@@ -56,10 +56,11 @@ def test_the_agent_respects_an_operator_hold_until_it_is_released(tmp_path, work
     try:
         agent = ControlClient(sock, timeout=2.0, peer="agent")
         status = lambda: _status(agent)
-        assert wait_for(lambda: status().get("actions", {}).get("worker_hold"), 30), out.text
-        st = status()
-        assert st["level"] != "normal" and st["actions"]["applied"]["throttle"]  # it wants to throttle
-        assert st["actions"]["worker_hold"]["reason"] == "maintenance" and st["actions"]["worker_error"] is None
+        seen = lambda: status().get("workers", {}).get("default", {})
+        assert wait_for(lambda: seen().get("hold"), 30), out.text
+        st = seen()
+        assert st["level"] != "normal" and st["applied"]  # it wants to throttle
+        assert st["hold"]["reason"] == "maintenance" and st["throttle_error"] is None
         # Several renew intervals later the worker still holds the operator's throttle.
         assert not wait_for(lambda: engine.throttle.current().reason != "maintenance", 2)
         assert engine.throttle.current().hold and engine.limits().max_batch == 1
@@ -67,18 +68,18 @@ def test_the_agent_respects_an_operator_hold_until_it_is_released(tmp_path, work
         assert text and "hold:     the operator holds the worker (maintenance)" in text, text
         res = cli("worker", "status", "--socket", wsock)
         assert "throttle: maintenance" in res.output and "operator hold" in res.output, res.output
-        assert out.text.count("worker held by the operator (maintenance)") == 1  # said once, not every sample
+        assert out.text.count("worker default held by the operator (maintenance)") == 1  # once, not every sample
 
         res = cli("release", "--socket", wsock, "--reason", "done")
         assert res.exit_code == 0 and "released the operator hold" in res.output, res.output
         # The agent takes over again within a renew interval: its own throttle, no hold.
         assert wait_for(lambda: (t := engine.throttle.current()) and "cpu_load" in t.reason, 3), out.text
         assert not engine.throttle.current().hold
-        assert wait_for(lambda: status()["actions"]["worker_hold"] is None, 3)
+        assert wait_for(lambda: seen()["hold"] is None, 3)
     finally:
         rc = stop(proc, 30)
     assert rc == 0, out.text
-    assert "the operator's hold on the worker is over" in out.text
+    assert "worker default: the operator's hold is over" in out.text
 
 
 def _status(agent: ControlClient) -> dict:

@@ -32,7 +32,7 @@ def test_htb_watcher_counts_tiers_and_relax_ceil_moves(sandbox, datapath):
     assert w.detail["tiers"]["turbo"]["packets"] >= 20
     assert w.signals["turbo_drops_per_s"] == 0
 
-    act = Actuator(None, datapath=datapath, relax_rate_bps=10_000_000, link_bps=100_000_000)
+    act = Actuator(datapath=datapath, relax_rate_bps=10_000_000, link_bps=100_000_000)
     act.apply(Actions(relax_ceil_pct=25), "degraded", "cpu_load", 0)
     assert act.datapath_error is None
     relax = datapath.show()["tiers"]["relax"]

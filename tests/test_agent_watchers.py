@@ -286,14 +286,26 @@ class FakeNvml:
     def nvmlShutdown(self):
         pass
 
+    UUIDS = ("GPU-0d1e", "GPU-8f2a")
+
     def nvmlDeviceGetCount(self):
-        return 1
+        return len(self.UUIDS)
 
     def nvmlDeviceGetHandleByIndex(self, i):
+        if not 0 <= i < len(self.UUIDS):
+            raise self.NVMLError("Invalid Argument")
         return i
 
+    def nvmlDeviceGetHandleByUUID(self, uuid):
+        if uuid not in self.UUIDS:
+            raise self.NVMLError("Not Found")
+        return self.UUIDS.index(uuid)
+
+    def nvmlDeviceGetIndex(self, h):
+        return h
+
     def nvmlDeviceGetUtilizationRates(self, h):
-        return type("U", (), {"gpu": 87})
+        return type("U", (), {"gpu": 87 - 40 * h})
 
     def nvmlDeviceGetMemoryInfo(self, h):
         return type("M", (), {"used": 3 << 30, "total": 80 << 30})
@@ -303,13 +315,28 @@ class FakeNvml:
 
 
 def test_gpu_via_fake_nvml():
-    w = GpuWatcher(FakeNvml())
+    w = GpuWatcher(FakeNvml())  # a node that names no workers: every GPU
     assert w.sample(0) == {"gpu_utilization": 0.87}
     text = scrape(w)
     assert 'turbonode_gpu_utilization_ratio{gpu="0"} 0.87' in text
+    assert 'turbonode_gpu_utilization_ratio{gpu="1"} 0.47' in text
     assert 'turbonode_gpu_clocks_throttled{gpu="0",reason="hw_thermal_slowdown"} 1.0' in text
     assert 'turbonode_gpu_clocks_throttled{gpu="0",reason="gpu_idle"} 0.0' in text
     assert "turbonode_gpu_collector_success 1.0" in text
+
+
+def test_a_workers_gpu_by_its_index_or_the_uuid_it_reports():
+    said: dict = {"uuid": None}
+    w = GpuWatcher(FakeNvml(), (1,), lambda: said["uuid"])  # [workers.<name>] gpu = 1
+    assert w.sample(0) == {"gpu_utilization": 0.47} and [g["index"] for g in w.detail["gpus"]] == [1]
+    said["uuid"] = "GPU-0d1e"  # the worker says which GPU it renders on: NVML's index 0 (a container's cuda:0)
+    assert w.sample(2) == {"gpu_utilization": 0.87} and [g["index"] for g in w.detail["gpus"]] == [0]
+    said["uuid"] = "GPU-dead"
+    assert w.sample(4) == {} and "NVML query of GPU GPU-dead failed: Not Found" in w.error
+    unknown = GpuWatcher(FakeNvml(), (), lambda: None)  # on CUDA, no index configured, not said yet
+    assert unknown.sample(0) == {} and "no GPU known for this worker yet" in unknown.error
+    seven = GpuWatcher(FakeNvml(), (7,))  # an index this host does not have
+    assert seven.sample(0) == {} and "NVML query of GPU 7 failed: Invalid Argument" in seven.error
 
 
 def test_absent_nvml_is_reported():
@@ -450,7 +477,7 @@ def test_a_malformed_worker_status_fails_the_watcher_not_its_caller(tmp_path, st
         answer["status"] = status
         assert wait_for(lambda: news() and not w.ok, 10)
         assert error in w.error, w.error
-        assert w.status_view()["worker"] == {"state": "absent", "error": w.error}
+        assert w.view() == {"state": "absent", "error": w.error}
         answer["status"] = GOOD_STATUS
         assert wait_for(lambda: news() and w.ok, 10) and w.error is None
     finally:

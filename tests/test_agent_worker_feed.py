@@ -24,11 +24,10 @@ from agent.watchers.worker_feed import WorkerFeed
 from bench.node import wait_for
 from render.control_server import ControlHandlers, ControlServer
 from render.gc_telemetry import GcMonitor
-from tests.agent_helpers import MiniWorker
+from tests.agent_helpers import MiniWorker, agent_unit
 from tests.agent_helpers import mini_worker as worker  # noqa: F401  (fixture)
 from tests.worker_support import make_engine
 from turbonode.config import Config, PolicyConfig
-from turbonode.jsonrpc import ControlClient
 
 WAIT_S = 10  # bound on every wait; a pass takes milliseconds
 
@@ -92,16 +91,31 @@ def test_absent_worker_is_a_state_then_recovers(tmp_path):
     ww = WorkerWatcher(WorkerFeed(path, {"gc_pause_s": 0.005}))
     try:
         assert sample(ww) == {} and not ww.ok and "does not exist" in ww.error
-        assert ww.status_view()["worker"]["state"] == "absent"
+        assert ww.view()["state"] == "absent"
         late = MiniWorker()
         srv = late.serve(path)
         try:
             assert wait_for(lambda: ww.due(0) and ww.sample(0) and ww.ok, WAIT_S), ww.error
-            assert ww.status_view()["worker"]["state"] == "ok"
+            assert ww.view()["state"] == "ok"
         finally:
             srv.close()
     finally:
         ww.close()
+
+
+def test_a_worker_answering_under_another_name_is_a_failed_state(tmp_path):
+    """[workers.a]'s socket answered by worker b (a crossed configuration): reported, not watched."""
+    path = str(tmp_path / "a.sock")
+    other = MiniWorker()
+    status = other.status
+    other.status = lambda since_gc_seq=None: {**status(since_gc_seq), "name": "b"}
+    srv = other.serve(path)
+    ww = WorkerWatcher(WorkerFeed(path, {}, name="a"))
+    try:
+        assert sample(ww) == {} and not ww.ok and "answers as worker 'b', not 'a'" in ww.error, ww.error
+    finally:
+        ww.close()
+        srv.close()
 
 
 def test_restarted_worker_resyncs_without_stale_news(tmp_path):
@@ -200,11 +214,10 @@ def gc_burst(objects: int = 200_000) -> None:
 def test_gc_burst_in_the_worker_is_sampled_at_once_and_throttles(real_worker):
     engine, path = real_worker
     gc_rule = Rule("gc_pause_s", 0.0001, 0.00005, enter_s=0)  # any real full collection is long enough
-    policy = DegradationPolicy((gc_rule,))
-    ww = WorkerWatcher(WorkerFeed(path, {"gc_pause_s": gc_rule.enter}))
-    actuator = Actuator(ControlClient(path, timeout=2.0), ttl_s=30.0)
+    unit = agent_unit(path, (gc_rule,), ttl_s=30.0)
+    ww = unit.feed
     period = 3600.0  # no tick after the first one during the test: any later sample is a push
-    loop = AgentLoop([ww], policy, actions_table(PolicyConfig()), actuator, period)
+    loop = AgentLoop([], DegradationPolicy(()), actions_table(PolicyConfig()), Actuator(), [unit], period)
     flags = Flags()
     seen: dict = {}
 
@@ -213,8 +226,7 @@ def test_gc_burst_in_the_worker_is_sampled_at_once_and_throttles(real_worker):
             seen["ready"] = wait_for(ww.feed.fresh, WAIT_S)  # the worker answered the feed: it has a cursor
             gc_burst()
             seen["throttle"] = wait_for(engine.throttle.current, WAIT_S)
-            # the loop publishes its status only after the throttle has reached the worker
-            seen["status"] = wait_for(lambda: (st := loop.status())["last_change"] and st, WAIT_S)
+            seen["status"] = wait_for(lambda: (st := loop.status()["workers"]["default"])["last_change"] and st, WAIT_S)
         finally:
             flags.stop = True
             signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)  # wakes the loop's poll
@@ -225,6 +237,7 @@ def test_gc_burst_in_the_worker_is_sampled_at_once_and_throttles(real_worker):
         _run_loop(loop, flags, period, "watching a test worker")
     finally:
         helper.join(WAIT_S)
+        loop.shutdown(time.monotonic(), 2.0)
         ww.close()
     assert seen["ready"], ww.feed.take().error
     t = seen["throttle"]
@@ -243,10 +256,10 @@ def test_the_agents_cpu_watcher_leaves_out_the_processes_the_worker_names(real_w
     cfg.agent.worker_socket, cfg.agent.socket = path, str(tmp_path / "agent.sock")
     loop = build_loop(cfg)
     try:
-        ww = next(w for w in loop.watchers if isinstance(w, WorkerWatcher))
+        ww = loop.workers[0].feed
         cpu = next(w for w in loop.watchers if isinstance(w, CpuWatcher))
         assert wait_for(lambda: (ww.sample(time.monotonic()), ww.pids())[1], WAIT_S)
         assert list(cpu.worker_pids()) == [os.getpid()]
     finally:
-        for w in loop.watchers:
+        for w in loop.all_watchers():
             w.close()

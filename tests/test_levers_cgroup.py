@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.levers.cgroup import CpuShare, CpuShareLever
+from agent.levers.cgroup import CpuShare, CpuShareLever, WorkerCgroup
 from agent.levers.journal import KnobError, KnobJournal, same_value
 from render.cpu_threads import available_cpus
 from sandbox.cgroup_v2 import CgroupV2Unavailable, cpu_on_v2, unavailable
@@ -82,7 +82,7 @@ def test_v1_tree_found_on_a_hybrid_host_and_lever_applied_and_undone(tmp_path):
     h = CpuHierarchy.find(str(root))
     assert (h.version, h.mount) == (1, str(root / "cpu"))
     state = tmp_path / "run" / "levers.json"
-    lever = CpuShareLever(h, KnobJournal(str(state)), "/worker", ("/batch",), best_effort_cpus=0.5)
+    lever = CpuShareLever(h, KnobJournal(str(state)), ("/worker",), ("/batch",), best_effort_cpus=0.5)
     lever.engage()
     assert read(root / "cpu/worker/cpu.shares") == "102400"
     assert read(root / "cpu/batch/cpu.shares") == "10"
@@ -110,7 +110,7 @@ def test_v2_tree_uses_cpu_weight_and_cpu_max(tmp_path):
     lever = CpuShareLever(
         h,
         KnobJournal(str(tmp_path / "levers.json")),
-        "system.slice/turbonode-worker.service",
+        ("system.slice/turbonode-worker.service",),
         ("batch.slice",),
         worker_weight=1000,
         best_effort_weight=5,
@@ -141,7 +141,7 @@ def test_no_cpu_controller_and_missing_cgroup_are_named(tmp_path):
     with pytest.raises(CgroupError, match="no cgroup cpu controller"):
         CpuHierarchy.find(str(tmp_path))
     h = CpuHierarchy.find(str(fake_v1(tmp_path)))
-    lever = CpuShareLever(h, KnobJournal(str(tmp_path / "s.json")), "/worker", ("batch.slice",))
+    lever = CpuShareLever(h, KnobJournal(str(tmp_path / "s.json")), ("/worker",), ("batch.slice",))
     with pytest.raises(CgroupError, match="batch.slice does not exist"):
         lever.engage()
 
@@ -235,7 +235,7 @@ def test_real_cgroups_applied_and_undone(real_cgroups, tmp_path):
     h, (worker, batch) = real_cgroups
     weight = [Path(h.weight_file(cg)[0]) for cg in (worker, batch)]
     before = [read(p) for p in weight]
-    lever = CpuShareLever(h, KnobJournal(str(tmp_path / "levers.json")), worker, (batch,), best_effort_cpus=0.5)
+    lever = CpuShareLever(h, KnobJournal(str(tmp_path / "levers.json")), (worker,), (batch,), best_effort_cpus=0.5)
     lever.engage()
     assert [read(p) for p in weight] == [h.weight_value(10000), h.weight_value(1)]
     quota = h.quota_writes(batch, 0.5)
@@ -256,7 +256,7 @@ def test_real_cgroups_restored_at_next_start_after_kill_9(real_cgroups, tmp_path
         from turbonode.cgroups import CpuHierarchy
         from agent.levers.journal import KnobJournal
         lever = CpuShareLever(CpuHierarchy({h.mount!r}, {h.version}), KnobJournal({str(state)!r}),
-                              {worker!r}, ({batch!r},), best_effort_cpus=0.25)
+                              ({worker!r},), ({batch!r},), best_effort_cpus=0.25)
         lever.engage()
         print("engaged", flush=True)
         time.sleep(60)
@@ -288,10 +288,16 @@ def test_the_worker_cgroup_found_from_its_pid_is_weighed_and_its_quota_read(real
     try:
         assert h.of_pid(proc.pid) == worker
         cfg = LeversConfig(cgroup_root="/sys/fs/cgroup", worker_cgroup="auto", best_effort_cgroups=[batch])
-        lever = CpuShare(cfg, KnobJournal(str(tmp_path / "levers.json")), lambda: proc.pid, "/proc")
+        journal = KnobJournal(str(tmp_path / "levers.json"))
+        lever = CpuShare(cfg, journal, [WorkerCgroup("default", cfg.worker_cgroup, lambda: proc.pid)], "/proc")
         weight = Path(h.weight_file(worker)[0])
         before = read(weight)
-        assert lever.engage() == {"cgroup_version": h.version, "worker_cgroup": worker, "best_effort": (batch,)}
+        assert lever.engage() == {
+            "cgroup_version": h.version,
+            "worker_cgroups": {"default": worker},
+            "best_effort": (batch,),
+            "unresolved": {},
+        }
         assert read(weight) == h.weight_value(10000) == ("10000" if h.version == 2 else "102400")
         assert lever.release() == [] and read(weight) == before
         for path, value in h.quota_writes(worker, 0.5):

@@ -187,9 +187,11 @@ def test_what_the_levers_changed_is_restored_after_kill_9(node, tmp_path):
     agent = textwrap.dedent(f"""
         import time
         from agent.levers import Levers
+        from agent.levers.cgroup import WorkerCgroup
         from turbonode.config import LeversConfig
         cfg = LeversConfig(memory_best_effort_cgroups=[{batch!r}])
-        levers = Levers(cfg, {str(state)!r}, lambda: {worker.pid}, worker_pids=lambda: [{worker.pid}])
+        workers = [WorkerCgroup("default", "auto", lambda: {worker.pid})]
+        levers = Levers(cfg, {str(state)!r}, workers, worker_pids=lambda: [{worker.pid}])
         levers.reconcile({{"memory_squeeze": "psi_memory_some=0.3 > 0.1"}}, {{}}, "recovery")
         assert levers.status()["memory_squeeze"]["engaged"], levers.status()
         print("engaged", flush=True)
@@ -282,7 +284,7 @@ def test_agent_squeezes_on_memory_pressure_guards_the_worker_and_restores_after_
         )
         assert wait_for(lambda: (mini.throttle_state or {}).get("lock_memory") is True, 3), mini.throttle_state
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
-        assert 'turbonode_lever_engaged{lever="memory_squeeze",node="tn-mem"} 1.0' in text
+        assert 'turbonode_lever_engaged{lever="memory_squeeze",node="tn-mem",worker=""} 1.0' in text
         assert f'turbonode_cgroup_memory_events_total{{cgroup="{batch}",event="oom_kill",node="tn-mem"}}' in text
         stall[0] = 0.0  # recovery: released
         assert wait_for(lambda: not levers()["memory_squeeze"]["engaged"], 10), levers()

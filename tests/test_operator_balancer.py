@@ -1,9 +1,10 @@
-"""The shipped HAProxy configuration (deploy/haproxy/turbonode.cfg) in front of two real
-workers, each in its own network namespace, HAProxy in a third: turbo is spread over both;
-when one worker is not ready for turbo (its agent's lease says so, as at level critical)
-turbo moves to the other at once - while that worker keeps serving the other tiers - and
-comes back when the lease is released. Async jobs are polled through the balancer on the
-worker that took them."""
+"""The shipped HAProxy configuration (deploy/haproxy/turbonode.cfg) in front of two nodes of two
+real workers each (`[workers.a]`, `[workers.b]` of each node's file, on ports 8460 and 8461),
+each node in its own network namespace, HAProxy in a third: turbo is spread over all four;
+when one worker is not ready for turbo (its agent's lease says so, as at level critical) turbo
+moves to the other three at once - while that worker, and the other worker of its node, keep
+serving the other tiers - and comes back when the lease is released. Async jobs are polled
+through the balancer on the worker that took them."""
 
 from __future__ import annotations
 
@@ -28,7 +29,8 @@ pytestmark = [
 ]
 
 CONFIG = ROOT / "deploy/haproxy/turbonode.cfg"
-PORT = 8460
+PORT = 8460  # HAProxy's, and each node's first worker's (its second: 8461)
+NODE_WORKERS = ("a", "b")
 
 # Runs inside the balancer's namespace: N requests, one JSON line per answer.
 CLIENT = r"""
@@ -66,16 +68,17 @@ def get(fleet: Fleet, url: str) -> dict:
     return json.loads(fleet.run(fleet.balancer, sys.executable, "-c", GET, url).stdout)
 
 
-def haproxy_config(workers: list[tuple[str, str]], stats: Path, port: int = PORT) -> str:
-    """The shipped file with this fleet's servers (on `port`) and a stats socket in the test's directory."""
+def haproxy_config(workers: list[tuple[str, str, int]], stats: Path) -> str:
+    """The shipped file with this fleet's servers (name, address, port: one per server line, by its
+    id) and a stats socket in the test's directory."""
     text = CONFIG.read_text().replace("/run/haproxy/turbonode.sock", str(stats))
     lines, seen = [], {}
     for line in text.splitlines():
-        m = re.match(r"(\s+)server \S+ \S+ id (\d) (.*)$", line)
+        m = re.match(r"(\s+)server \S+ \S+:(\d+) id (\d) (.*)$", line)
         if m:
-            name, addr = workers[int(m.group(2)) - 1]
-            line = f"{m.group(1)}server {name} {addr}:{port} id {m.group(2)} {m.group(3)}"
-            seen[m.group(2)] = True
+            name, addr, port = workers[int(m.group(3)) - 1]
+            line = f"{m.group(1)}server {name} {addr}:{port} id {m.group(3)} {m.group(4)}"
+            seen[m.group(3)] = True
         lines.append(line)
     assert len(seen) == len(workers)
     return "\n".join(lines) + "\n"
@@ -89,48 +92,57 @@ def test_the_shipped_config_passes_haproxy_check_as_shipped():
 
 
 @pytest.mark.slow
-def test_turbo_moves_to_the_ready_worker():
+def test_turbo_moves_to_the_ready_workers():
     work = Path(tempfile.mkdtemp(prefix="tn-lb-"))
     procs = []
     try:
         with Fleet() as fleet:
-            names = ["w1", "w2"]
-            for ns, addr, name in zip(fleet.nodes, fleet.addresses, names):
-                cfg = work / f"{name}.toml"
+            servers = []  # (name, address, port) in the shipped file's order
+            for i, (ns, addr) in enumerate(zip(fleet.nodes, fleet.addresses), 1):
+                node = f"n{i}"
+                cfg = work / f"{node}.toml"  # each node's own file: its two workers
                 cfg.write_text(
-                    f'[node]\nname = "{name}"\n[worker]\nlisten = "{addr}:{PORT}"\n'
-                    f'control_socket = "{work}/{name}.sock"\nmodel = "tiny"\ndevice = "cpu"\nsize = 64\n'
-                    "refuse_unready = true\n"
+                    f'[node]\nname = "{node}"\n[worker]\nlisten = "{addr}:{PORT}"\n'
+                    f'control_socket = "{work}/{node}.sock"\nmodel = "tiny"\ndevice = "cpu"\nsize = 64\n'
+                    "refuse_unready = true\nintra_op_threads = 1\n" + "".join(f"[workers.{w}]\n" for w in NODE_WORKERS)
                 )
-                procs.append(
-                    start(
-                        fleet.cmd(ns, *turboctl_argv("worker", "run", "--config", str(cfg))),
-                        daemon_env(HOME=str(work), XDG_CACHE_HOME=str(work / "cache")),
+                for j, w in enumerate(NODE_WORKERS):
+                    procs.append(
+                        start(
+                            fleet.cmd(ns, *turboctl_argv("worker", "run", "--config", str(cfg), "--instance", w)),
+                            daemon_env(HOME=str(work), XDG_CACHE_HOME=str(work / "cache")),
+                        )
                     )
-                )
+                    servers.append((f"{node}-{w}", addr, PORT + j))
+            names = [name for name, _, _ in servers]
             stats = work / "haproxy.sock"
-            (work / "haproxy.cfg").write_text(haproxy_config(list(zip(names, fleet.addresses)), stats))
+            # the shipped file's servers: each node's workers on 8460, 8461, as this fleet runs them
+            shipped = re.findall(r"^\s+server \S+ \S+:(\d+) id", CONFIG.read_text(), re.M)
+            assert shipped == [str(port) for _, _, port in servers] * 2, shipped  # turbo, workers
+            (work / "haproxy.cfg").write_text(haproxy_config(servers, stats))
             check = subprocess.run(["haproxy", "-c", "-f", str(work / "haproxy.cfg")], capture_output=True, text=True)
             assert check.returncode == 0, check.stdout + check.stderr
             procs.append(
                 start(fleet.cmd(fleet.balancer, "haproxy", "-db", "-f", str(work / "haproxy.cfg")), daemon_env())
             )
-            for _proc, out in procs[:2]:
-                assert out.wait_for(r"serving http://", 240), out.text
+            for _proc, out in procs[:-1]:
+                assert out.wait_for(r"serving http://", 300), out.text
             all_up = {(b, n): "UP" for b in ("turbo", "workers") for n in names}
             assert wait_state(stats, all_up, 20) == all_up
 
-            # healthy fleet: turbo is spread over both workers
-            answers = client(fleet, "turbo", 8)
+            # healthy fleet: turbo is spread over every worker of every node
+            answers = client(fleet, "turbo", 12)
             assert {a["status"] for a in answers} == {200}, answers
-            assert {a["server"] for a in answers} == {"w1", "w2"}, answers
+            assert {a["server"] for a in answers} == set(names), answers
 
-            # w1's lease (as its agent sends at level critical): not ready for turbo
+            # n1-a's lease (as its agent sends at level critical): not ready for turbo; n1-b is
+            # its node's other worker, driven on its own
+            sock_a = f"{work}/n1-a.sock"  # worker.control_socket with -<name> before .sock
             thr = subprocess.run(
                 turboctl_argv(
                     "throttle",
                     "--socket",
-                    str(work / "w1.sock"),
+                    sock_a,
                     "--unready",
                     "turbo",
                     "--reason",
@@ -144,30 +156,33 @@ def test_turbo_moves_to_the_ready_worker():
                 timeout=30,
             )
             assert thr.returncode == 0, thr.stderr
-            w1 = f"http://{fleet.addresses[0]}:{PORT}"
-            direct = get(fleet, f"{w1}/readyz?tier=turbo")
+            a_url = f"http://{fleet.addresses[0]}:{PORT}"
+            direct = get(fleet, f"{a_url}/readyz?tier=turbo")
             assert direct["status"] == 503 and "level critical" in json.dumps(direct["body"])
-            # refuse_unready: new turbo work at w1 itself gets a fast 503 with Retry-After ...
-            [refused] = client(fleet, "turbo", 1, url=w1)
+            assert get(fleet, f"http://{fleet.addresses[0]}:{PORT + 1}/readyz?tier=turbo")["status"] == 200
+            # refuse_unready: new turbo work at n1-a itself gets a fast 503 with Retry-After ...
+            [refused] = client(fleet, "turbo", 1, url=a_url)
             assert refused["status"] == 503 and "not ready" in refused["error"] and refused["retry_after"], refused
-            # ... so through HAProxy turbo moves at once: a request that reaches w1 before the health
-            # check marks it down is retried on w2 (retry-on 503), after that the check keeps it off w1
-            answers = client(fleet, "turbo", 6)
-            assert [a["status"] for a in answers] == [200] * 6 and {a["server"] for a in answers} == {"w2"}, answers
-            states = wait_state(stats, {("turbo", "w1"): "DOWN"}, 10)
-            assert states[("turbo", "w1")].startswith("DOWN") and states[("workers", "w1")] == "UP", states
-            assert {a["server"] for a in client(fleet, "fast", 6)} == {"w1", "w2"}  # w1 still serves the rest
+            # ... so through HAProxy turbo moves at once: a request that reaches n1-a before the health
+            # check marks it down is retried elsewhere (retry-on 503), after that the check keeps it off
+            answers = client(fleet, "turbo", 9)
+            assert [a["status"] for a in answers] == [200] * 9, answers
+            assert {a["server"] for a in answers} == set(names) - {"n1-a"}, answers
+            states = wait_state(stats, {("turbo", "n1-a"): "DOWN"}, 10)
+            assert states[("turbo", "n1-a")].startswith("DOWN") and states[("workers", "n1-a")] == "UP", states
+            assert states[("turbo", "n1-b")] == "UP", states  # its neighbour on the same node stays in
+            assert {a["server"] for a in client(fleet, "fast", 12)} == set(names)  # n1-a still serves the rest
 
-            # async jobs, taken by either worker: polled through the balancer on the one that has them
-            jobs = client(fleet, "relax", 4, **{"async": True})
-            assert {j["status"] for j in jobs} == {202} and {j["server"] for j in jobs} == {"w1", "w2"}, jobs
+            # async jobs, taken by any worker: polled through the balancer on the one that has them
+            jobs = client(fleet, "relax", 8, **{"async": True})
+            assert {j["status"] for j in jobs} == {202} and len({j["server"] for j in jobs}) > 1, jobs
             for job in jobs:
                 polled = get(fleet, f"http://127.0.0.1:{PORT}{job['location']}")
                 assert polled["status"] == 200 and polled["server"] == job["server"], (job, polled)
 
-            # released: turbo comes back to w1
+            # released: turbo comes back to n1-a
             rel = subprocess.run(
-                turboctl_argv("release", "--socket", str(work / "w1.sock")),
+                turboctl_argv("release", "--socket", sock_a),
                 env=daemon_env(),
                 capture_output=True,
                 text=True,
@@ -175,7 +190,7 @@ def test_turbo_moves_to_the_ready_worker():
             )
             assert rel.returncode == 0, rel.stderr
             assert wait_state(stats, all_up, 10) == all_up
-            assert {a["server"] for a in client(fleet, "turbo", 8)} == {"w1", "w2"}
+            assert {a["server"] for a in client(fleet, "turbo", 12)} == set(names)
     finally:
         for proc, _ in reversed(procs):
             stop(proc, 60)

@@ -28,7 +28,7 @@ def test_doctor_is_a_turboctl_command(tmp_path):
 
 # ---- status: each part, and which one does not answer ----------------------------------------------
 
-AGENT = {"level": "pressured", "active": [], "watchers": {}, "actions": {}, "worker": {"state": "ok"}}
+AGENT = {"level": "pressured", "active": [], "watchers": {}, "actions": {}, "workers": {"default": {"state": "ok"}}}
 
 
 def test_status_with_the_agent_down_shows_the_worker(tmp_path):
@@ -45,12 +45,12 @@ def test_status_with_the_agent_down_shows_the_worker(tmp_path):
     assert res.exit_code == 1, res.output
     lines = res.output.splitlines()
     assert lines[0].startswith("agent:    unreachable:") and "is the agent running" in lines[0]
-    assert any(line.startswith("worker:   ok") and "backend torch on cpu" in line for line in lines), res.output
+    assert any(line.startswith("worker default: ok") and "backend torch on cpu" in line for line in lines), res.output
     ready = next(line for line in lines if line.startswith("ready:"))
     assert "turbo not ready (the node's agent: level critical)" in ready and "fast ready" in ready
     assert "throttle: " in res.output and "unready_tiers=['turbo']" in res.output
     parts = json.loads(js.stdout)
-    assert "error" in parts["agent"] and parts["worker"]["ready"]["turbo"]["ready"] is False
+    assert "error" in parts["agent"] and parts["workers"]["default"]["ready"]["turbo"]["ready"] is False
 
 
 def test_status_with_both_parts_up_and_both_down(tmp_path):
@@ -66,13 +66,13 @@ def test_status_with_both_parts_up_and_both_down(tmp_path):
         agent.close()
         worker.close()
     assert res.exit_code == 0, res.output
-    assert "agent:    ok" in res.output and "level:    pressured" in res.output and "worker:   ok" in res.output
+    assert "agent:    ok" in res.output and "level:    pressured" in res.output and "worker default: ok" in res.output
     res = CliRunner().invoke(
         main, ["status", "--socket", str(tmp_path / "a.sock"), "--worker-socket", str(tmp_path / "w.sock")]
     )
     assert res.exit_code == 1
     assert re.search(r"^agent: +unreachable", res.output, re.M) and re.search(
-        r"^worker: +unreachable", res.output, re.M
+        r"^worker default: +unreachable", res.output, re.M
     )
 
 
@@ -140,4 +140,4 @@ def test_status_says_loading_while_the_worker_loads(tmp_path):
         )
     finally:
         worker.close()
-    assert "worker:   loading: " in res.output and "loading its model" in res.output and res.exit_code == 1
+    assert "worker default: loading: " in res.output and "loading its model" in res.output and res.exit_code == 1

@@ -40,14 +40,14 @@ GPU_METRIC = re.compile(r"\bturbonode_gpu_")
 WINDOW = "2m"  # $__rate_interval: the whole run, so each tier's few requests stay in the window
 
 
-def panel_queries(dashboard: dict, node: str) -> list[tuple[str, str]]:
+def panel_queries(dashboard: dict, node: str, worker: str = "default") -> list[tuple[str, str]]:
     """(panel title, PromQL) for every target, with the dashboard's variables filled in as
-    Grafana would for one selected node (a name without regex metacharacters)."""
-    assert re.fullmatch(r"[\w-]+", node), node
+    Grafana would for one selected node and worker (names without regex metacharacters)."""
+    assert re.fullmatch(r"[\w-]+", node) and re.fullmatch(r"[\w-]+", worker), (node, worker)
     out = []
     for panel in dashboard["panels"]:
         for target in panel.get("targets", []):
-            expr = target["expr"].replace("$__rate_interval", WINDOW).replace("$node", node)
+            expr = target["expr"].replace("$__rate_interval", WINDOW).replace("$node", node).replace("$worker", worker)
             assert "$" not in expr, f"unresolved variable in {panel['title']}: {expr}"
             out.append((panel["title"], expr))
     return out
@@ -187,6 +187,13 @@ def test_every_dashboard_panel_has_data(sandbox, tmp_path):
             components = {r["metric"]["component"] for r in prom.query(f'turbonode_build_info{{node="{node}"}}')}
             assert components == {"agent", "worker"}
             assert {r["metric"]["node"] for r in prom.query('up{job="turbonode"}')} == {"127.0.0.1"}
+            # the Worker selector: the node's workers by name (one here: a file naming none has `default`)
+            worker_var = next(
+                v for v in json.loads(DASHBOARD.read_text())["templating"]["list"] if v["name"] == "worker"
+            )
+            assert "turbonode_worker_ready" in worker_var["definition"] and worker_var["allValue"] == ".*"
+            workers = prom.api("label/worker/values", **{"match[]": f'turbonode_worker_ready{{node="{node}"}}'})
+            assert workers == ["default"], workers
 
             # the check can fail: a misspelt metric and a quantile over nothing have no data
             assert not has_data(prom.query(f'turbonode_worker_request_duration_second{{node="{node}"}}'))

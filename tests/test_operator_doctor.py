@@ -307,6 +307,34 @@ def test_worker_socket_answers_for_real(tmp_path):
     assert c.status == OK and f"pid {os.getpid()}" in c.detail, c
 
 
+def test_each_worker_of_the_node_is_checked(tmp_path):
+    """[workers.<name>]: each worker's device, its GPU as NVML sees it, its socket answering as it."""
+    assert doctor.check_worker_gpu("a", 1, fake_nvml(["NVIDIA H200", "NVIDIA H200"])).status == OK
+    c = doctor.check_worker_gpu("a", 5, fake_nvml(["NVIDIA H200", "NVIDIA H200"]))
+    assert c.status == FAIL and "NVML sees 2 GPU(s)" in c.detail and "workers.a.gpu to 0..1" in c.fix
+    c = doctor.check_worker_gpu("a", 0, fake_nvml(None))
+    assert c.status == FAIL and "NVML is unavailable" in c.detail
+    path = str(tmp_path / "worker-a.sock")
+    server = UnixRpcServer(path, {"ping": lambda: {"pid": os.getpid(), "name": "b"}}).start()
+    try:
+        c = doctor.check_worker_socket(path, "root", name="a")  # b answers at a's socket
+    finally:
+        server.close()
+    assert c.name == "worker a socket" and c.status == FAIL and "answers as worker b" in c.detail, c
+    cfg = tmp_path / "t.toml"
+    cfg.write_text(
+        f'[worker]\ncontrol_socket = "{tmp_path}/worker.sock"\n[workers.a]\ngpu = 0\n[workers.b]\ndevice = "cpu"\n'
+    )
+    out = json.loads(CliRunner().invoke(doctor.command, ["--config", str(cfg), "--json"]).output)
+    by_name = {c["name"]: c for c in out["checks"]}
+    assert {"workers.a.device", "worker a GPU", "worker a socket", "workers.b.device", "worker b socket"} <= set(
+        by_name
+    ), sorted(by_name)
+    assert "worker b GPU" not in by_name and by_name["workers.b.device"]["status"] == OK
+    assert f"{tmp_path}/worker-b.sock does not exist" in by_name["worker b socket"]["detail"]
+    assert "turbonode-worker@b" in by_name["worker b socket"]["fix"]
+
+
 # ---- the command ----------------------------------------------------------------------------------
 
 

@@ -50,6 +50,7 @@ def test_rules_unit_tests_pass():
         ("for: 10m\n        labels: {severity: page}", "for: 1m\n        labels: {severity: page}"),  # fires too early
         ('{outcome="ok"}', ""),  # refusals counted in the p99
         ('\n              and on (instance) turbonode_worker_capacity_requests_per_second{tier="turbo"})', ")"),
+        ("max(sum by (node) (", "max(("),  # the largest worker, not the largest node, taken out
     ],
 )
 def test_rules_unit_tests_can_fail(tmp_path, old, new):
@@ -96,6 +97,6 @@ def test_scrape_config_passes_promtool(tmp_path):
     assert res.returncode == 0 and "WARNING" not in res.stdout + res.stderr, res.stdout + res.stderr
     assert "1 rule files found" in res.stdout
     ports = {t.rsplit(":", 1)[1] for group in targets for t in group["targets"]}
-    assert ports == {"9465", "8460"}
+    assert ports == {"9465", "8460", "8461"}  # each node's agent and its workers (one per GPU)
     job = config["scrape_configs"][0]
     assert job["job_name"] == "turbonode" and job["honor_labels"] is True  # TurbonodeTargetDown's job

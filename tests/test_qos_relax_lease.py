@@ -3,8 +3,8 @@
 The datapath: a leased limit steers relax frames (IPv4 and IPv6) into the limit class 1:41
 only while its lease is fresh, on the real classifier under a real tree; everything else is
 classified as before, unparsable frames included. The agent: the real one (`turboctl agent
-run`) shapes a sandbox device; a stand-in worker (tests/agent_helpers.MiniWorker) reports a
-turbo queue wait that raises the level, so the agent lowers relax's ceiling. Real CS1 traffic
+run`) shapes a sandbox device beside a stand-in worker (tests/agent_helpers.MiniWorker); CPU
+load in a procfs the test drives raises the node's level, so the agent lowers relax's ceiling. Real CS1 traffic
 (iperf3 inside the namespaces) shows the lowered limit holding while the agent renews it;
 after `kill -9` of the agent it lapses in the kernel by itself, within one lease
 (agent.throttle_ttl) and a small margin.
@@ -25,6 +25,7 @@ from tests.agent_helpers import mini_worker as worker  # noqa: F401  (fixture: t
 from tests.conftest import needs_bcc, needs_root
 from tests.daemon_harness import daemon_env, start, turboctl_argv
 from tests.frames import Wire, frames
+from tests.test_agent_daemon import FakeProc
 from turbonode.errors import DatapathError
 from turbonode.jsonrpc import ControlClient
 from turbonode.tiers import tos_byte
@@ -60,15 +61,15 @@ def relax_bps(sb, seconds: int = 2, port: int = 5301) -> float:
     raise AssertionError(f"iperf3 gave no result: {out.stdout[-800:] if out else ''}")
 
 
-def agent_config(tmp_path, sb, port: int) -> str:
+def agent_config(tmp_path, sb, port: int, procfs) -> str:
     return (
         f'[agent]\nsocket = "{tmp_path}/agent.sock"\nworker_socket = "{tmp_path}/worker.sock"\n'
-        f'metrics = "127.0.0.1:{port}"\nthrottle_ttl = {LEASE_S}\n'
+        f'metrics = "127.0.0.1:{port}"\nthrottle_ttl = {LEASE_S}\nprocfs = "{procfs}"\n'
         f'[qos]\ndev = "{sb.dev}"\nnetns = "{sb.server}"\nrate = "100mbit"\n'
-        # Only the turbo queue wait the stand-in worker reports decides: other load on a shared
-        # machine cannot move the level.
-        '[policy]\ndisabled = ["cpu_load", "gc_pause_s", "netrx_cpu_share", "netrx_latency_p99_s"]\n'
-        '[policy.rules.turbo_wait_s]\nmax_level = "pressured"\n'
+        # Only the CPU load of a procfs the test drives decides (the relax ceiling is the node's:
+        # a node-wide rule lowers it): other load on a shared machine cannot move the level.
+        '[policy]\ndisabled = ["gc_pause_s", "turbo_wait_s", "netrx_cpu_share", "netrx_latency_p99_s"]\n'
+        '[policy.rules.cpu_load]\nmax_level = "pressured"\nlevers = []\n'
         f"[policy.actions.pressured]\nrelax_ceil_pct = {LOWERED * 100 // LINK}\n"
     )
 
@@ -203,8 +204,10 @@ def test_lease_clock_is_the_classifiers_also_in_another_time_namespace():
 def test_killed_agent_leaves_relax_lowered_no_longer_than_a_lease(sandbox, tmp_path, worker):
     from tc.datapath import Datapath
 
+    (tmp_path / "proc").mkdir()
+    fake = FakeProc(tmp_path / "proc")
     cfg = tmp_path / "agent.toml"
-    cfg.write_text(agent_config(tmp_path, sandbox, free_port()))
+    cfg.write_text(agent_config(tmp_path, sandbox, free_port(), tmp_path / "proc"))
     proc, out = start(turboctl_argv("agent", "run", "--config", str(cfg)), daemon_env())
     dp = Datapath(sandbox.dev, sandbox.server)
     try:
@@ -214,7 +217,7 @@ def test_killed_agent_leaves_relax_lowered_no_longer_than_a_lease(sandbox, tmp_p
         relax = lambda: dp.show()["tiers"]["relax"]
         assert relax()["ceil_bps"] == LINK
 
-        worker.set_turbo_wait(1.0)  # above the rule's enter threshold: pressured, relax lowered
+        fake.busy = 0.9  # above the rule's enter threshold: pressured, relax lowered
         assert wait_for(lambda: relax()["ceil_bps"] == LOWERED, 10), (relax(), out.text[-3000:])
         limit = relax()["limit"]
         assert limit["class"] == "1:41" and limit["in_force"] and limit["ceil_bps"] == LOWERED, limit
@@ -245,6 +248,7 @@ def test_killed_agent_leaves_relax_lowered_no_longer_than_a_lease(sandbox, tmp_p
         if proc.poll() is None:
             proc.kill()
             proc.wait(10)
+        fake.close()
         dp.remove()
         dp.close()
 

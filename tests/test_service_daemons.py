@@ -95,7 +95,9 @@ def test_agent_daemon_notify_metrics_and_fail_static(sandbox, tmp_path, notify):
                 m = out.wait_for(r"metrics on [\d.]+:(\d+)/metrics", 5)
                 assert m, out.text
                 text = scrape(f"http://127.0.0.1:{m.group(1)}/metrics")
-                assert re.search(r'^turbonode_degradation_level\{node="[^"]+"\} [0-3]\.0$', text, re.M), text
+                assert re.search(
+                    r'^turbonode_degradation_level\{node="[^"]+",worker="default"\} [0-3]\.0$', text, re.M
+                ), text
                 assert re.search(r'^turbonode_tier_packets_total\{node="[^"]+",tier="turbo"\} ', text, re.M), text
                 if keep and not PROMTOOL_SKIP:
                     res = promtool_check(text)
@@ -171,7 +173,9 @@ drain_timeout = 1.0
         assert request_image(url, "turbo", size=64, steps=2).status == 200
         text = scrape(url + "/metrics")
         assert re.search(
-            r'^turbonode_worker_jobs_total\{node="[^"]+",outcome="\w+",tier="turbo"\} 1\.0$', text, re.M
+            r'^turbonode_worker_jobs_total\{node="[^"]+",outcome="\w+",tier="turbo",worker="default"\} 1\.0$',
+            text,
+            re.M,
         ), text
         if not PROMTOOL_SKIP:
             res = promtool_check(text)

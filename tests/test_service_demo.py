@@ -103,6 +103,23 @@ def test_demo_runs_both_phases_and_cleans_up():
 
 @needs_bcc
 @pytest.mark.slow
+def test_demo_with_two_workers_loads_each_under_one_agent_and_cleans_up():
+    res = CliRunner().invoke(main, ["demo", "--seconds", "4", "--size", "64", "--workers", "2", "--json"])
+    assert res.exit_code == 0, res.output
+    result = json.loads(res.stdout)
+    for phase in ("without", "with"):
+        assert set(result[phase]["workers"]) == {"a", "b"}, result[phase]
+        assert all(w["turbo"]["ok"] >= 1 for w in result[phase]["workers"].values()), result[phase]
+    assert set(result["with"]["agent"]["workers"]) == {"a", "b"}  # the one agent saw both
+    assert "worker a: tiny model serving" in res.stderr and "worker b: tiny model serving" in res.stderr
+    server, client = re.search(r"netns (\S+) .*netns (\S+)", res.stderr).groups()
+    assert not ({server, client} & _netns()) and not _cgroups(server) and not _demo_dirs(server)
+    text = report.comparison(result)
+    assert "turbo at worker a:" in text and "turbo at worker b:" in text, text
+
+
+@needs_bcc
+@pytest.mark.slow
 def test_demo_runs_without_the_cgroup_lever_where_cgroups_are_read_only():
     """Inside systemd-nspawn on these hosts the v1 controllers are mounted read-only: the demo
     runs without the cgroup lever and says so, instead of stopping. The same mount made

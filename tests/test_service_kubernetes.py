@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from turbonode.config import Config, load_config
+from turbonode.config import Config, load_config, node_workers
 
 ROOT = Path(__file__).resolve().parent.parent
 KUBE = ROOT / "deploy/kubernetes"
@@ -49,39 +49,36 @@ def _host_path(volume: dict) -> str | None:
 def config_problems(docs) -> list[str]:
     cm = docs[("ConfigMap", "turbonode-config")]
     problems = []
-    for (kind, name), ds in docs.items():
+    for (kind, _name), ds in docs.items():
         if kind != "DaemonSet":
             continue
         pod = ds["spec"]["template"]["spec"]
-        c = pod["containers"][0]
-        mounts = _mounts(c, pod)
-        cfg_path = c["command"][c["command"].index("--config") + 1]
-        vol = mounts.get(os.path.dirname(cfg_path), {})
-        if (
-            vol.get("configMap", {}).get("name") != cm["metadata"]["name"]
-            or os.path.basename(cfg_path) not in cm["data"]
-        ):
-            problems.append(f"{name}: --config {cfg_path} is not the ConfigMap's file")
+        for c in pod["containers"]:
+            mounts = _mounts(c, pod)
+            cfg_path = c["command"][c["command"].index("--config") + 1]
+            vol = mounts.get(os.path.dirname(cfg_path), {})
+            if (
+                vol.get("configMap", {}).get("name") != cm["metadata"]["name"]
+                or os.path.basename(cfg_path) not in cm["data"]
+            ):
+                problems.append(f"{c['name']}: --config {cfg_path} is not the ConfigMap's file")
     return problems
 
 
-def _common_problems(docs, role: str, port: int) -> tuple[dict, dict, list[str]]:
-    """The pod spec and container of turbonode-<role>, and what is wrong with its command and port."""
-    template = docs[("DaemonSet", f"turbonode-{role}")]["spec"]["template"]
-    pod = template["spec"]
-    c = pod["containers"][0]
+def _common_problems(c: dict, role: str, port: int, port_name: str) -> list[str]:
+    """What is wrong with a container's command and port (named so that Prometheus scrapes it)."""
     problems = []
     if c["command"][:3] != ["turboctl", role, "run"]:
-        problems.append(f"{role}: command {c['command']}")
-    if [p["containerPort"] for p in c["ports"]] != [port] or template["metadata"]["annotations"].get(
-        "prometheus.io/port"
-    ) != str(port):
-        problems.append(f"{role}: port is not {port}")
-    return pod, c, problems
+        problems.append(f"{c['name']}: command {c['command']}")
+    if [(p["name"], p["containerPort"]) for p in c["ports"]] != [(port_name, port)]:
+        problems.append(f"{c['name']}: port is not {port_name} {port}")
+    return problems
 
 
 def agent_problems(docs, cfg: Config) -> list[str]:
-    pod, c, problems = _common_problems(docs, "agent", _port(cfg.agent.metrics))
+    pod = docs[("DaemonSet", "turbonode-agent")]["spec"]["template"]["spec"]
+    (c,) = pod["containers"]
+    problems = _common_problems(c, "agent", _port(cfg.agent.metrics), "metrics")
     if not pod.get("hostNetwork"):
         problems.append("agent: hostNetwork must be true (it shapes the host's interface)")
     sc = c["securityContext"]
@@ -96,31 +93,58 @@ def agent_problems(docs, cfg: Config) -> list[str]:
     for path in ("/sys/fs/bpf", "/lib/modules", "/usr/src", "/sys/kernel/tracing"):
         if _host_path(mounts.get(path, {})) != path:
             problems.append(f"agent: {path} is not mounted from the host")
-    run_dir = os.path.dirname(cfg.agent.worker_socket)
-    if _host_path(mounts.get(run_dir, {})) != run_dir:
-        problems.append(f"agent: {run_dir} is not the host's shared directory")
+    for spec in node_workers(cfg):
+        run_dir = os.path.dirname(spec.control_socket)
+        if _host_path(mounts.get(run_dir, {})) != run_dir:
+            problems.append(f"agent: {run_dir} (worker {spec.name}'s socket) is not the host's shared directory")
+    nvidia = {e["name"]: e.get("value") for e in c.get("env", [])}
+    if nvidia.get("NVIDIA_VISIBLE_DEVICES") != "all" or "utility" not in (
+        nvidia.get("NVIDIA_DRIVER_CAPABILITIES") or ""
+    ):
+        problems.append("agent: no NVML for the node's GPUs (NVIDIA_VISIBLE_DEVICES=all, capability utility)")
     return problems
 
 
 def worker_problems(docs, cfg: Config) -> list[str]:
-    pod, c, problems = _common_problems(docs, "worker", _port(cfg.worker.listen))
+    """One container per worker the configuration names, each its instance, port, probes and GPU."""
+    ds = docs[("DaemonSet", "turbonode-worker")]
+    pod = ds["spec"]["template"]["spec"]
     agent_pod = docs[("DaemonSet", "turbonode-agent")]["spec"]["template"]["spec"]
-    run_dir = os.path.dirname(cfg.worker.control_socket)
-    if _host_path(_mounts(c, pod).get(run_dir, {})) != run_dir:
-        problems.append(f"worker: {run_dir} is not shared with the agent through the host")
+    containers = {c["name"]: c for c in pod["containers"]}
+    specs = node_workers(cfg)
+    problems = []
+    if sorted(containers) != sorted(f"worker-{s.name}" for s in specs):
+        problems.append(f"worker: containers {sorted(containers)} are not the configuration's workers")
+    svc_ports = {p["name"]: p["port"] for p in docs[("Service", "turbonode-worker")]["spec"]["ports"]}
+    for spec in specs:
+        c = containers.get(f"worker-{spec.name}")
+        if c is None:
+            continue
+        name = f"http-{spec.name}"
+        problems += _common_problems(c, "worker", _port(spec.listen), name)
+        if c["command"][c["command"].index("--instance") + 1 :][:1] != [spec.name]:
+            problems.append(f"{c['name']}: not run as --instance {spec.name}")
+        if svc_ports.get(name) != _port(spec.listen):
+            problems.append(f"{c['name']}: the Service has no port {name}")
+        run_dir = os.path.dirname(spec.control_socket)
+        if _host_path(_mounts(c, pod).get(run_dir, {})) != run_dir:
+            problems.append(f"{c['name']}: {run_dir} is not shared with the agent through the host")
+        if c["resources"]["limits"].get("nvidia.com/gpu") != 1:
+            problems.append(f"{c['name']}: not one GPU of its own")
+        probes = {kind: c.get(kind, {}).get("httpGet", {}) for kind in ("livenessProbe", "readinessProbe")}
+        if {k: (p.get("path"), p.get("port")) for k, p in probes.items()} != {
+            "livenessProbe": ("/livez", name),
+            "readinessProbe": ("/readyz", name),
+        }:
+            problems.append(f"{c['name']}: probes {probes} (want liveness /livez, readiness /readyz on {name})")
     svc = docs[("Service", "turbonode-worker")]
-    if svc["spec"]["selector"] != docs[("DaemonSet", "turbonode-worker")]["spec"]["selector"]["matchLabels"]:
+    if svc["spec"]["selector"] != ds["spec"]["selector"]["matchLabels"]:
         problems.append("worker: the Service does not select the worker pods")
-    if "nvidia.com/gpu" not in c["resources"]["limits"]:
-        problems.append("worker: no GPU requested")
     group = pod["securityContext"]["runAsGroup"]
     if agent_pod["containers"][0]["securityContext"].get("runAsGroup") != group:
         problems.append(f"worker: the agent does not run with the control socket's group {group}")
     if pod["terminationGracePeriodSeconds"] < 60:
         problems.append("worker: too little grace to drain in-flight jobs")
-    probes = {kind: c.get(kind, {}).get("httpGet", {}).get("path") for kind in ("livenessProbe", "readinessProbe")}
-    if probes != {"livenessProbe": "/livez", "readinessProbe": "/readyz"}:
-        problems.append(f"worker: probes {probes} (want liveness /livez, readiness /readyz)")
     return problems
 
 
@@ -128,11 +152,11 @@ def node_label_problems(docs) -> list[str]:
     """Both daemons of a node must label their metrics with the same `node`: the Kubernetes node."""
     problems = []
     for role in ("agent", "worker"):
-        c = docs[("DaemonSet", f"turbonode-{role}")]["spec"]["template"]["spec"]["containers"][0]
-        env = {e["name"]: e for e in c.get("env", [])}
-        ref = env.get("TURBONODE_NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-        if ref != "spec.nodeName":
-            problems.append(f"{role}: TURBONODE_NODE_NAME is not the pod's spec.nodeName")
+        for c in docs[("DaemonSet", f"turbonode-{role}")]["spec"]["template"]["spec"]["containers"]:
+            env = {e["name"]: e for e in c.get("env", [])}
+            ref = env.get("TURBONODE_NODE_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+            if ref != "spec.nodeName":
+                problems.append(f"{c['name']}: TURBONODE_NODE_NAME is not the pod's spec.nodeName")
     return problems
 
 
@@ -152,12 +176,17 @@ def test_kustomize_builds():
     assert len(list(yaml.safe_load_all(res.stdout))) == len(manifests())
 
 
-def test_configmap_toml_is_valid(tmp_path):
-    docs = manifests()
+def configmap_config(docs, tmp_path) -> Config:
+    """The configuration both daemons load from the ConfigMap, with the real loader."""
     toml = tmp_path / "turbonode.toml"
     toml.write_text(docs[("ConfigMap", "turbonode-config")]["data"]["turbonode.toml"])
-    cfg = load_config(str(toml), env={})
-    assert cfg.agent.worker_socket == cfg.worker.control_socket
+    return load_config(str(toml), env={})
+
+
+def test_configmap_toml_is_valid(tmp_path):
+    docs = manifests()
+    cfg = configmap_config(docs, tmp_path)
+    assert [s.name for s in node_workers(cfg)] == ["gpu0", "gpu1", "gpu2", "gpu3"]  # one per GPU container
     assert config_problems(docs) == []
     assert agent_problems(docs, cfg) == []
     assert worker_problems(docs, cfg) == []
@@ -166,19 +195,23 @@ def test_configmap_toml_is_valid(tmp_path):
     assert load_config(os.devnull, env={"TURBONODE_NODE_NAME": "gpu-node-01"}).node.name == "gpu-node-01"
 
 
-def test_checks_catch_broken_manifests():
-    docs, cfg = manifests(), Config()
+def test_checks_catch_broken_manifests(tmp_path):
+    docs = manifests()
+    cfg = configmap_config(docs, tmp_path)
     broken = copy.deepcopy(docs)
     agent = broken[("DaemonSet", "turbonode-agent")]["spec"]["template"]["spec"]
     agent["hostNetwork"] = False
     agent["containers"][0]["securityContext"]["capabilities"]["add"].remove("BPF")
-    agent["containers"][0]["env"] = []  # procfs falls back to /proc, which is the container's own
+    agent["containers"][0]["env"] = []  # procfs falls back to /proc (the container's own), and no NVML
     worker = broken[("DaemonSet", "turbonode-worker")]["spec"]["template"]["spec"]
     worker["volumes"] = [v for v in worker["volumes"] if v["name"] != "run"] + [{"name": "run", "emptyDir": {}}]
     worker["containers"][0]["ports"][0]["containerPort"] = 8000
-    worker["containers"][0]["command"][-1] = "/etc/other.toml"
+    worker["containers"][0]["command"][4] = "/etc/other.toml"
     worker["containers"][0]["readinessProbe"]["httpGet"]["path"] = "/healthz"
     worker["containers"][0]["env"] = [e for e in worker["containers"][0]["env"] if e["name"] != "TURBONODE_NODE_NAME"]
+    worker["containers"][1]["command"][-1] = "gpu0"  # two containers for one worker
+    worker["containers"][2]["resources"]["limits"].pop("nvidia.com/gpu")
+    del worker["containers"][3]
     problems = (
         agent_problems(broken, cfg)
         + worker_problems(broken, cfg)
@@ -189,11 +222,15 @@ def test_checks_catch_broken_manifests():
         "hostNetwork",
         "capabilities",
         "procfs root",
+        "no NVML",
         "/run/turbonode is not shared",
-        "worker: port is not 8460",
+        "worker-gpu0: port is not http-gpu0 8460",
         "--config /etc/other.toml",
         "want liveness /livez, readiness /readyz",
-        "worker: TURBONODE_NODE_NAME",
+        "worker-gpu0: TURBONODE_NODE_NAME",
+        "worker-gpu1: not run as --instance gpu1",
+        "worker-gpu2: not one GPU of its own",
+        "are not the configuration's workers",
     ):
         assert any(expected in p for p in problems), (expected, problems)
 

@@ -25,12 +25,13 @@ from turbonode.config_example import render_example, toml_value
 
 ROOT = Path(__file__).resolve().parent.parent
 SYSTEMD = ROOT / "systemd"
-DAEMONS = ("turbonode-agent.service", "turbonode-worker.service")
+DAEMONS = ("turbonode-agent.service", "turbonode-worker@.service")  # the worker: one instance per worker
 MOUNTS = "turbonode-mounts.service"  # bpffs/tracefs for the agent, which Requires= it
-UNITS = (*DAEMONS, MOUNTS)
+WORKERS = "turbonode-workers.target"  # every worker instance; the agent is ordered after it
+UNITS = (*DAEMONS, MOUNTS, WORKERS)
 PREFIX = "/opt/turbonode/.venv/bin/"
 # Exposure scores recorded in docs/service.md; a change that weakens the sandbox fails here.
-MAX_EXPOSURE = {"turbonode-agent.service": 2.9, "turbonode-worker.service": 1.7, MOUNTS: 3.7}
+MAX_EXPOSURE = {"turbonode-agent.service": 2.9, "turbonode-worker@.service": 1.7, MOUNTS: 3.7}
 
 needs_analyze = pytest.mark.skipif(
     shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed (package systemd)"
@@ -93,7 +94,14 @@ def test_verify_catches_a_broken_unit(unit_dir):
 
 
 @needs_analyze
-@pytest.mark.parametrize("name", UNITS)
+def test_an_instance_of_the_worker_template_verifies_clean(unit_dir):
+    """What systemd starts: turbonode-worker@<name>.service, from the template beside it."""
+    res = analyze("verify", str(unit_dir / "turbonode-worker@gpu0.service"))
+    assert res.returncode == 0 and res.stdout == "" and res.stderr == "", res.stdout + res.stderr
+
+
+@needs_analyze
+@pytest.mark.parametrize("name", MAX_EXPOSURE)
 def test_security_exposure(unit_dir, name):
     res = analyze("security", "--offline=yes", "--no-pager", str(unit_dir / name))
     m = re.search(r"Overall exposure level for \S+: ([\d.]+)", res.stdout)
@@ -108,7 +116,8 @@ def test_units_match_the_contracts():
     for unit, sub in ((agent, "agent"), (worker, "worker")):
         s = unit["Service"]
         assert s["Type"] == "notify" and s["NotifyAccess"] == "main"
-        assert s["ExecStart"] == f"{PREFIX}turboctl {sub} run --config {DEFAULT_PATH}"
+        instance = " --instance %i" if sub == "worker" else ""  # the template's instance is the worker's name
+        assert s["ExecStart"] == f"{PREFIX}turboctl {sub} run --config {DEFAULT_PATH}{instance}"
         assert s["Restart"] == "on-failure"
         assert s["Group"] == cfg.worker.control_group
         assert s["ProtectSystem"] == "strict" and s["NoNewPrivileges"] == "yes"
@@ -173,6 +182,14 @@ def test_units_match_the_contracts():
     assert w["CapabilityBoundingSet"] == "" and w["DevicePolicy"] == "closed"
     assert "char-nvidia-frontend rw" in w["DeviceAllow"].splitlines()
     assert "PrivateDevices" not in w, "would hide /dev/nvidia*"
+    # every worker (an enabled instance) is part of the target the agent is ordered after; any may
+    # fail without failing the agent (Wants=, never Requires=/BindsTo=)
+    assert WORKERS in agent["Unit"]["After"].split() and WORKERS in agent["Unit"]["Wants"].split()
+    assert not {"Requires", "BindsTo", "Requisite"} & {k for k, v in agent["Unit"].items() if WORKERS in v}
+    assert worker["Unit"]["PartOf"] == WORKERS and WORKERS in worker["Install"]["WantedBy"].split()
+    assert "turbonode-agent.service" not in worker["Unit"].get("After", "")  # the agent comes after, not before
+    assert unit_sections(WORKERS)["Install"]["WantedBy"] == "multi-user.target"
+    assert "CUDA_DEVICE_ORDER=PCI_BUS_ID" in w["Environment"]  # cuda:N is nvidia-smi's N, the config's gpu
     dropin = unit_sections("agent-cap-sys-admin.conf")["Service"]
     assert dropin["CapabilityBoundingSet"] == dropin["AmbientCapabilities"] == "CAP_SYS_ADMIN"
 
@@ -227,7 +244,9 @@ def test_example_config_is_generated_complete_and_loads():
     path = SYSTEMD / "turbonode.toml.example"
     text = path.read_text()
     assert text == render_example(), "systemd/turbonode.toml.example is stale: turboctl config example > it"
-    assert _missing_and_unknown(Config(), tomllib.loads(text)) == ([], [])
+    # no [workers.<name>] by default (one worker, `default`): the table is shown commented out
+    assert _missing_and_unknown(Config(), tomllib.loads(text)) == (["workers"], [])
+    assert "\n# [workers.gpu0]\n" in text
     assert load_config(str(path), env={}) == Config()
 
 
@@ -235,10 +254,17 @@ def test_example_renders_non_defaults_that_load_back():
     cfg = load_config(
         None,
         env={},
-        overrides={"qos.dscp": {"10": "relax"}, "qos.rate": "100mbit", "agent.dry_run": True, "worker.min_share": 0.25},
+        overrides={
+            "qos.dscp": {"10": "relax"},
+            "qos.rate": "100mbit",
+            "agent.dry_run": True,
+            "worker.min_share": 0.25,
+            "workers.gpu1": {"gpu": 1, "cpus": "2-3"},
+        },
     )
     data = tomllib.loads(render_example(cfg))
     assert data["qos"]["dscp"] == {"10": "relax"} and data["agent"]["dry_run"] is True
+    assert data["workers"]["gpu1"]["gpu"] == 1 and data["workers"]["gpu1"]["cpus"] == "2-3"
     assert toml_value('a "b"\n') == r'"a \"b\"\n"' and toml_value([1, 2.5]) == "[1, 2.5]"
 
 

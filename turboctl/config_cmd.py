@@ -1,4 +1,5 @@
-"""`turboctl config check|example`: validate the TOML file naming the bad key; print the defaults."""
+"""`turboctl config check|example|workers`: validate the TOML file naming the bad key; print the
+defaults; list the node's workers (what systemd starts: turbonode-worker@<name>)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import click
 
 from turbonode import config
 from turbonode.accounts import load_keys, parse_period
-from turbonode.config import as_dict, load_config
+from turbonode.config import as_dict, load_config, node_workers
 from turbonode.config_example import render_example
 from turbonode.errors import ConfigError
 
@@ -43,3 +44,24 @@ def check(file, as_json):
 def example():
     """Print a configuration file with every key at its default, with help comments."""
     click.echo(render_example(), nl=False)
+
+
+WORKER_UNIT = "turbonode-worker@{}.service"  # systemd/turbonode-worker@.service, one instance per worker
+
+
+@command.command("workers")
+@click.argument("file", required=False, type=click.Path(dir_okay=False))
+@click.option("--units", is_flag=True, help="print each worker's systemd unit (turbonode-worker@NAME.service)")
+@click.option("--json", "as_json", is_flag=True, help="print each worker's resolved settings as JSON")
+def workers(file, units, as_json):
+    """List the node's workers, one name a line ([workers.<name>]; a file naming none has one, default):
+    `systemctl enable --now $(turboctl config workers --units)` starts them all."""
+    try:
+        specs = node_workers(load_config(config.config_path(file)))
+    except ConfigError as exc:
+        raise click.ClickException(f"invalid configuration: {exc}") from None
+    if as_json:
+        click.echo(json.dumps({s.name: {**as_dict(s), "cpus": sorted(s.cpus)} for s in specs}, indent=2))
+        return
+    for spec in specs:
+        click.echo(WORKER_UNIT.format(spec.name) if units else spec.name)

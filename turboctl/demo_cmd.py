@@ -37,15 +37,24 @@ from .qos_cmd import format_table
 )
 @click.option("--size", type=click.IntRange(32, 512), default=256, show_default=True, help="image size in pixels")
 @click.option("--no-fault", is_flag=True, help="skip the stress-ng CPU fault")
+@click.option(
+    "--workers",
+    type=click.IntRange(1, 8),
+    default=1,
+    show_default=True,
+    help="workers on the node, as a multi-GPU node runs them ([workers.a], [workers.b], ...), each under load",
+)
 @click.option("--json", "as_json", is_flag=True, help="print the full demo's results as JSON")
 @click.option(
     "--keep-logs", is_flag=True, help="keep the worker's and the agent's logs and the node's config; prints where"
 )
-def command(qos_only, rate, seconds, size, no_fault, as_json, keep_logs):
+def command(qos_only, rate, seconds, size, no_fault, workers, as_json, keep_logs):
     """Build a sandbox node (two network namespaces) and its client, run the worker (tiny model)
     and a mixed-tier load - open-loop turbo requests and closed-loop clients of the other tiers, bulk
     flows, a stress-ng CPU fault - twice (the short form of bench/node_slo.py):
     as a plain FIFO node without the agent, then with turbonode; compare what each tier saw.
+    With --workers N the node runs N workers under one agent (each its own port, socket and cgroup, and
+    a CPU of its own while there are enough), each under the same load.
     Needs root; takes about 2 x SECONDS + 40 s; cleans up after itself, also on Ctrl-C or SIGTERM."""
     if os.geteuid() != 0:
         raise click.ClickException("the demo needs root (network namespaces, tc, bpf)")
@@ -56,7 +65,9 @@ def command(qos_only, rate, seconds, size, no_fault, as_json, keep_logs):
         if qos_only:
             qos_only_demo(rate or parse_rate("100mbit"), seconds or 8, stop)
         else:
-            full_demo(rate or parse_rate("20mbit"), seconds or 20, size, not no_fault, as_json, keep_logs, stop)
+            full_demo(
+                rate or parse_rate("20mbit"), seconds or 20, size, not no_fault, as_json, keep_logs, stop, workers
+            )
     except TurbonodeError as exc:
         raise click.ClickException(str(exc)) from None
     except KeyboardInterrupt:
@@ -93,12 +104,15 @@ def full_demo(
     as_json: bool,
     keep_logs: bool = False,
     stop: threading.Event | None = None,
+    workers: int = 1,
 ) -> None:
     from sandbox import report  # pyroute2, psutil: only when run
     from sandbox.demo import run_demo
     from sandbox.settings import DemoSettings
 
-    settings = DemoSettings(rate=format_rate(rate), duration=seconds, size=size, stress=fault, keep_logs=keep_logs)
+    settings = DemoSettings(
+        rate=format_rate(rate), duration=seconds, size=size, stress=fault, keep_logs=keep_logs, workers=workers
+    )
     result = run_demo(settings, (lambda msg: click.echo(msg, err=True)) if as_json else click.echo, stop)
     click.echo(json.dumps(result, indent=2) if as_json else "\n" + report.comparison(result))
 

@@ -27,7 +27,15 @@ import click
 
 from agent.mounts import mounted_types
 from turbonode.accounts import load_keys, parse_period
-from turbonode.config import DEFAULT_PATH, Config, WorkerConfig, load_config
+from turbonode.config import (
+    DEFAULT_PATH,
+    DEFAULT_WORKER,
+    Config,
+    WorkerConfig,
+    instance_worker,
+    load_config,
+    node_workers,
+)
 from turbonode.errors import ConfigError, ControlError
 from turbonode.jsonrpc import ControlClient
 
@@ -330,13 +338,16 @@ def check_cgroups(procfs: str = "/proc", sysfs: str = "/sys") -> Check:
 
 
 def gpu_expected(cfg: Config) -> bool:
-    return cfg.worker.device.startswith("cuda") or cfg.worker.backend == "tensorrt"
+    return cfg.worker.backend == "tensorrt" or any(w.device.startswith("cuda") or w.gpus for w in node_workers(cfg))
+
+
+def _nvml_module(nvml: Any = None) -> Any:
+    return importlib.import_module("pynvml") if nvml is None else nvml
 
 
 def check_nvml(expect_gpu: bool, nvml: Any = None) -> Check:
     try:
-        if nvml is None:
-            nvml = importlib.import_module("pynvml")
+        nvml = _nvml_module(nvml)
         nvml.nvmlInit()
     except Exception as exc:  # noqa: BLE001 - NVMLError (no driver), ImportError
         status = FAIL if expect_gpu else WARN
@@ -417,23 +428,44 @@ def check_tensorrt(backend: str, cuda_available: bool) -> Check:
         return Check("TensorRT", OK, "tensorrt importable")
 
 
-def check_device(device: str, cuda_devices: int) -> Check:
+def check_device(device: str, cuda_devices: int, key: str = "worker.device") -> Check:
     if device == "cpu":
-        return Check("worker.device", OK, "cpu")
+        return Check(key, OK, "cpu")
     if device == "auto":
-        return Check("worker.device", OK, f"auto: {'cuda:0' if cuda_devices else 'cpu (no CUDA device)'}")
+        return Check(key, OK, f"auto: {'cuda:0' if cuda_devices else 'cpu (no CUDA device)'}")
     index = device.partition(":")[2] or "0"
     if device.startswith("cuda") and index.isdigit() and int(index) < cuda_devices:
-        return Check("worker.device", OK, device)
+        return Check(key, OK, device)
     return Check(
-        "worker.device",
-        FAIL,
-        f"{device}: {cuda_devices} CUDA device(s) here",
-        "set worker.device to auto, cpu or an existing cuda:N",
+        key, FAIL, f"{device}: {cuda_devices} CUDA device(s) here", f"set {key} to auto, cpu or an existing cuda:N"
     )
 
 
-def check_worker_socket(path: str, group: str, ping: Callable[[str], Any] | None = None) -> Check:
+def check_worker_gpu(name: str, index: int, nvml: Any = None) -> Check:
+    """The GPU `[workers.<name>] gpu` names, as NVML (the agent's GPU watcher) sees it."""
+    what = f"worker {name} GPU"
+    try:
+        nvml = _nvml_module(nvml)
+        nvml.nvmlInit()
+    except Exception as exc:  # noqa: BLE001 - NVMLError (no driver), ImportError
+        return Check(what, FAIL, f"gpu {index}, but NVML is unavailable ({exc})", "install the NVIDIA driver")
+    try:
+        count = nvml.nvmlDeviceGetCount()
+        if index >= count:
+            return Check(
+                what, FAIL, f"gpu {index}: NVML sees {count} GPU(s)", f"set workers.{name}.gpu to 0..{count - 1}"
+            )
+        gpu = nvml.nvmlDeviceGetName(nvml.nvmlDeviceGetHandleByIndex(index))
+    finally:
+        nvml.nvmlShutdown()
+    return Check(what, OK, f"gpu {index}: {gpu.decode() if isinstance(gpu, bytes) else gpu}")
+
+
+def check_worker_socket(
+    path: str, group: str, ping: Callable[[str], Any] | None = None, name: str = DEFAULT_WORKER
+) -> Check:
+    """The worker's control socket: there, reachable by the group, answering as worker `name`."""
+    what = "worker socket" if name == DEFAULT_WORKER else f"worker {name} socket"
     try:
         gid: int | None = grp.getgrnam(group).gr_gid
     except KeyError:
@@ -444,32 +476,35 @@ def check_worker_socket(path: str, group: str, ping: Callable[[str], Any] | None
         st = os.stat(path)
     except FileNotFoundError:
         return Check(
-            "worker socket",
+            what,
             WARN,
             f"{path} does not exist: the worker is not running{group_note}",
-            group_fix or "systemctl start turbonode-worker",
+            f"systemctl start turbonode-worker@{name}" + (f"; {group_fix}" if group_fix else ""),
         )
     except PermissionError:
         return Check(
-            "worker socket",
+            what,
             FAIL,
             f"cannot see {path}: no permission on its directory",
             f"usermod -aG {group} $USER (then log in again)",
         )
     if not stat.S_ISSOCK(st.st_mode):
-        return Check("worker socket", FAIL, f"{path} is not a socket", "remove it; the worker creates its socket")
+        return Check(what, FAIL, f"{path} is not a socket", "remove it; the worker creates its socket")
     ping = ping or (lambda p: ControlClient(p, timeout=2.0).call("ping"))
     try:
         answer = ping(path)
     except ControlError as exc:
         if "loading" in str(exc):  # bound early, answering once the model has loaded
-            return Check("worker socket", WARN, f"{path}: {exc}", "wait; `turboctl status` shows when it is ready")
+            return Check(what, WARN, f"{path}: {exc}", "wait; `turboctl status` shows when it is ready")
         fix = f"usermod -aG {group} $USER (then log in again)" if "permission" in str(exc) else None
-        return Check("worker socket", FAIL, str(exc), fix)
+        return Check(what, FAIL, str(exc), fix)
     owner = f"group {grp.getgrgid(st.st_gid).gr_name}" if _group_exists(st.st_gid) else f"gid {st.st_gid}"
     pid = answer.get("pid") if isinstance(answer, dict) else None
+    named = answer.get("name", name) if isinstance(answer, dict) else name
+    if named != name:
+        return Check(what, FAIL, f"{path} answers as worker {named}", f"give workers.{name} a socket of its own")
     return Check(
-        "worker socket",
+        what,
         OK,
         f"{path} ({owner}, mode {stat.S_IMODE(st.st_mode):o}) answers" + (f": pid {pid}" if pid else "") + group_note,
         group_fix,
@@ -557,10 +592,14 @@ def run_checks(cfg: Config, procfs: str = "/proc", sysfs: str = "/sys", modules:
     checks += [
         check_torch(facts, expect_gpu),
         check_tensorrt(cfg.worker.backend, bool(facts and facts["cuda_available"])),
-        check_device(cfg.worker.device, facts["devices"] if facts else 0),
-        check_worker_socket(cfg.worker.control_socket, cfg.worker.control_group),
-        check_keys(cfg.worker),
+        check_keys(cfg.worker),  # the node's keys file: [worker]'s, every worker's
     ]
+    for spec in node_workers(cfg):  # each worker: its device, its GPU, its socket
+        worker, _ = instance_worker(cfg, spec.name if cfg.workers else None)
+        key = f"workers.{spec.name}.device" if cfg.workers else "worker.device"
+        checks.append(check_device(worker.device, facts["devices"] if facts else 0, key))
+        checks += [check_worker_gpu(spec.name, index) for index in spec.gpus or ()]
+        checks.append(check_worker_socket(worker.control_socket, worker.control_group, name=spec.name))
     return checks
 
 
@@ -591,7 +630,8 @@ def render(checks: list[Check]) -> str:
 @click.option("--json", "as_json", is_flag=True, help="print the checks as JSON")
 def command(config_file: str | None, as_json: bool) -> None:
     """Check this host for what turbonode needs: privileges, eBPF, kernel headers, mounts, tracepoints,
-    qdiscs, PSI, cgroups, GPU, torch, TensorRT, the worker's socket. Exits 1 when a check fails."""
+    qdiscs, PSI, cgroups, GPU, torch, TensorRT, each worker's device, GPU and socket. Exits 1 when a check
+    fails."""
     try:
         cfg = load_config(config_file)
         checks = [

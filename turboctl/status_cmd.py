@@ -1,4 +1,5 @@
-"""`turboctl status`: the agent's level and why, QoS per tier, worker queues and throttle."""
+"""`turboctl status`: the agent's level and why, QoS per tier, and every worker of the node: its
+readiness, queues and throttle, and the agent's view of it (its level and why, the throttle sent)."""
 
 from __future__ import annotations
 
@@ -8,9 +9,9 @@ import time
 import click
 
 from agent.policy import describe_reason
-from turbonode.config import load_config
+from turbonode.config import DEFAULT_WORKER, Config, instance_worker, load_config, node_workers
 from turbonode.errors import ConfigError, ControlError
-from turbonode.jsonrpc import ControlClient
+from turbonode.jsonrpc import WORKER_LOADING, ControlClient
 from turbonode.rates import format_rate
 from turbonode.tiers import TIER_NAMES
 
@@ -35,31 +36,39 @@ def _rate(bps) -> str | None:
     return None if bps is None else format_rate(bps)
 
 
+def _change(change: dict | None, now: float) -> list[str]:
+    if not change:
+        return []
+    ago = now - change["at"] if change.get("at") else 0
+    return [
+        f"changed:  {change['from']} -> {change['to']} {ago:.0f} s ago: "
+        + (", ".join(map(_reason, change["reasons"])) or "all signals healthy")
+    ]
+
+
+def _levers(levers: dict | None) -> list[str]:
+    shown = {name: lever for name, lever in (levers or {}).items() if isinstance(lever, dict)}
+    return ["levers:   " + "; ".join(_lever(name, lever) for name, lever in shown.items())] if shown else []
+
+
 def render_agent(st: dict, now: float | None = None) -> list[str]:
-    """The agent's level and why, its actions, watchers and QoS per tier."""
+    """The agent's level and why, the node's actions, watchers and QoS per tier (each worker's
+    part of it: render_agent_worker)."""
     now = time.time() if now is None else now
-    out = [f"level:    {st['level']}"]
-    change = st.get("last_change")
-    if change:
-        ago = now - change["at"] if change.get("at") else 0
-        out.append(
-            f"changed:  {change['from']} -> {change['to']} {ago:.0f} s ago: "
-            + (", ".join(map(_reason, change["reasons"])) or "all signals healthy")
-        )
+    node = st.get("node") or {}
+    out = [
+        f"level:    {st['level']}"
+        + (f" (node {node['level']})" if node.get("level", st["level"]) != st["level"] else "")
+    ]
+    out += _change(st.get("last_change"), now)
     out.append("active:   " + (", ".join(map(_reason, st.get("active", []))) or "none"))
     acts = st.get("actions", {})
     applied = acts.get("applied", {})
     out.append(
         f"actions:  relax ceil {applied.get('relax_ceil_pct') or 'configured'}"
-        f"{' %' if applied.get('relax_ceil_pct') else ''}, worker throttle {applied.get('throttle') or 'none'}"
-        + ("  (dry-run)" if acts.get("dry_run") else "")
+        f"{' %' if applied.get('relax_ceil_pct') else ''}" + ("  (dry-run)" if acts.get("dry_run") else "")
     )
-    levers = {name: lever for name, lever in (acts.get("levers") or {}).items() if isinstance(lever, dict)}
-    if levers:
-        out.append("levers:   " + "; ".join(_lever(name, lever) for name, lever in levers.items()))
-    hold = acts.get("worker_hold")
-    if hold is not None:
-        out.append(f"hold:     the operator holds the worker ({hold.get('reason', '?')}): its throttle is left alone")
+    out += _levers(acts.get("levers"))
     watchers = st.get("watchers", {})
     bad = [f"{n}: {w['error']}" for n, w in watchers.items() if not w["ok"]]
     out.append("watchers: " + ("all ok" if not bad else "; ".join(bad)))
@@ -132,33 +141,55 @@ def render_worker(worker: dict) -> list[str]:
     return out
 
 
-def render(agent: dict, worker: dict, now: float | None = None) -> str:
-    """Each part and what it says; an unreachable part says why, and the rest still shows."""
-    out = []
-    if "error" in agent:
-        out.append(f"agent:    unreachable: {agent['error']}")
-    else:
-        out.append(f"agent:    ok ({agent['_socket']})")
-        out += render_agent(agent, now)
-    out.append("")
+def render_agent_worker(seen: dict, now: float) -> list[str]:
+    """The agent's view of one worker: its level and why, the throttle it sent, its levers."""
+    out = [
+        f"agent:    level {seen.get('level')}: "
+        + (", ".join(map(_reason, seen.get("active", []))) or "all signals healthy")
+        + (f"; throttle sent {seen['sent']}" if seen.get("sent") else "")
+    ]
+    if seen.get("throttle_error"):
+        out.append(f"          its throttle failed: {seen['throttle_error']}")
+    hold = seen.get("hold")
+    if hold is not None:
+        out.append(f"hold:     the operator holds the worker ({hold.get('reason', '?')}): its throttle is left alone")
+    return out + [f"  {line}" for line in _change(seen.get("last_change"), now)] + _levers(seen.get("levers"))
+
+
+def render_worker_part(name: str, worker: dict, seen: dict | None, now: float) -> list[str]:
+    """One worker: what it says (or why it does not answer), and what the agent makes of it."""
     if "error" not in worker:
         backend = worker.get("backend") or {}
-        out.append(
-            f"worker:   ok ({worker['_socket']}): backend {backend.get('name')} on {backend.get('device')}, "
+        out = [
+            f"worker {name}: ok ({worker['_socket']}): backend {backend.get('name')} on {backend.get('device')}, "
             f"up {worker.get('uptime_s', 0):.0f} s"
-        )
+        ]
         out += render_worker(worker)
     else:
         # bound but still loading its model: it answers, and says so
-        state = "loading" if "loading its model" in worker["error"] else "unreachable"
-        out.append(f"worker:   {state}: {worker['error']}")
-        seen = agent.get("worker")
+        state = "loading" if WORKER_LOADING in worker["error"] else "unreachable"
+        out = [f"worker {name}: {state}: {worker['error']}"]
         if seen:  # the agent's last sample of the worker, with the agent's view of why
             out.append(
                 f"          the agent sees it {seen.get('state')}"
                 + (f" ({seen['error']})" if seen.get("error") else "")
             )
             out += render_worker(seen)
+    return out + (render_agent_worker(seen, now) if seen else [])
+
+
+def render(agent: dict, workers: dict[str, dict], now: float | None = None) -> str:
+    """Each part and what it says; an unreachable part says why, and the rest still shows."""
+    now = time.time() if now is None else now
+    out = []
+    if "error" in agent:
+        out.append(f"agent:    unreachable: {agent['error']}")
+    else:
+        out.append(f"agent:    ok ({agent['_socket']})")
+        out += render_agent(agent, now)
+    seen = agent.get("workers") or {}
+    for name, worker in workers.items():
+        out += ["", *render_worker_part(name, worker, seen.get(name), now)]
     return "\n".join(out)
 
 
@@ -169,32 +200,50 @@ def _ask(path: str, peer: str) -> dict:
         return {"error": str(exc), "_socket": path}
 
 
+def node_sockets(cfg: Config, worker_socket: str | None, only: str | None) -> dict[str, str]:
+    """Worker name -> control socket: the node's workers (the only one's is worker.control_socket),
+    or the one --worker names; --worker-socket instead names a socket (shown under `only` or
+    the node's single worker's name)."""
+    if worker_socket is not None:
+        return {only or DEFAULT_WORKER: worker_socket}
+    sockets = {}
+    for spec in node_workers(cfg):
+        if only in (None, spec.name):
+            sockets[spec.name] = instance_worker(cfg, spec.name if cfg.workers else None)[0].control_socket
+    if not sockets:
+        raise click.ClickException(
+            f"--worker {only}: not a worker of this node ({', '.join(w.name for w in node_workers(cfg))})"
+        )
+    return sockets
+
+
 @click.command("status")
 @click.option("--socket", "path", help="agent status socket (default: agent.socket from the config)")
-@click.option("--worker-socket", help="worker control socket (default: worker.control_socket from the config)")
+@click.option("--worker", "only", metavar="NAME", help="show this worker of the node only (default: every one)")
+@click.option(
+    "--worker-socket", help="a worker's control socket (default: each worker's, from the config: [workers.<name>])"
+)
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML configuration file")
-@click.option("--json", "as_json", is_flag=True, help='print {"agent": ..., "worker": ...} as JSON')
-def command(path, worker_socket, config_file, as_json):
-    """Show what each part of the node says: the agent (level and why, actions, QoS per tier) and the
-    worker (readiness per tier, queues, throttle). A part that does not answer is shown as unreachable,
-    with why, and the exit status is 1."""
-    if path is None or worker_socket is None:
-        try:
-            cfg = load_config(config_file)
-        except ConfigError as exc:
-            raise click.ClickException(f"invalid configuration: {exc}") from None
-        path = path or cfg.agent.socket
-        worker_socket = worker_socket or cfg.worker.control_socket
-    agent, worker = _ask(path, "agent"), _ask(worker_socket, "worker")
+@click.option("--json", "as_json", is_flag=True, help='print {"agent": ..., "workers": {NAME: ...}} as JSON')
+def command(path, only, worker_socket, config_file, as_json):
+    """Show what each part of the node says: the agent (levels and why, actions, QoS per tier) and
+    every worker (readiness per tier, queues, throttle; the agent's level and throttle for it). A part
+    that does not answer is shown as unreachable, with why, and the exit status is 1."""
+    try:
+        cfg = load_config(config_file)
+    except ConfigError as exc:
+        raise click.ClickException(f"invalid configuration: {exc}") from None
+    agent = _ask(path or cfg.agent.socket, "agent")
+    workers = {name: _ask(sock, "worker") for name, sock in node_sockets(cfg, worker_socket, only).items()}
     if as_json:
         parts = {
-            name: {k: v for k, v in part.items() if k != "_socket"}
-            for name, part in (("agent", agent), ("worker", worker))
+            "agent": {k: v for k, v in agent.items() if k != "_socket"},
+            "workers": {n: {k: v for k, v in w.items() if k != "_socket"} for n, w in workers.items()},
         }
         click.echo(json.dumps(parts, indent=2, sort_keys=True))
     else:
-        click.echo(render(agent, worker))
-    if "error" in agent or "error" in worker:
+        click.echo(render(agent, workers))
+    if "error" in agent or any("error" in w for w in workers.values()):
         raise SystemExit(1)
 
 

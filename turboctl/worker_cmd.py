@@ -7,13 +7,15 @@ kept in the click context object (`--socket` or a caller-provided obj chooses it
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import sys
 
 import click
 
 from turbonode import logs
-from turbonode.config import BACKEND_NAMES, CLI_ENV_WORKER_SOCKET, TINY_MODELS, load_config
+from turbonode.config import BACKEND_NAMES, CLI_ENV_WORKER_SOCKET, TINY_MODELS, instance_worker, load_config
 from turbonode.errors import ConfigError, ControlError, TurbonodeError
 from turbonode.jsonrpc import DEFAULT_SOCKET, ControlClient
 
@@ -23,27 +25,39 @@ THROTTLE_TTL_S = 60.0
 HOLD_TTL_S = 3600.0  # an operator's hold outlasts an incident's first hour unless released
 
 
-def _set_client(ctx: click.Context, param, value):
-    if value is not None or not isinstance(ctx.obj, ControlClient):
-        ctx.obj = ControlClient(value or DEFAULT_SOCKET)
-    return value
-
-
-def control_socket_option(f):
-    return click.option(
-        "--socket",
-        "socket_path",
-        callback=_set_client,
-        expose_value=False,
-        envvar=CLI_ENV_WORKER_SOCKET,
-        metavar="PATH",
-        help=f"worker control socket (default {DEFAULT_SOCKET})",
-    )(f)
+def worker_client(obj, socket_path: str | None, worker: str | None, config_file: str | None) -> ControlClient:
+    """The worker's control socket: --socket, else --worker's in the configuration, else a client
+    the caller put in the context (tests), else the configuration's only worker."""
+    if socket_path is not None:
+        return ControlClient(socket_path)
+    if worker is None and config_file is None and isinstance(obj, ControlClient):
+        return obj
+    try:
+        cfg, _spec = instance_worker(load_config(config_file), worker)
+    except ConfigError as exc:
+        raise click.ClickException(f"{exc} (--worker NAME picks one, --socket PATH names a socket)") from None
+    return ControlClient(cfg.control_socket)
 
 
 def control_command(f):
-    """--socket and --json; the command receives the ControlClient first."""
-    return control_socket_option(json_option(click.pass_obj(f)))
+    """--socket, --worker, --config and --json; the command receives the ControlClient first."""
+
+    @click.option(
+        "--socket",
+        "socket_path",
+        envvar=CLI_ENV_WORKER_SOCKET,
+        metavar="PATH",
+        help=f"the worker's control socket (default: --worker's, or the node's only worker's: {DEFAULT_SOCKET})",
+    )
+    @click.option("--worker", metavar="NAME", help="which of the node's workers ([workers.NAME] in the configuration)")
+    @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML configuration file")
+    @json_option
+    @click.pass_context
+    @functools.wraps(f)
+    def command(ctx, *args, socket_path, worker, config_file, **kwargs):
+        return f(worker_client(ctx.obj, socket_path, worker, config_file), *args, **kwargs)
+
+    return command
 
 
 def _call(client: ControlClient, method: str, **params):
@@ -62,31 +76,35 @@ def command():
 
 
 @command.command("run")
+@click.option(
+    "--instance",
+    metavar="NAME",
+    help="which of the node's workers ([workers.NAME]: its socket, address, device, CPUs; the unit's %i)",
+)
 @click.option("--model", help=f"a local diffusers directory, or an embedded test model: {', '.join(TINY_MODELS)}")
 @click.option("--listen", metavar="HOST:PORT", help="HTTP API address (default 0.0.0.0:8460)")
 @click.option("--control", metavar="PATH", help="control socket path")
 @click.option("--config", "config_file", type=click.Path(dir_okay=False), help="TOML configuration file")
 @click.option("--backend", type=click.Choice(BACKEND_NAMES), help="denoiser/VAE backend")
 @click.option("--device", help="torch device: auto, cpu, cuda, cuda:N")
-def run(model, listen, control, config_file, backend, device):
+def run(instance, model, listen, control, config_file, backend, device):
     """Serve the OpenAI-compatible image API and the control socket until SIGTERM."""
-    overrides = {
-        "worker.model": model,
-        "worker.listen": listen,
-        "worker.control_socket": control,
-        "worker.backend": backend,
-        "worker.device": device,
-    }
+    flags = {"listen": listen, "control_socket": control, "device": device}
+    overrides = {f"worker.{k}": v for k, v in {**flags, "model": model, "backend": backend}.items()}
     try:
-        full = load_config(config_file, overrides=overrides)
+        full = load_config(config_file, overrides=overrides)  # checks the flags as the file's keys
     except ConfigError as exc:
         raise click.ClickException(f"invalid configuration: {exc}") from None
-    cfg = full.worker
+    try:
+        cfg, spec = instance_worker(full, instance)
+    except ConfigError as exc:
+        raise click.ClickException(f"{exc} (--instance NAME picks one)") from None
+    cfg = dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})  # over the instance's
     from render import daemon
 
     logs.show_lifecycle("render", "turbonode")  # model load, engine builds, serving, drain, throttles
     try:
-        rc = daemon.run(cfg, node=full.node.name)
+        rc = daemon.run(cfg, node=full.node.name, name=spec.name, cpus=spec.cpus)
     except TurbonodeError as exc:
         raise click.ClickException(str(exc)) from None
     sys.exit(rc)

@@ -37,6 +37,21 @@ def shares_from_weight(weight: int) -> int:
     return max(V1_SHARES_MIN, min(V1_SHARES_MAX, weight * 1024 // V2_WEIGHT_DEFAULT))
 
 
+def parse_cpu_list(text: str, most: int = 4096) -> frozenset[int]:
+    """The kernel's CPU list format (cpuset.cpus, `taskset -c`): '0-3,8' -> {0, 1, 2, 3, 8}. Raises
+    ValueError naming what is wrong; CPUs are numbered below `most`."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo.isdigit() or (dash and not hi.isdigit()):
+            raise ValueError(f"expected a CPU list such as '0-3,8', got {text!r}")
+        first, last = int(lo), int(hi) if dash else int(lo)
+        if first > last or last >= most:
+            raise ValueError(f"CPUs are 0..{most - 1} in ascending ranges, got {part.strip()!r}")
+        cpus.update(range(first, last + 1))
+    return frozenset(cpus)
+
+
 def slice_path(name: str) -> str:
     """A cgroup given as a path ('/batch', 'system.slice/x.service') or a systemd slice name
     ('batch.slice', 'user-1000.slice' -> '/user.slice/user-1000.slice'), relative to the root."""

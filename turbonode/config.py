@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from .accounts import parse_period
-from .cgroups import V2_WEIGHT_MAX, V2_WEIGHT_MIN
+from .cgroups import V2_WEIGHT_MAX, V2_WEIGHT_MIN, parse_cpu_list
 from .errors import ConfigError
 from .levels import ACTION_LEVELS, LEVELS
 from .memory_cgroups import IO_WEIGHT_MAX, IO_WEIGHT_MIN
@@ -56,7 +56,13 @@ MIN_PIXELS = 64
 MAX_PIXELS = 2048
 PIXEL_STEP = 8  # SD-family VAEs downsample by 8; a model may need more (the worker checks at start)
 MAX_DRAIN_TIMEOUT_S = 3600.0
-MAX_CPUS = 4096  # a CPU quota in CPUs (levers.best_effort_cpus)
+MAX_CPUS = 4096  # a CPU quota in CPUs (levers.best_effort_cpus); CPUs are numbered below it
+MAX_GPUS = 1024  # NVML indexes are below it ([workers.<name>] gpu)
+# The one worker of a node whose file names none ([workers] absent): [worker] and agent.worker_socket.
+DEFAULT_WORKER = "default"
+# A worker's name is a systemd instance (turbonode-worker@<name>), part of a file name and a
+# metric label value: letters, digits, '-' and '_'.
+WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
 # The agent's sampling period: below 50 ms the sampler costs more CPU than it saves; above a
 # minute it reacts to nothing (and time arithmetic overflows long before 1e300).
 SAMPLE_PERIOD_RANGE_S = (0.05, 60.0)
@@ -119,6 +125,20 @@ def zero_or(inner: Check) -> Check:
             inner(v)
 
     return check
+
+
+def empty_or(inner: Check) -> Check:
+    """'' (a default that is derived from other keys), or a value `inner` accepts."""
+
+    def check(v: Any) -> None:
+        if v != "":
+            inner(v)
+
+    return check
+
+
+def cpu_list(v: Any) -> None:
+    parse_cpu_list(v, MAX_CPUS)
 
 
 def fraction(v: Any) -> None:
@@ -328,7 +348,10 @@ class WorkerConfig:
 
 @dataclass
 class AgentConfig:
-    worker_socket: str = opt("/run/turbonode/worker.sock", help="worker control socket to throttle")
+    worker_socket: str = opt(
+        "/run/turbonode/worker.sock",
+        help="control socket of the worker to throttle, on a node without [workers] tables (each names its own)",
+    )
     socket: str = opt("/run/turbonode/agent.sock", help="the agent's own status socket")
     metrics: str = opt("0.0.0.0:9465", host_port, "Prometheus metrics address")
     sample_period: float = opt(
@@ -340,6 +363,36 @@ class AgentConfig:
     procfs: str = opt("/proc", help="procfs root (host /proc in a container)")
     sysfs: str = opt("/sys", help="sysfs root")
     dry_run: bool = opt(False, help="log what the policy would do; change nothing")
+
+
+@dataclass
+class WorkerEntry:
+    """One worker of a multi-GPU node, `[workers.<name>]`: its name is its systemd instance
+    (turbonode-worker@<name>), its `worker` metric label and turboctl's `--worker NAME`; every
+    other [worker] key is shared by all of them. '' derives the value from the name (node_workers)."""
+
+    control_socket: str = opt("", help="its control socket ('': worker.control_socket with -<name> before .sock)")
+    listen: str = opt(
+        "",
+        empty_or(host_port),
+        "its HTTP API ('': worker.listen's host and its port plus the worker's position among the tables)",
+    )
+    gpu: int = opt(
+        -1,
+        in_range(-1, MAX_GPUS - 1),
+        "NVML index of its GPU (nvidia-smi's order; -1: none): the agent watches that GPU for it",
+    )
+    device: str = opt("", empty_or(torch_device), "its torch device ('': cuda:<gpu>, or worker.device without a gpu)")
+    cgroup: str = opt(
+        "auto",
+        help="its cgroup, which cpu_share favours: 'auto' (its own, found from its pid), a path or systemd "
+        "slice, '' (leave it alone)",
+    )
+    cpus: str = opt(
+        "",
+        empty_or(cpu_list),
+        "the CPUs it runs on, e.g. '0-3' ('': any); its intra-op threads are sized to them",
+    )
 
 
 # The levers a rule may engage while it is active (agent/levers/): `cpu_share` favours the
@@ -590,8 +643,8 @@ class LeversConfig:
     cgroup_root: str = opt("/sys/fs/cgroup", help="cgroup filesystem root (the host's, in a container)")
     worker_cgroup: str = opt(
         "auto",
-        help="the worker's cgroup that cpu_share favours: 'auto' (the worker's own, found from its pid), "
-        "a path or systemd slice, '' (leave it alone)",
+        help="the worker's cgroup that cpu_share favours, on a node without [workers] tables (each names its "
+        "own): 'auto' (the worker's own, found from its pid), a path or systemd slice, '' (leave it alone)",
     )
     best_effort_cgroups: list[str] = opt(
         [], string_list, "cgroups or systemd slices of co-located batch work that cpu_share holds back"
@@ -637,6 +690,74 @@ class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     levers: LeversConfig = field(default_factory=LeversConfig)
+    workers: dict[str, WorkerEntry] = field(
+        default_factory=dict,
+        metadata={
+            "help": "the node's workers, one table each (none: one worker, named default, as [worker] and "
+            "agent.worker_socket say)"
+        },
+    )
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """One worker of the node with every '' of its table resolved: what the agent watches and
+    throttles, and what `turboctl worker run --instance NAME` serves."""
+
+    name: str
+    control_socket: str
+    listen: str
+    gpus: tuple[int, ...] | None  # NVML indexes it renders on; None: every GPU (a node naming no workers)
+    device: str
+    cgroup: str  # levers.worker_cgroup's forms
+    cpus: frozenset[int]  # empty: any
+
+
+def instance_socket(base: str, name: str) -> str:
+    """/run/turbonode/worker.sock -> /run/turbonode/worker-<name>.sock"""
+    root, ext = os.path.splitext(base)
+    return f"{root}-{name}{ext}"
+
+
+def node_workers(cfg: Config) -> list[WorkerSpec]:
+    """The node's workers, in the file's order; without [workers] tables the single `default` one
+    (agent.worker_socket, worker.listen, worker.device, levers.worker_cgroup, every GPU)."""
+    w = cfg.worker
+    if not cfg.workers:
+        return [
+            WorkerSpec(
+                DEFAULT_WORKER, cfg.agent.worker_socket, w.listen, None, w.device, cfg.levers.worker_cgroup, frozenset()
+            )
+        ]
+    host, _, port = w.listen.rpartition(":")
+    return [
+        WorkerSpec(
+            name,
+            e.control_socket or instance_socket(w.control_socket, name),
+            e.listen or f"{host}:{int(port) + i}",
+            () if e.gpu < 0 else (e.gpu,),
+            e.device or (f"cuda:{e.gpu}" if e.gpu >= 0 else w.device),
+            e.cgroup,
+            parse_cpu_list(e.cpus) if e.cpus else frozenset(),
+        )
+        for i, (name, e) in enumerate(cfg.workers.items())
+    ]
+
+
+def instance_worker(cfg: Config, name: str | None) -> tuple[WorkerConfig, WorkerSpec]:
+    """What worker `name` runs: [worker] with its socket, address and device (None: the node's only
+    worker, which must then be unnamed). A name the file does not define is a ConfigError."""
+    specs = {s.name: s for s in node_workers(cfg)}
+    if name is None and cfg.workers:
+        raise ConfigError("workers", f"this node names its workers ({', '.join(specs)}): name one")
+    spec = specs.get(name or DEFAULT_WORKER)
+    if spec is None:
+        raise ConfigError(f"workers.{name}", f"no such worker (this node's: {', '.join(specs)})")
+    if not cfg.workers:  # the node's only worker is [worker] as it is
+        return cfg.worker, dataclasses.replace(spec, control_socket=cfg.worker.control_socket)
+    return dataclasses.replace(
+        cfg.worker, control_socket=spec.control_socket, listen=spec.listen, device=spec.device
+    ), spec
 
 
 # ---- loading -------------------------------------------------------------------------
@@ -686,6 +807,10 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str) -> T:
         if isinstance(typ, type) and dataclasses.is_dataclass(typ):
             kwargs[name] = _build(typ, value, key + ".")
             continue
+        table = table_of(typ)
+        if table is not None:
+            kwargs[name] = _build_tables(table, value, key)
+            continue
         value = _typed(key, typ, value)
         check = fields[name].metadata.get("check")
         if check:
@@ -696,6 +821,62 @@ def _build(cls: type[T], data: Mapping[str, Any], prefix: str) -> T:
         _finite(key, value)
         kwargs[name] = value
     return cls(**kwargs)
+
+
+def table_of(hint: Any) -> type | None:
+    """The section class of a `dict[str, <section>]` field (one table per name: [workers.<name>])."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is dict and len(args) == 2 and isinstance(args[1], type):
+        return args[1] if dataclasses.is_dataclass(args[1]) else None
+    return None
+
+
+def _build_tables(cls: type[T], data: Any, key: str) -> dict[str, T]:
+    if not isinstance(data, Mapping):
+        raise ConfigError(key, f"expected a table of tables ([{key}.<name>]), got {quote(data)}")
+    out = {}
+    for name, table in data.items():
+        if not WORKER_NAME.fullmatch(name):
+            raise ConfigError(
+                f"{key}.{name}", "a name is 1-32 letters, digits, '-' or '_', starting with a letter or digit"
+            )
+        out[name] = _build(cls, table, f"{key}.{name}.")
+    return out
+
+
+def _check_workers(cfg: Config) -> None:
+    """Workers that could not all run on one node: a shared socket, port or CPU; a key that names
+    the single worker of a node that names several."""
+    if not cfg.workers:
+        return
+    defaults = Config()
+    for key, value, default in (
+        ("agent.worker_socket", cfg.agent.worker_socket, defaults.agent.worker_socket),
+        ("levers.worker_cgroup", cfg.levers.worker_cgroup, defaults.levers.worker_cgroup),
+    ):
+        if value != default:
+            raise ConfigError(
+                key, "names the single worker of a node without [workers]: set it in each [workers.<name>] table"
+            )
+    specs = node_workers(cfg)
+    for i, spec in enumerate(specs):
+        where = f"workers.{spec.name}"
+        if not 0 < split_host_port(spec.listen)[1] < 65536:
+            raise ConfigError(f"{where}.listen", f"port {spec.listen.rpartition(':')[2]} is out of range: set listen")
+        for other in specs[:i]:
+            if os.path.abspath(other.control_socket) == os.path.abspath(spec.control_socket):
+                raise ConfigError(f"{where}.control_socket", f"{spec.control_socket} is workers.{other.name}'s too")
+            if _same_port(spec.listen, other.listen):
+                raise ConfigError(f"{where}.listen", f"{spec.listen} is workers.{other.name}'s too ({other.listen})")
+            if spec.cpus & other.cpus:
+                cpus = ",".join(map(str, sorted(spec.cpus & other.cpus)))
+                raise ConfigError(f"{where}.cpus", f"CPUs {cpus} are workers.{other.name}'s too: each gets its own")
+
+
+def _same_port(a: str, b: str) -> bool:
+    """Two HOST:PORT addresses that cannot both be bound: one port, the same host or a wildcard."""
+    (ha, pa), (hb, pb) = split_host_port(a), split_host_port(b)
+    return pa == pb and (ha == hb or {"0.0.0.0", "::"} & {ha, hb} != set())
 
 
 def _check_across(cfg: Config) -> None:
@@ -710,6 +891,7 @@ def _check_across(cfg: Config) -> None:
             "agent.throttle_ttl",
             f"must be at least twice agent.sample_period ({a.sample_period:g} s), got {a.throttle_ttl:g}",
         )
+    _check_workers(cfg)
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:
@@ -734,6 +916,8 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
         section, _, key = name[len(ENV_PREFIX) :].lower().partition("_")
         if section not in sections or not key:
             continue
+        if table_of(sections[section]) is not None:
+            raise ConfigError(name, f"[{section}.<name>] tables are set in the configuration file, not the environment")
         known = [f.name for f in dataclasses.fields(sections[section])]
         if key not in known:
             raise ConfigError(name, f"names no configuration key: {section}.{key} (known: {', '.join(known)})")

@@ -10,9 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
+import typing
 from typing import Any
 
-from .config import DEFAULT_PATH, Config
+from .config import DEFAULT_PATH, Config, table_of
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 
@@ -76,6 +77,17 @@ def render_example(cfg: Config | None = None) -> str:
     """The example file for `cfg` (default: all defaults), one [section] per config section."""
     cfg = cfg if cfg is not None else Config()
     lines = [HEADER.rstrip("\n")]
+    hints = typing.get_type_hints(Config)
     for f in dataclasses.fields(cfg):
-        lines += _section(getattr(cfg, f.name), f.name)
+        value = getattr(cfg, f.name)
+        entry = table_of(hints[f.name])
+        if entry is None:
+            lines += _section(value, f.name)
+            continue
+        # one table per name ([workers.<name>]); none by default: the keys as a commented example
+        lines += ["", f"# {f.metadata['help']}"]
+        for name, table in value.items():
+            lines += _section(table, f"{f.name}.{_key(name)}")
+        if not value:
+            lines += [f"# {line}".rstrip() for line in _section(entry(), f"{f.name}.gpu0")[1:]]
     return "\n".join(lines) + "\n"

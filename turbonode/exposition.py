@@ -20,7 +20,7 @@ from prometheus_client import CollectorRegistry, ProcessCollector
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 from . import __version__
-from .metric_names import BUILD_INFO, NODE_LABEL
+from .metric_names import BUILD_INFO, NODE_LABEL, WORKER_LABEL
 
 REVISION_ENV = "TURBONODE_REVISION"  # set by deploy/Dockerfile, where the image has no .git
 SOURCE_ROOT = Path(__file__).resolve().parent.parent
@@ -87,29 +87,37 @@ class BuildInfo:
         yield family
 
 
-class NodeLabelled:
-    """A registry's exposition with NODE_LABEL added to every sample; what the /metrics
-    handlers serve (prometheus_client's exposition takes any object with these two methods)."""
+def labelled(metrics: Iterable[Metric], labels: dict[str, str]) -> Iterator[Metric]:
+    """The metrics with `labels` added to every sample (a sample's own labels win)."""
+    for metric in metrics:
+        out = Metric(metric.name, metric.documentation, metric.type, metric.unit)
+        out.samples = [s._replace(labels={**labels, **s.labels}) for s in metric.samples]
+        yield out
 
-    def __init__(self, registry: Any, node: str):
-        self.registry, self.node = registry, node
+
+class NodeLabelled:
+    """A registry's exposition with NODE_LABEL (and a worker's WORKER_LABEL) added to every
+    sample; what the /metrics handlers serve (prometheus_client's exposition takes any object
+    with these two methods)."""
+
+    def __init__(self, registry: Any, node: str, worker: str | None = None):
+        self.registry, self.node, self.worker = registry, node, worker
+        self.labels = {NODE_LABEL: node, **({WORKER_LABEL: worker} if worker is not None else {})}
 
     def collect(self) -> Iterator[Metric]:
-        for metric in self.registry.collect():
-            labelled = Metric(metric.name, metric.documentation, metric.type, metric.unit)
-            labelled.samples = [s._replace(labels={NODE_LABEL: self.node, **s.labels}) for s in metric.samples]
-            yield labelled
+        return labelled(self.registry.collect(), self.labels)
 
     def restricted_registry(self, names: Iterable[str]) -> NodeLabelled:
         """`/metrics?name[]=...`: the same filter prometheus_client applies, still labelled."""
-        return NodeLabelled(self.registry.restricted_registry(names), self.node)
+        return NodeLabelled(self.registry.restricted_registry(names), self.node, self.worker)
 
 
 def daemon_registry(
-    component: str, node: str, build_extra: Callable[[], dict[str, str]] | None = None
+    component: str, node: str, build_extra: Callable[[], dict[str, str]] | None = None, worker: str | None = None
 ) -> tuple[CollectorRegistry, NodeLabelled]:
-    """A fresh registry with build info and process metrics, and its node-labelled view to serve."""
+    """A fresh registry with build info and process metrics, and its labelled view to serve
+    (`worker`: the worker's name, on a worker)."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(BuildInfo(component, build_extra))
     ProcessCollector(registry=registry)  # process_cpu_seconds_total, _resident_memory_bytes, _open_fds ...
-    return registry, NodeLabelled(registry, node_name(node))
+    return registry, NodeLabelled(registry, node_name(node), worker)

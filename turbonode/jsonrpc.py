@@ -37,6 +37,8 @@ METHOD_NOT_FOUND = -32601
 INVALID_PARAMS = -32602
 INTERNAL_ERROR = -32603
 SERVER_ERROR = -32000  # the first of the implementation-defined codes: the server cannot serve this now
+# What a worker answers (SERVER_ERROR) to every method while it loads its model: its callers show it as loading.
+WORKER_LOADING = "the worker is loading its model"
 
 
 class RpcError(Exception):

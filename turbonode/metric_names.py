@@ -3,12 +3,16 @@ dashboard (deploy/grafana/turbonode.json) and the alerting rules (deploy/prometh
 
 Every series either daemon exports carries NODE_LABEL, the node's name (its hostname unless
 the configuration names it), so one dashboard selection shows the agent (:9465) and the
-worker (:8460) of a node although Prometheus scrapes them as two instances.
+workers (:8460, :8461, ...) of a node although Prometheus scrapes them as separate instances;
+a worker's series and the agent's about it carry WORKER_LABEL too.
 """
 
 from __future__ import annotations
 
 NODE_LABEL = "node"
+# The worker a series is about, on a node of several ([workers.<name>]): every series of a worker
+# carries its name, and so do the agent's per-worker series (its watchers, level and throttle).
+WORKER_LABEL = "worker"
 
 # 1 on both daemons; labels: component (agent|worker), version, revision (git), and on the
 # worker backend (torch|tensorrt), device and model_family.

@@ -1,40 +1,43 @@
 """Levers: reversible actions the policy engages per rule, beside the per-level throttle.
 
 A rule of `[policy.rules.<signal>]` lists the levers it engages while it is active
-(turbonode.config.LEVER_NAMES, agent/policy.py):
+(turbonode.config.LEVER_NAMES, agent/policy.py). A lever acts on the node or on one worker:
 
-  cpu_share       favour the worker's cgroup over best-effort cgroups: CPU weight up for the
-                  worker, down (optionally capped) for them (agent/levers/cgroup.py)
-  worker_threads  the worker runs `levers.worker_threads` torch intra-op threads: a field of its
-                  throttle, so it expires like the rest if the agent dies
-  memory_squeeze  best-effort memory cgroups held at what they use (agent/levers/memory.py)
-  memory_protect  the worker's memory cgroup kept from reclaim, on v2 (agent/levers/memory.py)
-  io_weight       io weight up for the worker, down for best-effort cgroups (agent/levers/io.py)
+  cpu_share       (node) favour every worker's cgroup over best-effort cgroups: CPU weight up for
+                  the workers, down (optionally capped) for them (agent/levers/cgroup.py)
+  worker_threads  (one worker) the worker runs `levers.worker_threads` torch intra-op threads: a
+                  field of its throttle, so it expires like the rest if the agent dies
+  memory_squeeze  (node) best-effort memory cgroups held at what they use (agent/levers/memory.py)
+  memory_protect  (node, and each worker) every worker's memory cgroup kept from reclaim, on v2
+                  (agent/levers/memory.py), and each worker told to lock its memory (a field of
+                  its throttle: render/memory_lock.py)
+  io_weight       (node) io weight up for every worker, down for best-effort cgroups (agent/levers/io.py)
 
 Beside them, the OOM guard (agent/levers/memory.py) is standing while the agent runs
-(`levers.oom_guard`): the worker's and the agent's oom_score_adj lowered, the best-effort
+(`levers.oom_guard`): the workers' and the agent's oom_score_adj lowered, the best-effort
 processes' raised, new processes included; released when the agent stops (`close`).
 
-`Levers.reconcile` engages what the policy wants and releases the rest (on recovery, and all
-of them when the agent stops). Kernel knobs are written through a journal on disk
-(agent/levers/journal.py): the next agent after a kill -9 puts back what the dead one left,
-at start, before it changes anything. A lever that fails to engage is reported (status,
-log) and tried again at the next sample; it never stops the loop. In dry-run nothing is
-written: what would be is logged.
+`Levers` holds the node's, `WorkerLevers` one worker's; `reconcile` engages what the policy
+wants and releases the rest (on recovery, and all of them when the agent stops). Kernel knobs
+are written through a journal on disk (agent/levers/journal.py): the next agent after a kill -9
+puts back what the dead one left, at start, before it changes anything. A lever that fails to
+engage is reported (status, log) and tried again at the next sample; it never stops the loop.
+In dry-run nothing is written: what would be is logged.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from turbonode.config import LEVER_NAMES, LeversConfig
 from turbonode.errors import TurbonodeError
 
-from .cgroup import CpuShare
+from .cgroup import CpuShare, WorkerCgroup
 from .io import IoWeight
 from .journal import KnobJournal, KnobWrites
 from .memory import MemoryProtect, MemorySqueeze, OomGuard
@@ -43,6 +46,10 @@ log = logging.getLogger("turbonode.agent")
 
 THREADS = "worker_threads"
 PROTECT = "memory_protect"
+# levers that act on one worker (through its throttle), and those with knobs of the node:
+# memory_protect is both (each worker's lock, every worker's memory.min)
+WORKER_LEVERS = (THREADS, PROTECT)
+NODE_LEVERS = tuple(name for name in LEVER_NAMES if name != THREADS)
 LEVER_STATE_FILE = "levers.json"  # in the runtime directory, beside the agent's socket
 
 
@@ -65,28 +72,106 @@ class LeverState:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
-class Levers:
+class LeverSet:
+    """Levers by name, each engaged while a rule wants it; subclasses do what engaging means."""
+
+    names: tuple[str, ...] = ()
+    where = "node"  # for the log
+
+    def __init__(self, dry_run: bool = False):
+        self.dry_run = dry_run
+        self.state = {name: LeverState() for name in self.names}
+
+    def reconcile(self, wanted: Mapping[str, str], signals: Mapping[str, str], why_released: str) -> list[tuple]:
+        """Engage the levers in `wanted` (lever -> reason), release the others; the (action, signal)
+        pairs done, for the actuator's counters. `signals` labels each wanted lever's cause."""
+        done = []
+        for name, st in self.state.items():
+            if name in wanted and not st.engaged:
+                if self._engage(name, wanted[name]):
+                    done.append((f"{name}_engage", signals.get(name, "")))
+            elif name in wanted:
+                self._refresh(name)
+            elif st.engaged:
+                self._release(name, why_released)
+                done.append((f"{name}_release", why_released))
+        return done
+
+    def _engage(self, name: str, reason: str) -> bool:
+        st = self.state[name]
+        try:
+            detail = self._engage_knobs(name)
+        except TurbonodeError as exc:
+            if st.error != str(exc):
+                log.warning("%s: lever %s could not be engaged (%s): %s", self.where, name, reason, exc)
+            st.error = str(exc)
+            return False
+        st.engaged, st.since, st.reason, st.error, st.detail = True, time.time(), reason, None, detail
+        prefix = "dry-run: " if self.dry_run else ""
+        log.info("%s%s: lever %s engaged (%s) %s", prefix, self.where, name, reason, detail or "")
+        return True
+
+    def _release(self, name: str, why: str) -> None:
+        problems = self._release_knobs(name)
+        for problem in problems:
+            log.warning("%s: lever %s: %s", self.where, name, problem)
+        log.info("%s%s: lever %s released (%s)", "dry-run: " if self.dry_run else "", self.where, name, why)
+        self.state[name] = LeverState(error="; ".join(problems) or None)
+
+    def _engage_knobs(self, name: str) -> dict[str, Any]:
+        """What engaging `name` changed (raises TurbonodeError when it cannot)."""
+        return {}
+
+    def _refresh(self, name: str) -> None:
+        """An engaged lever, still wanted: catch up with what changed (a worker that came up)."""
+
+    def _release_knobs(self, name: str) -> list[str]:
+        """Undo what engaging changed; the problems, one line each."""
+        return []
+
+    def engaged(self) -> dict[str, bool]:
+        return {name: st.engaged for name, st in self.state.items()}
+
+    def status(self) -> dict[str, Any]:
+        return {
+            name: {"engaged": st.engaged, "since": st.since, "reason": st.reason, "error": st.error, **st.detail}
+            for name, st in self.state.items()
+        }
+
+
+class Levers(LeverSet):
+    """The node's levers: kernel knobs, written through the journal."""
+
+    names = NODE_LEVERS
+
     def __init__(
         self,
         cfg: LeversConfig,
         state_file: str,
-        worker_pid: Callable[[], int],
+        workers: Sequence[WorkerCgroup],
         procfs: str = "/proc",
         dry_run: bool = False,
         worker_pids: Callable[[], Iterable[int]] = tuple,
     ):
-        self.cfg, self.dry_run = cfg, dry_run
+        super().__init__(dry_run)
+        self.cfg = cfg
         self.journal = KnobJournal(state_file)
-        self.cpu_share = CpuShare(cfg, self.journal, worker_pid, procfs)
+        self.cpu_share = CpuShare(cfg, self.journal, workers, procfs)
         # the levers that write kernel knobs, by name: engage() -> what it did, release() -> problems
         self.knobs: dict[str, KnobLever] = {
             "cpu_share": self.cpu_share,
             "memory_squeeze": MemorySqueeze(cfg, KnobWrites(self.journal)),
-            "memory_protect": MemoryProtect(cfg, KnobWrites(self.journal), worker_pid, procfs),
-            "io_weight": IoWeight(cfg, KnobWrites(self.journal), worker_pid, procfs),
+            "memory_protect": EveryWorker(
+                [MemoryProtect(cfg, KnobWrites(self.journal), w.pid, procfs) for w in workers]
+            ),
+            "io_weight": EveryWorker(
+                [
+                    IoWeight(dataclasses.replace(cfg, worker_cgroup=w.setting), KnobWrites(self.journal), w.pid, procfs)
+                    for w in workers
+                ]
+            ),
         }
         self.oom_guard = OomGuard(cfg, KnobWrites(self.journal), worker_pids, procfs) if cfg.oom_guard else None
-        self.state = {name: LeverState() for name in LEVER_NAMES}
         self.restore_problems: list[str] = []
 
     def restore_leftovers(self) -> list[str]:
@@ -98,18 +183,8 @@ class Levers:
         return self.restore_problems
 
     def reconcile(self, wanted: Mapping[str, str], signals: Mapping[str, str], why_released: str) -> list[tuple]:
-        """Engage the levers in `wanted` (lever -> reason), release the others; the (action, signal)
-        pairs done, for the actuator's counters. `signals` labels each wanted lever's cause."""
         self._guard()
-        done = []
-        for name, st in self.state.items():
-            if name in wanted and not st.engaged:
-                if self._engage(name, wanted[name]):
-                    done.append((f"{name}_engage", signals.get(name, "")))
-            elif name not in wanted and st.engaged:
-                self._release(name, why_released)
-                done.append((f"{name}_release", why_released))
-        return done
+        return super().reconcile(wanted, signals, why_released)
 
     def _guard(self) -> None:
         guard = self.oom_guard
@@ -118,7 +193,7 @@ class Levers:
         if self.dry_run:
             if guard.checked_at is None:
                 log.info(
-                    "dry-run: would set oom_score_adj of the worker and the agent to %d, of best-effort "
+                    "dry-run: would set oom_score_adj of the workers and the agent to %d, of best-effort "
                     "processes to %d",
                     self.cfg.worker_oom_score_adj,
                     self.cfg.best_effort_oom_score_adj,
@@ -139,30 +214,54 @@ class Levers:
             log.warning("oom guard: %s", problem)
         return problems
 
-    def _engage(self, name: str, reason: str) -> bool:
-        st = self.state[name]
-        try:
-            detail = {} if name == THREADS else self._engage_knobs(name)
-        except TurbonodeError as exc:
-            if st.error != str(exc):
-                log.warning("lever %s could not be engaged (%s): %s", name, reason, exc)
-            st.error = str(exc)
-            return False
-        st.engaged, st.since, st.reason, st.error, st.detail = True, time.time(), reason, None, detail
-        log.info("%slever %s engaged (%s) %s", "dry-run: " if self.dry_run else "", name, reason, detail or "")
-        return True
-
     def _engage_knobs(self, name: str) -> dict[str, Any]:
         if self.dry_run:
             return {"dry_run": self.knobs[name].dry_run_note}
         return self.knobs[name].engage()
 
-    def _release(self, name: str, why: str) -> None:
-        problems = [] if name == THREADS or self.dry_run else self.knobs[name].release()
-        for problem in problems:
-            log.warning("lever %s: %s", name, problem)
-        log.info("%slever %s released (%s)", "dry-run: " if self.dry_run else "", name, why)
-        self.state[name] = LeverState(error="; ".join(problems) or None)
+    def _refresh(self, name: str) -> None:
+        if name != self.cpu_share.name or self.dry_run or not self.cpu_share.stale():
+            return
+        try:
+            self.state[name].detail = self.cpu_share.engage()
+        except TurbonodeError as exc:
+            log.warning("node: lever %s: looking again for the workers' cgroups: %s", name, exc)
+
+    def _release_knobs(self, name: str) -> list[str]:
+        return [] if self.dry_run else self.knobs[name].release()
+
+    def status(self) -> dict[str, Any]:
+        out: dict[str, Any] = super().status()
+        out["oom_guard"] = self.oom_guard.status() if self.oom_guard is not None else {"engaged": False}
+        out["changed"] = self.journal.changed()
+        out["restore_problems"] = self.restore_problems
+        return out
+
+
+class EveryWorker:
+    """A knob lever applied to every worker of the node (one instance per worker): what each did (a
+    single worker's as it is, several by position); what failed to put back, every one's problems."""
+
+    def __init__(self, each: Sequence[KnobLever]):
+        self.each = tuple(each)
+        self.dry_run_note = self.each[0].dry_run_note if self.each else ""
+
+    def engage(self) -> dict[str, Any]:
+        done = [lever.engage() for lever in self.each]
+        return done[0] if len(done) == 1 else {"workers": done}  # a node's only worker: its own detail
+
+    def release(self) -> list[str]:
+        return [problem for lever in self.each for problem in lever.release()]
+
+
+class WorkerLevers(LeverSet):
+    """One worker's levers (WORKER_LEVERS): fields of its throttle, so they lapse with it."""
+
+    names = WORKER_LEVERS
+
+    def __init__(self, cfg: LeversConfig, worker: str, dry_run: bool = False):
+        super().__init__(dry_run)
+        self.cfg, self.where = cfg, f"worker {worker}"
 
     def throttle_fields(self) -> dict[str, Any]:
         """What the engaged levers add to the worker's throttle."""
@@ -175,17 +274,4 @@ class Levers:
 
     def throttle_reason(self) -> str:
         """Why the throttle is set when only levers ask for it: the first such lever's reason."""
-        return next(self.state[n].reason for n in (THREADS, PROTECT) if self.state[n].engaged)
-
-    def engaged(self) -> dict[str, bool]:
-        return {name: st.engaged for name, st in self.state.items()}
-
-    def status(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            name: {"engaged": st.engaged, "since": st.since, "reason": st.reason, "error": st.error, **st.detail}
-            for name, st in self.state.items()
-        }
-        out["oom_guard"] = self.oom_guard.status() if self.oom_guard is not None else {"engaged": False}
-        out["changed"] = self.journal.changed()
-        out["restore_problems"] = self.restore_problems
-        return out
+        return next(self.state[n].reason for n in WORKER_LEVERS if self.state[n].engaged)

@@ -1,6 +1,6 @@
-"""The CPU-share lever: favour the worker over co-located best-effort work while degraded.
+"""The CPU-share lever: favour the workers over co-located best-effort work while degraded.
 
-It raises the worker's cgroup weight and lowers (optionally caps) the configured best-effort
+It raises every worker's cgroup weight and lowers (optionally caps) the configured best-effort
 cgroups' (a batch slice, say) on cgroup v1 or v2 (turbonode/cgroups.py). Measured on the
 development VM (docs/benchmarks.md): a hog in another session gets the same CPU share as the
 worker whatever its nice (sched_autogroup), and a lowered weight on the hog's cgroup alone
@@ -10,7 +10,8 @@ at idle speed. Writes go through the KnobJournal: reversible, restored after a c
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,14 +20,16 @@ from turbonode.config import LeversConfig
 
 from .journal import KnobJournal
 
+RESOLVE_RETRY_S = 1.0  # while engaged, a worker whose cgroup was not found is looked for again this often
+
 
 @dataclass
 class CpuShareLever:
-    """Favour the worker's cgroup over best-effort cgroups while engaged; undo restores both."""
+    """Favour the workers' cgroups over best-effort cgroups while engaged; undo restores them all."""
 
     hierarchy: CpuHierarchy
     journal: KnobJournal
-    worker: str | None  # the worker's cgroup (None: leave it alone)
+    workers: tuple[str, ...]  # the workers' cgroups (none: leave them alone)
     best_effort: tuple[str, ...]  # cgroups of co-located batch work
     worker_weight: int = V2_WEIGHT_MAX
     best_effort_weight: int = V2_WEIGHT_MIN
@@ -36,8 +39,9 @@ class CpuShareLever:
     def writes(self) -> list[tuple[str, str]]:
         """Every (file, value) the lever writes when engaged; raises for a missing cgroup."""
         out = []
-        if self.worker is not None and self.worker != "/":  # the root cgroup has no weight
-            out.append((self.hierarchy.weight_file(self.worker)[0], self.hierarchy.weight_value(self.worker_weight)))
+        for cg in self.workers:
+            if cg != "/":  # the root cgroup has no weight
+                out.append((self.hierarchy.weight_file(cg)[0], self.hierarchy.weight_value(self.worker_weight)))
         for cg in self.best_effort:
             out.append((self.hierarchy.weight_file(cg)[0], self.hierarchy.weight_value(self.best_effort_weight)))
             if self.best_effort_cpus is not None:
@@ -57,47 +61,90 @@ class CpuShareLever:
         return problems
 
 
-def worker_cgroup(setting: str, hierarchy: Hierarchy, worker_pid: Callable[[], int], procfs: str) -> str | None:
-    """The cgroup `levers.worker_cgroup` names: 'auto' is the worker process's own in `hierarchy`;
-    '' is none. The root cgroup has no weight to raise nor memory to protect: None."""
+@dataclass(frozen=True)
+class WorkerCgroup:
+    """Where one worker's cgroup comes from: its setting ('auto': the cgroup of its pid, as its
+    latest status named it, None while it has not answered; a path or slice; '': leave it)."""
+
+    name: str
+    setting: str
+    pid: Callable[[], int | None]
+
+
+def worker_cgroup(setting: str, hierarchy: Hierarchy, worker_pid: Callable[[], int | None], procfs: str) -> str | None:
+    """The cgroup a worker's setting names: 'auto' is the worker process's own; '' is none.
+    The root cgroup has no weight to raise nor memory to protect: None."""
     if not setting:
         return None
-    cgroup = hierarchy.of_pid(worker_pid(), procfs) if setting == "auto" else slice_path(setting)
+    if setting != "auto":
+        cgroup = slice_path(setting)
+    else:
+        pid = worker_pid()
+        if pid is None:
+            raise CgroupError("its pid is not known yet (it has not answered its status)")
+        cgroup = hierarchy.of_pid(pid, procfs)
     return None if cgroup == "/" else cgroup
 
 
 class CpuShare:
-    """The `cpu_share` lever as the agent runs it: resolves the cgroups when engaged (the worker
-    may have restarted meanwhile), writes through the journal, undoes what it wrote."""
+    """The `cpu_share` lever as the agent runs it: resolves the workers' cgroups when engaged (a
+    worker may have restarted meanwhile), writes through the journal, undoes what it wrote. A
+    worker whose cgroup cannot be found (not answering yet) leaves the others' raised; it is
+    looked for again while the lever is engaged (refresh)."""
 
     name = "cpu_share"
     dry_run_note = "would raise the worker's CPU weight and lower the best-effort cgroups'"
 
-    def __init__(self, cfg: LeversConfig, journal: KnobJournal, worker_pid: Callable[[], int], procfs: str):
-        self.cfg, self.journal, self.worker_pid, self.procfs = cfg, journal, worker_pid, procfs
+    def __init__(self, cfg: LeversConfig, journal: KnobJournal, workers: Sequence[WorkerCgroup], procfs: str):
+        self.cfg, self.journal, self.workers, self.procfs = cfg, journal, tuple(workers), procfs
         self.lever: CpuShareLever | None = None
+        self.unresolved: dict[str, str] = {}
+        self._resolved_at = 0.0
 
     def engage(self) -> dict[str, Any]:
         hierarchy = CpuHierarchy.find(self.cfg.cgroup_root)
-        worker = worker_cgroup(self.cfg.worker_cgroup, hierarchy, self.worker_pid, self.procfs)
-        if worker is None and not self.cfg.best_effort_cgroups:
+        found: dict[str, str] = {}
+        self.unresolved, self._resolved_at = {}, time.monotonic()
+        for w in self.workers:
+            try:
+                cgroup = worker_cgroup(w.setting, hierarchy, w.pid, self.procfs)
+            except CgroupError as exc:
+                self.unresolved[w.name] = str(exc)
+                continue
+            if cgroup is not None:
+                found[w.name] = cgroup
+        if not found and not self.cfg.best_effort_cgroups:
+            why = "; ".join(f"worker {n}: {e}" for n, e in self.unresolved.items())
             raise CgroupError(
-                "nothing to weigh: the worker's cgroup is the root or unset (levers.worker_cgroup) "
-                "and no levers.best_effort_cgroups are configured"
+                "nothing to weigh: no worker's cgroup (the root, unset or not found"
+                + (f": {why}" if why else "")
+                + ") and no levers.best_effort_cgroups are configured"
             )
-        self.lever = CpuShareLever(
+        lever = CpuShareLever(
             hierarchy,
             self.journal,
-            worker,
+            tuple(dict.fromkeys(found.values())),  # workers sharing a cgroup raise it once
             tuple(self.cfg.best_effort_cgroups),
             self.cfg.worker_cpu_weight,
             self.cfg.best_effort_cpu_weight,
             self.cfg.best_effort_cpus or None,
         )
-        self.lever.engage()
-        return {"cgroup_version": hierarchy.version, "worker_cgroup": worker, "best_effort": self.lever.best_effort}
+        if self.lever is not None:  # engaged again (refresh): release undoes the first writes too
+            lever.engaged = list(self.lever.engaged)
+        self.lever = lever
+        lever.engage()
+        return {
+            "cgroup_version": hierarchy.version,
+            "worker_cgroups": found,
+            "best_effort": lever.best_effort,
+            "unresolved": dict(self.unresolved),
+        }
+
+    def stale(self) -> bool:
+        """Engaged without some worker's cgroup, and due to look for it again."""
+        return bool(self.unresolved) and time.monotonic() - self._resolved_at >= RESOLVE_RETRY_S
 
     def release(self) -> list[str]:
         problems = self.lever.release() if self.lever is not None else []
-        self.lever = None
+        self.lever, self.unresolved = None, {}
         return problems

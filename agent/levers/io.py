@@ -24,7 +24,7 @@ class IoWeight:
     name = "io_weight"
     dry_run_note = "would raise the worker's io weight and lower the best-effort cgroups'"
 
-    def __init__(self, cfg: LeversConfig, writes: KnobWrites, worker_pid: Callable[[], int], procfs: str):
+    def __init__(self, cfg: LeversConfig, writes: KnobWrites, worker_pid: Callable[[], int | None], procfs: str):
         self.cfg, self.writes, self.worker_pid, self.procfs = cfg, writes, worker_pid, procfs
 
     def engage(self) -> dict[str, Any]:

@@ -193,7 +193,7 @@ class MemoryProtect:
     name = "memory_protect"
     dry_run_note = "would lock the worker's memory and protect its memory cgroup from reclaim"
 
-    def __init__(self, cfg: LeversConfig, writes: KnobWrites, worker_pid: Callable[[], int], procfs: str):
+    def __init__(self, cfg: LeversConfig, writes: KnobWrites, worker_pid: Callable[[], int | None], procfs: str):
         self.cfg, self.writes, self.worker_pid, self.procfs = cfg, writes, worker_pid, procfs
 
     def engage(self) -> dict[str, Any]:

@@ -29,6 +29,7 @@ class Watcher:
     interval = 0.0  # seconds between reads; 0 = every sample. Costly sources read less often.
 
     def __init__(self):
+        self.owner = ""  # whose watcher it is, for the log: '' (the node's) or 'worker NAME: '
         self.ok = False
         self.error: str | None = "not sampled yet"
         self.signals: Signals = {}
@@ -54,11 +55,11 @@ class Watcher:
             error = str(exc) if expected else f"{type(exc).__name__}: {exc}"
             if self.ok or self.error != error:  # log transitions, not every failed sample
                 # Anything else is malformed data or a bug: the traceback says where.
-                log.warning("%s watcher failed: %s", self.name, error, exc_info=not expected)
+                log.warning("%s%s watcher failed: %s", self.owner, self.name, error, exc_info=not expected)
             self.ok, self.error, self.signals = False, error, {}
             return {}
         if not self.ok:
-            log.info("%s watcher ok", self.name)
+            log.info("%s%s watcher ok", self.owner, self.name)
         self.ok, self.error = True, None
         return self.signals
 

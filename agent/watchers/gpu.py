@@ -1,10 +1,16 @@
-"""GPUs through NVML (nvidia-ml-py): utilisation, memory, clock throttle reasons.
+"""A worker's GPUs through NVML (nvidia-ml-py): utilisation, memory, clock throttle reasons.
 
-A host without a GPU or driver is a reported state (collector success 0), not an error.
-The nvml module is injectable so tests can stand in for hardware that is not here.
+One watcher per worker, for the GPU it renders on: the one whose UUID the worker reports in its
+status (its backend's `gpu_uuid`: under Kubernetes' device plugin a container sees its GPU as
+cuda:0 whatever NVML's index), else the index its `[workers.<name>] gpu` names, else (a node
+that names no workers) every GPU NVML sees. A host without a GPU or driver, or a GPU it does not
+have, is a reported state (collector success 0), not an error. The nvml module is injectable so
+tests can stand in for hardware that is not here.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from prometheus_client.core import GaugeMetricFamily
 
@@ -28,14 +34,24 @@ THROTTLE_REASONS = {
 
 class GpuWatcher(Watcher):
     name = "gpu"
+    signal_names = ("gpu_utilization",)  # about its worker's GPU: per-worker rules (agent/worker_unit.py)
     interval = 1.0  # NVML queries take milliseconds each; GPU state is not a fast policy signal
 
-    def __init__(self, nvml=None):
+    def __init__(
+        self,
+        nvml=None,
+        indexes: tuple[int, ...] | None = None,
+        uuid: Callable[[], str | None] = lambda: None,
+    ):
         super().__init__()
+        self.indexes = indexes  # NVML indexes to read; None: all
+        self.uuid = uuid  # the GPU its worker says it renders on, once it has said so
         self.init_error: str | None = None
         try:
             if nvml is None:
-                import pynvml as nvml
+                import pynvml
+
+                nvml = pynvml
             nvml.nvmlInit()
             self.nvml = nvml
         except Exception as exc:  # NVMLError (library or driver missing), ImportError
@@ -50,10 +66,18 @@ class GpuWatcher(Watcher):
         reasons = (
             getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
         )
+        uuid = self.uuid()
         try:
+            if uuid is not None:
+                handles = [nv.nvmlDeviceGetHandleByUUID(uuid)]
+                which = [nv.nvmlDeviceGetIndex(handles[0])]
+            else:
+                if self.indexes == ():
+                    raise TurbonodeError("no GPU known for this worker yet (it has not named one)")
+                which = list(range(nv.nvmlDeviceGetCount()) if self.indexes is None else self.indexes)
+                handles = [nv.nvmlDeviceGetHandleByIndex(i) for i in which]
             gpus = []
-            for i in range(nv.nvmlDeviceGetCount()):
-                h = nv.nvmlDeviceGetHandleByIndex(i)
+            for i, h in zip(which, handles):
                 util = nv.nvmlDeviceGetUtilizationRates(h)
                 mem = nv.nvmlDeviceGetMemoryInfo(h)
                 gpus.append(
@@ -66,7 +90,8 @@ class GpuWatcher(Watcher):
                     }
                 )
         except nv.NVMLError as exc:
-            raise TurbonodeError(f"NVML query failed: {exc}") from None
+            gpu = uuid or (None if self.indexes is None else ", ".join(map(str, self.indexes)))
+            raise TurbonodeError(f"NVML query{f' of GPU {gpu}' if gpu else ''} failed: {exc}") from None
         signals = {"gpu_utilization": max((g["utilization"] for g in gpus), default=None)}
         return signals, {"gpus": gpus}
 

@@ -13,6 +13,7 @@ import select
 from typing import Any
 
 from turbonode.errors import ControlError
+from turbonode.jsonrpc import WORKER_LOADING
 
 from .base import Signals, Watcher
 from .worker_feed import WorkerFeed
@@ -20,6 +21,7 @@ from .worker_feed import WorkerFeed
 
 class WorkerWatcher(Watcher):
     name = "worker"
+    signal_names = ("gc_pause_s", "turbo_wait_s", "step_time_p99_s")  # about its worker: per-worker rules
 
     def __init__(self, feed: WorkerFeed):
         super().__init__()
@@ -36,6 +38,12 @@ class WorkerWatcher(Watcher):
         if news.error is not None:
             raise ControlError(news.error)
         if news.status is not None:
+            named = news.status.get("name", self.feed.name)  # a worker from before names had none
+            if named != self.feed.name:
+                raise ControlError(
+                    f"{self.feed.client.path} answers as worker {named!r}, not {self.feed.name!r}: "
+                    "two workers' sockets crossed in the configuration?"
+                )
             self._status = news.status
         if news.tiers is not None:
             self._tiers = news.tiers
@@ -64,6 +72,16 @@ class WorkerWatcher(Watcher):
             return []
         return [p for p in pids if isinstance(p, int) and not isinstance(p, bool) and p > 0]
 
+    def gpu_uuid(self) -> str | None:
+        """The GPU the worker renders on, as NVML names it (its backend's `gpu_uuid`), once it said."""
+        uuid = (self._status.get("backend") or {}).get("gpu_uuid")
+        return uuid if isinstance(uuid, str) and uuid else None
+
+    def pid(self) -> int | None:
+        """The worker's main process (its front, the first it names): its cgroup is the worker's."""
+        pids = self.pids()
+        return pids[0] if pids else None
+
     def wake_fds(self) -> dict[int, int]:
         return {self.feed.efd: select.POLLIN}
 
@@ -73,19 +91,19 @@ class WorkerWatcher(Watcher):
     def summary(self) -> dict:
         return {**super().summary(), "pushes": self.feed.pushes, "events": self.feed.has_events}
 
-    def status_view(self) -> dict:
+    def view(self) -> dict:
+        """The worker as the agent last saw it, for its status (`workers.<name>`)."""
         if not self.ok:
-            return {"worker": {"state": "absent", "error": self.error}}
+            state = "loading" if self.error and WORKER_LOADING in self.error else "absent"
+            return {"state": state, "error": self.error}
         d = self.detail
         return {
-            "worker": {
-                "state": "ok",
-                "tiers": d.get("tiers"),
-                "throttle": d.get("throttle"),
-                "max_batch": d.get("max_batch"),
-                "step_time_s": d.get("step_time_s"),
-                "backend": d.get("backend"),
-            }
+            "state": "ok",
+            "tiers": d.get("tiers"),
+            "throttle": d.get("throttle"),
+            "max_batch": d.get("max_batch"),
+            "step_time_s": d.get("step_time_s"),
+            "backend": d.get("backend"),
         }
 
     def close(self) -> None:

@@ -20,6 +20,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from turbonode.config import DEFAULT_WORKER
 from turbonode.errors import ControlError
 from turbonode.jsonrpc import METHOD_NOT_FOUND, ControlClient
 
@@ -49,7 +50,9 @@ class WorkerFeed:
         wake_on: dict[str, float] | None = None,
         period: float = FEED_PERIOD_S,
         status_every: float = STATUS_EVERY_S,
+        name: str = DEFAULT_WORKER,
     ):
+        self.name = name
         self.client = ControlClient(path, timeout=period + ANSWER_MARGIN_S)
         self.wake_on = {k: v for k, v in (wake_on or {}).items() if k in WAKE_SIGNALS}
         self.period, self.status_every = period, status_every
@@ -66,7 +69,7 @@ class WorkerFeed:
 
     def start(self) -> WorkerFeed:
         if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="turbonode-worker-feed", daemon=True)
+            self._thread = threading.Thread(target=self._run, name=f"turbonode-feed-{self.name}", daemon=True)
             self._thread.start()
         return self
 
@@ -90,7 +93,7 @@ class WorkerFeed:
         if self._thread is not None:
             self._thread.join(self.client.timeout + 1)
             if self._thread.is_alive():  # stuck in a call past its timeout: leave it the fd it may write
-                log.warning("worker feed did not stop within %.1f s", self.client.timeout + 1)
+                log.warning("worker %s: its feed did not stop within %.1f s", self.name, self.client.timeout + 1)
                 return
         os.close(self.efd)
 
@@ -108,7 +111,7 @@ class WorkerFeed:
                     answer = self.client.call("events", **self._events_params())
             except ControlError as exc:
                 if exc.code == METHOD_NOT_FOUND and not full:
-                    log.info("worker has no `events` method (an older worker): polling its status")
+                    log.info("worker %s has no `events` method (an older worker): polling its status", self.name)
                     self.has_events = False
                     continue
                 self._failed(str(exc))
@@ -160,7 +163,7 @@ class WorkerFeed:
         self._cursor, self._turbo_wait = last_seq, turbo_wait
         with self._lock:
             if self._news.error is not None:
-                log.info("worker feed: worker answers again")
+                log.info("worker %s answers again", self.name)
             self._news.pauses.extend(pauses)
             self._news.tiers = tiers
             if full:

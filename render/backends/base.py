@@ -60,5 +60,23 @@ class Backend(ABC):
         """Get ready for height x width images before the first request (what a first call would build)."""
 
     def describe(self) -> dict:
-        """What `status` and the logs say about this backend."""
-        return {"name": self.name, "device": str(self.device), "dtype": str(self.dtype).removeprefix("torch.")}
+        """What `status` and the logs say about this backend (on a GPU, its NVML UUID: the agent
+        watches that GPU for this worker whatever index the worker sees it under)."""
+        uuid = gpu_uuid(self.device)
+        return {
+            "name": self.name,
+            "device": str(self.device),
+            "dtype": str(self.dtype).removeprefix("torch."),
+            **({"gpu_uuid": uuid} if uuid else {}),
+        }
+
+
+def gpu_uuid(device: torch.device) -> str | None:
+    """A CUDA device's UUID as NVML and nvidia-smi write it ("GPU-<uuid>"); None off CUDA."""
+    if device.type != "cuda":
+        return None
+    uuid = getattr(torch.cuda.get_device_properties(device), "uuid", None)
+    if uuid is None:  # an older torch
+        return None
+    text = str(uuid)
+    return text if text.startswith(("GPU-", "MIG-")) else f"GPU-{text}"
