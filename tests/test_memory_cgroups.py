@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from agent.levers import Levers
+from agent.levers.cgroup import WorkerCgroup
 from agent.levers.io import IoWeight
 from agent.levers.journal import KnobError, KnobJournal, KnobWrites, read_knob
 from agent.levers.memory import MemoryProtect, MemorySqueeze, OomGuard
@@ -80,7 +82,7 @@ def test_v1_memory_knobs_found_and_read(tmp_path):
         (str(root / "memory/node/batch/memory.limit_in_bytes"), str(PAGE), None),  # rounded up to a page
     ]
     with pytest.raises(CgroupError, match="v1 has no memory.min"):
-        h.protect_writes("/node/worker", 1 << 20)
+        h.protect_writes({"/node/worker": 1 << 20})
 
 
 def test_v2_memory_knobs_and_protection_up_the_tree(tmp_path):
@@ -90,13 +92,21 @@ def test_v2_memory_knobs_and_protection_up_the_tree(tmp_path):
     assert h.events("batch.slice")["high"] == 2 and h.major_faults("batch.slice") == 9
     assert h.squeeze_writes("batch.slice", 2 * PAGE) == [(str(root / "batch.slice/memory.high"), str(2 * PAGE), None)]
     # the service and each ancestor below the root at least as much; the slice already has max
-    assert h.protect_writes("system.slice/worker.service", 5000) == [
+    assert h.protect_writes({"system.slice/worker.service": 5000}) == [
         (str(root / "system.slice/worker.service/memory.min"), "5000")
     ]
     (root / "system.slice/memory.min").write_text("0\n")
-    assert [p for p, _ in h.protect_writes("system.slice/worker.service", 5000)] == [
+    assert [p for p, _ in h.protect_writes({"system.slice/worker.service": 5000})] == [
         str(root / "system.slice/worker.service/memory.min"),
         str(root / "system.slice/memory.min"),
+    ]
+    # two workers side by side: their parent protects what both use (one's would leave both short)
+    for cg in ("system.slice/worker-a.service", "system.slice/worker-b.service"):
+        write(root / cg / "memory.min", "0\n")
+    assert h.protect_writes({"system.slice/worker-a.service": 3000, "/system.slice/worker-b.service": 2000}) == [
+        (str(root / "system.slice/worker-a.service/memory.min"), "3000"),
+        (str(root / "system.slice/worker-b.service/memory.min"), "2000"),
+        (str(root / "system.slice/memory.min"), "5000"),
     ]
 
 
@@ -194,20 +204,71 @@ def test_protect_sets_memory_min_on_v2_and_leaves_v1_to_the_lock(tmp_path):
     proc = tmp_path / "proc"
     write(proc / "7/cgroup", "0::/system.slice/worker.service\n")
     journal = KnobJournal(str(tmp_path / "s.json"))
-    protect = MemoryProtect(LeversConfig(cgroup_root=str(v2)), KnobWrites(journal), lambda: 7, str(proc))
+    worker = [WorkerCgroup("default", "auto", lambda: 7)]
+    protect = MemoryProtect(LeversConfig(cgroup_root=str(v2)), KnobWrites(journal), worker, str(proc))
     assert protect.engage() == {
         "lock_memory": True,
         "cgroup_version": 2,
-        "worker_cgroup": "/system.slice/worker.service",
-        "memory_min": 104857600,
+        "worker_cgroups": {"default": "/system.slice/worker.service"},
+        "unresolved": {},
+        "memory_min": {"/system.slice/worker.service": 104857600},
     }
     assert read(v2 / "system.slice/worker.service/memory.min") == "104857600"
     assert protect.release() == [] and read(v2 / "system.slice/worker.service/memory.min") == "0"
     v1 = fake_v1(tmp_path)
     write(proc / "8/cgroup", "4:memory:/node/worker\n")
-    on_v1 = MemoryProtect(LeversConfig(cgroup_root=str(v1)), KnobWrites(journal), lambda: 8, str(proc))
+    worker = [WorkerCgroup("default", "auto", lambda: 8)]
+    on_v1 = MemoryProtect(LeversConfig(cgroup_root=str(v1)), KnobWrites(journal), worker, str(proc))
     detail = on_v1.engage()  # engaged all the same: the worker's lock rides on its throttle
     assert detail["lock_memory"] and "v1 has no memory.min" in detail["memory_min"] and journal.entries == {}
+
+
+def test_io_weight_and_memory_protect_act_on_every_worker_and_find_a_late_one(tmp_path, monkeypatch):
+    """Several workers: each one's io weight raised and memory protected; one that has not
+    answered yet (no pid) leaves the others' done, and is done once it answers, while the lever
+    stays engaged (the node's Levers look again, as for cpu_share)."""
+    import agent.levers.cgroup as cgroup_lever
+
+    v1, v2 = fake_v1(tmp_path), fake_v2(tmp_path)
+    write(v1 / "blkio/worker-b/blkio.bfq.weight", "100\n")
+    write(v2 / "system.slice/worker-b.service/memory.current", "52428800\n")
+    write(v2 / "system.slice/worker-b.service/memory.min", "0\n")
+    write(v2 / "system.slice/memory.min", "0\n")
+    proc = tmp_path / "proc"
+    write(proc / "7/cgroup", "7:blkio:/worker\n0::/system.slice/worker.service\n")
+    write(proc / "9/cgroup", "7:blkio:/worker-b\n0::/system.slice/worker-b.service\n")
+    pids: dict[str, int | None] = {"a": 7, "b": None}
+    workers = [WorkerCgroup(n, "auto", lambda n=n: pids[n]) for n in ("a", "b")]
+    io = Levers(LeversConfig(cgroup_root=str(v1), oom_guard=False), str(tmp_path / "io.json"), workers, str(proc))
+    memory = Levers(LeversConfig(cgroup_root=str(v2), oom_guard=False), str(tmp_path / "m.json"), workers, str(proc))
+    io.reconcile({"io_weight": "x"}, {}, "recovery")
+    memory.reconcile({"memory_protect": "x"}, {}, "recovery")
+    st, mst = io.status()["io_weight"], memory.status()["memory_protect"]
+    assert st["engaged"] and st["worker_cgroups"] == {"a": "/worker"} and "pid is not known" in st["unresolved"]["b"]
+    assert [read(v1 / f"blkio/{cg}/blkio.bfq.weight") for cg in ("worker", "worker-b")] == ["1000", "100"]
+    assert mst["engaged"] and mst["memory_min"] == {"/system.slice/worker.service": 104857600}
+    assert [read(v2 / f"system.slice/{cg}memory.min") for cg in ("", "worker.service/", "worker-b.service/")] == [
+        "104857600",
+        "104857600",
+        "0",
+    ]
+    pids["b"] = 9  # b answers; a second later the engaged levers find its cgroups
+    monkeypatch.setattr(cgroup_lever, "RESOLVE_RETRY_S", 0.0)
+    io.reconcile({"io_weight": "x"}, {}, "recovery")
+    memory.reconcile({"memory_protect": "x"}, {}, "recovery")
+    assert io.status()["io_weight"]["worker_cgroups"] == {"a": "/worker", "b": "/worker-b"}
+    assert read(v1 / "blkio/worker-b/blkio.bfq.weight") == "1000"
+    assert [read(v2 / f"system.slice/{cg}memory.min") for cg in ("", "worker.service/", "worker-b.service/")] == [
+        "157286400",  # the slice: what both use
+        "104857600",
+        "52428800",
+    ]
+    io.reconcile({}, {}, "recovery")  # released: everything back
+    memory.reconcile({}, {}, "recovery")
+    assert [read(v1 / f"blkio/{cg}/blkio.bfq.weight") for cg in ("worker", "worker-b", "batch")] == ["100"] * 3
+    assert [read(v2 / f"system.slice/{cg}memory.min") for cg in ("", "worker.service/", "worker-b.service/")] == [
+        "0"
+    ] * 3
 
 
 def test_io_weight_lever_on_v1(tmp_path):
@@ -215,8 +276,9 @@ def test_io_weight_lever_on_v1(tmp_path):
     proc = tmp_path / "proc"
     write(proc / "7/cgroup", "7:blkio:/worker\n")
     cfg = LeversConfig(cgroup_root=str(root), best_effort_cgroups=["/batch"])
-    lever = IoWeight(cfg, KnobWrites(KnobJournal(str(tmp_path / "s.json"))), lambda: 7, str(proc))
-    assert lever.engage()["worker_cgroup"] == "/worker"
+    worker = [WorkerCgroup("default", "auto", lambda: 7)]
+    lever = IoWeight(cfg, KnobWrites(KnobJournal(str(tmp_path / "s.json"))), worker, str(proc))
+    assert lever.engage()["worker_cgroups"] == {"default": "/worker"}
     assert [read(root / f"blkio/{cg}/blkio.bfq.weight") for cg in ("worker", "batch")] == ["1000", "1"]
     assert lever.release() == []
     assert [read(root / f"blkio/{cg}/blkio.bfq.weight") for cg in ("worker", "batch")] == ["100", "100"]

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from agent.levers.cgroup import WorkerCgroup
 from agent.levers.io import IoWeight
 from agent.levers.journal import KnobJournal, KnobWrites
 from agent.policy import policy_from_config
@@ -102,8 +103,9 @@ def test_a_real_io_cgroup_weighed_and_put_back(tmp_path):
         files = [Path(p) for cg in (worker, batch) for p, _ in h.weight_writes(cg, 100)]
         before = [f.read_text().strip() for f in files]
         cfg = LeversConfig(worker_cgroup=worker, best_effort_cgroups=[batch])
-        lever = IoWeight(cfg, KnobWrites(KnobJournal(str(tmp_path / "levers.json"))), lambda: 1, "/proc")
-        assert lever.engage()["worker_cgroup"] == worker
+        workers = [WorkerCgroup("default", worker, lambda: 1)]
+        lever = IoWeight(cfg, KnobWrites(KnobJournal(str(tmp_path / "levers.json"))), workers, "/proc")
+        assert lever.engage()["worker_cgroups"] == {"default": worker}
         weights = [f.read_text().split()[-1] for f in files]
         assert weights == ["1000", "1"]
         assert lever.release() == [] and [f.read_text().strip() for f in files] == before

@@ -643,13 +643,13 @@ class LeversConfig:
     cgroup_root: str = opt("/sys/fs/cgroup", help="cgroup filesystem root (the host's, in a container)")
     worker_cgroup: str = opt(
         "auto",
-        help="the worker's cgroup that cpu_share favours, on a node without [workers] tables (each names its "
-        "own): 'auto' (the worker's own, found from its pid), a path or systemd slice, '' (leave it alone)",
+        help="the worker's cgroup that cpu_share and io_weight favour, on a node without [workers] tables (each "
+        "names its own): 'auto' (the worker's own, found from its pid), a path or systemd slice, '' (leave it alone)",
     )
     best_effort_cgroups: list[str] = opt(
         [], string_list, "cgroups or systemd slices of co-located batch work that cpu_share holds back"
     )
-    worker_cpu_weight: int = opt(10000, CPU_WEIGHT, "cpu.weight (v2 units) of the worker's cgroup while engaged")
+    worker_cpu_weight: int = opt(10000, CPU_WEIGHT, "cpu.weight (v2 units) of every worker's cgroup while engaged")
     best_effort_cpu_weight: int = opt(1, CPU_WEIGHT, "cpu.weight (v2 units) of each best-effort cgroup while engaged")
     best_effort_cpus: float = opt(
         0.0, in_range(0, MAX_CPUS), "CPU cap of each best-effort cgroup while engaged (0: none)"
@@ -659,7 +659,7 @@ class LeversConfig:
     )
     memory_worker_cgroup: str = opt(
         "auto",
-        help="the worker's memory cgroup that memory_protect protects: 'auto' (the worker's own), a path or slice, ''",
+        help="the workers' memory cgroup that memory_protect protects: 'auto' (each worker's own), a path or slice, ''",
     )
     memory_best_effort_cgroups: list[str] = opt(
         [],
@@ -675,7 +675,7 @@ class LeversConfig:
         1000, in_range(*OOM_SCORE_ADJ), "oom_score_adj of the processes in the best-effort cgroups"
     )
     worker_io_weight: int = opt(
-        1000, in_range(IO_WEIGHT_MIN, IO_WEIGHT_MAX), "io.weight (v2 units) of the worker's cgroup while engaged"
+        1000, in_range(IO_WEIGHT_MIN, IO_WEIGHT_MAX), "io.weight (v2 units) of every worker's cgroup while engaged"
     )
     best_effort_io_weight: int = opt(
         1, in_range(IO_WEIGHT_MIN, IO_WEIGHT_MAX), "io.weight (v2 units) of each best-effort cgroup while engaged"

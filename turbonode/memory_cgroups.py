@@ -26,6 +26,7 @@ converts IOWeight=; they act only where the device's scheduler is BFQ (or, on v2
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .cgroups import UNIFIED, CgroupError, Hierarchy
@@ -71,19 +72,27 @@ class MemoryHierarchy(Hierarchy):
     def limit_file(self, cgroup: str) -> str:
         return self.file(cgroup, "memory.max" if self.version == 2 else "memory.limit_in_bytes")
 
-    def protect_writes(self, cgroup: str, nbytes: int) -> list[tuple[str, str]]:
-        """Keep `nbytes` of `cgroup` from reclaim: its memory.min, and its ancestors' at least as
-        much (a child's protection is bounded by its parent's). v1 has nothing of the kind."""
+    def protect_writes(self, usage: Mapping[str, int]) -> list[tuple[str, str]]:
+        """Keep what each cgroup of `usage` uses ({cgroup: bytes}) from reclaim: its memory.min,
+        and each ancestor's at least what the cgroups under it use together (a child's protection
+        is bounded by its parent's, shared out among its children). v1 has nothing of the kind."""
         if self.version == 1:
             raise CgroupError(NO_PROTECTION_V1)
-        parts = [p for p in cgroup.strip("/").split("/") if p]
+        chains = {cg: tuple(p for p in cg.strip("/").split("/") if p) for cg in usage}
+        # those under no other of them: their usage counts in their ancestors' once
+        top = [cg for cg, p in chains.items() if not any(o != p and p[: len(o)] == o for o in chains.values())]
+        need = {parts: usage[cg] for cg, parts in chains.items()}
+        for cg in top:
+            parts = chains[cg]
+            for depth in range(1, len(parts)):
+                need[parts[:depth]] = need.get(parts[:depth], 0) + usage[cg]
         out = []
-        for depth in range(len(parts), 0, -1):
-            path = self.file("/" + "/".join(parts[:depth]), "memory.min")
-            current = self.read("/" + "/".join(parts[:depth]), "memory.min").strip()
-            if current == "max" or int(current) >= nbytes:
+        for parts in sorted(need, key=len, reverse=True):  # deepest first
+            path = "/" + "/".join(parts)
+            current = self.read(path, "memory.min").strip()
+            if current == "max" or int(current) >= need[parts]:
                 continue
-            out.append((path, str(nbytes)))
+            out.append((self.file(path, "memory.min"), str(need[parts])))
         return out
 
     def squeeze_writes(self, cgroup: str, nbytes: int) -> list[tuple[str, str, str | None]]:

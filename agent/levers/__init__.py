@@ -27,7 +27,6 @@ In dry-run nothing is written: what would be is logged.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -61,6 +60,8 @@ class KnobLever(Protocol):
     def engage(self) -> dict[str, Any]: ...  # what it did, for status; raises TurbonodeError
 
     def release(self) -> list[str]: ...  # the problems putting things back, one line each
+
+    def stale(self) -> bool: ...  # engaged without some worker's cgroup, due to look for it again
 
 
 @dataclass
@@ -161,15 +162,8 @@ class Levers(LeverSet):
         self.knobs: dict[str, KnobLever] = {
             "cpu_share": self.cpu_share,
             "memory_squeeze": MemorySqueeze(cfg, KnobWrites(self.journal)),
-            "memory_protect": EveryWorker(
-                [MemoryProtect(cfg, KnobWrites(self.journal), w.pid, procfs) for w in workers]
-            ),
-            "io_weight": EveryWorker(
-                [
-                    IoWeight(dataclasses.replace(cfg, worker_cgroup=w.setting), KnobWrites(self.journal), w.pid, procfs)
-                    for w in workers
-                ]
-            ),
+            "memory_protect": MemoryProtect(cfg, KnobWrites(self.journal), workers, procfs),
+            "io_weight": IoWeight(cfg, KnobWrites(self.journal), workers, procfs),
         }
         self.oom_guard = OomGuard(cfg, KnobWrites(self.journal), worker_pids, procfs) if cfg.oom_guard else None
         self.restore_problems: list[str] = []
@@ -220,10 +214,11 @@ class Levers(LeverSet):
         return self.knobs[name].engage()
 
     def _refresh(self, name: str) -> None:
-        if name != self.cpu_share.name or self.dry_run or not self.cpu_share.stale():
+        lever = self.knobs[name]
+        if self.dry_run or not lever.stale():
             return
         try:
-            self.state[name].detail = self.cpu_share.engage()
+            self.state[name].detail = lever.engage()
         except TurbonodeError as exc:
             log.warning("node: lever %s: looking again for the workers' cgroups: %s", name, exc)
 
@@ -236,22 +231,6 @@ class Levers(LeverSet):
         out["changed"] = self.journal.changed()
         out["restore_problems"] = self.restore_problems
         return out
-
-
-class EveryWorker:
-    """A knob lever applied to every worker of the node (one instance per worker): what each did (a
-    single worker's as it is, several by position); what failed to put back, every one's problems."""
-
-    def __init__(self, each: Sequence[KnobLever]):
-        self.each = tuple(each)
-        self.dry_run_note = self.each[0].dry_run_note if self.each else ""
-
-    def engage(self) -> dict[str, Any]:
-        done = [lever.engage() for lever in self.each]
-        return done[0] if len(done) == 1 else {"workers": done}  # a node's only worker: its own detail
-
-    def release(self) -> list[str]:
-        return [problem for lever in self.each for problem in lever.release()]
 
 
 class WorkerLevers(LeverSet):

@@ -86,40 +86,72 @@ def worker_cgroup(setting: str, hierarchy: Hierarchy, worker_pid: Callable[[], i
     return None if cgroup == "/" else cgroup
 
 
-class CpuShare:
-    """The `cpu_share` lever as the agent runs it: resolves the workers' cgroups when engaged (a
-    worker may have restarted meanwhile), writes through the journal, undoes what it wrote. A
-    worker whose cgroup cannot be found (not answering yet) leaves the others' raised; it is
-    looked for again while the lever is engaged (refresh)."""
+class WorkerCgroups:
+    """Every worker's cgroup in one hierarchy, found each time a lever engages (a worker may have
+    restarted meanwhile). A worker whose cgroup cannot be found (not answering yet) is left out
+    and named in `unresolved`; while the lever is engaged it is looked for again (`stale`), as
+    the agent's refresh does (agent/levers/__init__.py). `setting` gives a worker's setting
+    (default: its own, WorkerCgroup.setting)."""
 
-    name = "cpu_share"
-    dry_run_note = "would raise the worker's CPU weight and lower the best-effort cgroups'"
-
-    def __init__(self, cfg: LeversConfig, journal: KnobJournal, workers: Sequence[WorkerCgroup], procfs: str):
-        self.cfg, self.journal, self.workers, self.procfs = cfg, journal, tuple(workers), procfs
-        self.lever: CpuShareLever | None = None
+    def __init__(
+        self, workers: Sequence[WorkerCgroup], procfs: str, setting: Callable[[WorkerCgroup], str] | None = None
+    ):
+        self.workers, self.procfs = tuple(workers), procfs
+        self.setting = setting or (lambda w: w.setting)
         self.unresolved: dict[str, str] = {}
         self._resolved_at = 0.0
 
-    def engage(self) -> dict[str, Any]:
-        hierarchy = CpuHierarchy.find(self.cfg.cgroup_root)
+    def find(self, hierarchy: Hierarchy) -> dict[str, str]:
+        """{worker: cgroup} of those found and neither the root nor unset."""
         found: dict[str, str] = {}
         self.unresolved, self._resolved_at = {}, time.monotonic()
         for w in self.workers:
             try:
-                cgroup = worker_cgroup(w.setting, hierarchy, w.pid, self.procfs)
+                cgroup = worker_cgroup(self.setting(w), hierarchy, w.pid, self.procfs)
             except CgroupError as exc:
                 self.unresolved[w.name] = str(exc)
                 continue
             if cgroup is not None:
                 found[w.name] = cgroup
+        return found
+
+    def nothing_to_weigh(self, what: str) -> CgroupError:
+        """The error of a weight lever that found no worker's `what` cgroup and has no best-effort
+        cgroups either; it names why each worker's was not found."""
+        why = "; ".join(f"worker {n}: {e}" for n, e in self.unresolved.items())
+        return CgroupError(
+            f"nothing to weigh: no worker's {what} (the root, unset or not found"
+            + (f": {why}" if why else "")
+            + ") and no levers.best_effort_cgroups are configured"
+        )
+
+    def stale(self) -> bool:
+        """Some worker's cgroup was not found, and it is time to look for it again."""
+        return bool(self.unresolved) and time.monotonic() - self._resolved_at >= RESOLVE_RETRY_S
+
+    def forget(self) -> None:
+        """Released: nothing to look for."""
+        self.unresolved = {}
+
+
+class CpuShare:
+    """The `cpu_share` lever as the agent runs it: resolves the workers' cgroups when engaged
+    (WorkerCgroups: one not found leaves the others' raised, and is looked for again while
+    engaged), writes through the journal, undoes what it wrote."""
+
+    name = "cpu_share"
+    dry_run_note = "would raise the workers' CPU weight and lower the best-effort cgroups'"
+
+    def __init__(self, cfg: LeversConfig, journal: KnobJournal, workers: Sequence[WorkerCgroup], procfs: str):
+        self.cfg, self.journal = cfg, journal
+        self.cgroups = WorkerCgroups(workers, procfs)
+        self.lever: CpuShareLever | None = None
+
+    def engage(self) -> dict[str, Any]:
+        hierarchy = CpuHierarchy.find(self.cfg.cgroup_root)
+        found = self.cgroups.find(hierarchy)
         if not found and not self.cfg.best_effort_cgroups:
-            why = "; ".join(f"worker {n}: {e}" for n, e in self.unresolved.items())
-            raise CgroupError(
-                "nothing to weigh: no worker's cgroup (the root, unset or not found"
-                + (f": {why}" if why else "")
-                + ") and no levers.best_effort_cgroups are configured"
-            )
+            raise self.cgroups.nothing_to_weigh("cgroup")
         lever = CpuShareLever(
             hierarchy,
             self.journal,
@@ -137,14 +169,14 @@ class CpuShare:
             "cgroup_version": hierarchy.version,
             "worker_cgroups": found,
             "best_effort": lever.best_effort,
-            "unresolved": dict(self.unresolved),
+            "unresolved": dict(self.cgroups.unresolved),
         }
 
     def stale(self) -> bool:
-        """Engaged without some worker's cgroup, and due to look for it again."""
-        return bool(self.unresolved) and time.monotonic() - self._resolved_at >= RESOLVE_RETRY_S
+        return self.cgroups.stale()
 
     def release(self) -> list[str]:
         problems = self.lever.release() if self.lever is not None else []
-        self.lever, self.unresolved = None, {}
+        self.lever = None
+        self.cgroups.forget()
         return problems

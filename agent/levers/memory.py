@@ -15,24 +15,24 @@ are while the node reclaims, the worker's cgroup protected from reclaim where th
                   it uses: memory.high on v2 (its allocations throttled and its own pages
                   reclaimed, nothing killed); on v1 its limit, with OOM killing disabled in it so
                   that its tasks wait at the limit instead of dying (turbonode/memory_cgroups.py)
-  memory_protect  while a memory rule is active, the worker keeps its pages from reclaim: its
+  memory_protect  while a memory rule is active, every worker keeps its pages from reclaim: its
                   throttle carries `lock_memory` (both its processes mlock what they have mapped,
                   render/memory_lock.py; it lapses with the throttle's lease), and on v2 its cgroup
-                  gets memory.min at what it uses (its ancestors at least as much, protection being
-                  bounded by the parent's). v1 has no memory.min: the lock alone is there (node
-                  SLO memory cell: turbo p99 320 ms with it and the squeeze, 14596 ms plain;
-                  docs/benchmarks.md, "Memory and io pressure").
+                  gets memory.min at what it uses (each ancestor at least what the workers under
+                  it use together, protection being bounded by the parent's). v1 has no
+                  memory.min: the lock alone is there (node SLO memory cell: turbo p99 320 ms with
+                  it and the squeeze, 14596 ms plain; docs/benchmarks.md, "Memory and io pressure").
 
 Every write goes through the journal (agent/levers/journal.py): undone on release and at stop,
 restored by the next agent after a kill -9. A /proc/PID/oom_score_adj whose process has exited
-is nothing to restore. Each lever takes the worker's pids (or pid) as a callable, so there is
-one per worker.
+is nothing to restore. The OOM guard takes every worker's pids as a callable, memory_protect
+the workers (cgroup.WorkerCgroup): both act on every worker of the node.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from turbonode import caps
@@ -40,7 +40,7 @@ from turbonode.cgroups import CgroupError, slice_path
 from turbonode.config import LeversConfig
 from turbonode.memory_cgroups import NO_PROTECTION_V1, MemoryHierarchy
 
-from .cgroup import worker_cgroup
+from .cgroup import WorkerCgroup, WorkerCgroups
 from .journal import KnobError, KnobWrites, read_knob
 
 OOM_GUARD_PERIOD_S = 1.0  # how often the guard looks for new processes (a restarted worker, a new job)
@@ -181,20 +181,26 @@ class MemorySqueeze:
                     raise
         raise AssertionError("unreachable")
 
+    def stale(self) -> bool:
+        return False  # no worker's cgroup to look for
+
     def release(self) -> list[str]:
         return self.writes.undo_all()
 
 
 class MemoryProtect:
-    """The `memory_protect` lever's knobs: the worker's memory cgroup keeps what it uses from
-    reclaim (v2's memory.min). Its other half, the worker's lock, rides on the throttle
-    (agent/levers/__init__.py), so the lever engages where memory.min cannot be had."""
+    """The `memory_protect` lever's knobs: every worker's memory cgroup keeps what it uses from
+    reclaim (v2's memory.min; cgroup.WorkerCgroups: one not found yet leaves the others protected
+    and is looked for again while engaged). Its other half, each worker's lock, rides on that
+    worker's throttle (agent/levers/__init__.py), so the lever engages where memory.min cannot be
+    had."""
 
     name = "memory_protect"
-    dry_run_note = "would lock the worker's memory and protect its memory cgroup from reclaim"
+    dry_run_note = "would lock the workers' memory and protect their memory cgroups from reclaim"
 
-    def __init__(self, cfg: LeversConfig, writes: KnobWrites, worker_pid: Callable[[], int | None], procfs: str):
-        self.cfg, self.writes, self.worker_pid, self.procfs = cfg, writes, worker_pid, procfs
+    def __init__(self, cfg: LeversConfig, writes: KnobWrites, workers: Sequence[WorkerCgroup], procfs: str):
+        self.cfg, self.writes = cfg, writes
+        self.cgroups = WorkerCgroups(workers, procfs, lambda _: cfg.memory_worker_cgroup)
 
     def engage(self) -> dict[str, Any]:
         detail: dict[str, Any] = {"lock_memory": True}
@@ -203,16 +209,21 @@ class MemoryProtect:
             detail["cgroup_version"] = h.version
             if h.version == 1:
                 raise CgroupError(NO_PROTECTION_V1)
-            worker = worker_cgroup(self.cfg.memory_worker_cgroup, h, self.worker_pid, self.procfs)
-            if worker is None:
-                raise CgroupError("the worker's memory cgroup is the root or unset (levers.memory_worker_cgroup)")
-            protected = h.usage(worker)
-            for path, value in h.protect_writes(worker, protected):
+            found = self.cgroups.find(h)
+            detail["worker_cgroups"], detail["unresolved"] = found, dict(self.cgroups.unresolved)
+            if not found and not self.cgroups.unresolved:
+                raise CgroupError("the workers' memory cgroups are the root or unset (levers.memory_worker_cgroup)")
+            protected = {cg: h.usage(cg) for cg in dict.fromkeys(found.values())}
+            for path, value in h.protect_writes(protected):
                 self.writes.set(path, value)
         except (CgroupError, KnobError) as exc:
             self.writes.undo_all()
             return {**detail, "memory_min": f"not set: {exc}"}
-        return {**detail, "worker_cgroup": worker, "memory_min": protected}
+        return {**detail, "memory_min": protected}
+
+    def stale(self) -> bool:
+        return self.cgroups.stale()
 
     def release(self) -> list[str]:
+        self.cgroups.forget()
         return self.writes.undo_all()
