@@ -408,3 +408,27 @@ def test_memory_watcher_reads_the_worker_cgroup_pressure_on_v2(tmp_path):
     psi.write_text("some avg10=0 avg60=0 avg300=0 total=250000\nfull avg10=0 avg60=0 avg300=0 total=0\n")
     assert w.sample(1.0)["worker_psi_memory_some"] == pytest.approx(0.25)
     assert w.detail["cgroups"]["worker"]["events"]["high"] == 2
+
+
+def test_memory_watcher_reports_the_most_stalled_workers_cgroup_pressure(tmp_path):
+    """Several workers, each its v2 cgroup: the signal is the most stalled one's (a later
+    worker's stall counts as much as the first's), read once per cgroup; a pid gone is skipped."""
+    root = fake_v2(tmp_path)
+    proc = tmp_path / "proc"
+    quiet = "some avg10=0 avg60=0 avg300=0 total=0\nfull avg10=0 avg60=0 avg300=0 total=0\n"
+    for pid, cg in ((7, "worker-a.service"), (8, "worker-a.service"), (9, "worker-b.service")):
+        write(root / "system.slice" / cg / "memory.pressure", quiet)
+        write(proc / f"{pid}/stat", stat_line(pid, 0))
+        write(proc / f"{pid}/cgroup", f"0::/system.slice/{cg}\n")
+    w = MemoryWatcher(str(proc), lambda: [7, 8, 9, 11], str(root))
+    w.sample(0.0)
+    write(
+        root / "system.slice/worker-a.service/memory.pressure",
+        quiet.replace("some avg10=0 avg60=0 avg300=0 total=0", "some avg10=0 avg60=0 avg300=0 total=100000"),
+    )
+    write(
+        root / "system.slice/worker-b.service/memory.pressure",
+        quiet.replace("some avg10=0 avg60=0 avg300=0 total=0", "some avg10=0 avg60=0 avg300=0 total=400000"),
+    )
+    assert w.sample(1.0)["worker_psi_memory_some"] == pytest.approx(0.4)
+    assert w.ok and len(w.detail["worker_psi_files"]) == 2

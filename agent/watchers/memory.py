@@ -4,9 +4,10 @@ events of its cgroup and of the best-effort cgroups beside it.
   worker_major_faults_per_s  page faults of the worker's processes (pids from its status, as the
                              cpu watcher has them) that had to read the page back: its code and
                              mapped files reclaimed under it (/proc/PID/stat, majflt)
-  worker_psi_memory_some     the stall fraction of the worker's own cgroup (its memory.pressure
-                             in the v2 hierarchy, where per-cgroup PSI exists; None where the
-                             worker is in the v2 root: the node's psi_memory_some is its pressure)
+  worker_psi_memory_some     the stall fraction of a worker's own cgroup (its memory.pressure
+                             in the v2 hierarchy, where per-cgroup PSI exists), the most stalled
+                             worker's; None where the workers are in the v2 root: the node's
+                             psi_memory_some is their pressure
   best_effort_memory_held    1 while a best-effort cgroup pushes against its own limit (the squeeze
                              lever's): its `max` (v1 failcnt) or `high` events count up, or (v1) its
                              tasks wait at the limit; else 0. It keeps the squeeze engaged while the
@@ -15,8 +16,8 @@ events of its cgroup and of the best-effort cgroups beside it.
 The node's PSI (psi_memory_some, psi_io_some) comes from the psi watcher. Events per cgroup
 (turbonode/memory_cgroups.py: max, oom, oom_kill; low and high on v2) are counters in the detail
 and in `turbonode_cgroup_memory_events_total`; a missing memory controller or cgroup is reported
-in the detail and leaves the fault signal standing. One watcher per worker: its pids and its
-cgroup setting are passed in.
+in the detail and leaves the fault signal standing. One watcher for the node: every worker's
+pids are passed in (the worker's memory cgroup in the detail is the first worker's).
 """
 
 from __future__ import annotations
@@ -88,6 +89,18 @@ class MemoryWatcher(Watcher):
             out["worker"] = cg
         return h, out, None
 
+    def _psi_files(self, pids: list[int]) -> list[str]:
+        """The memory.pressure file of each worker's v2 cgroup (its processes share it), once each."""
+        files: dict[str, None] = {}
+        for pid in pids:
+            try:
+                path = psi_file(self.cgroup_root, pid, "memory", self.procfs)
+            except CgroupError:  # exited since its status named it
+                continue
+            if path is not None:
+                files[path] = None
+        return list(files)
+
     def read(self, now):
         pids = list(self.worker_pids())
         faults = self._faults(pids)
@@ -108,23 +121,27 @@ class MemoryWatcher(Watcher):
                     waiting = waiting or h.waiting_at_limit(cg)
             except (CgroupError, ValueError) as exc:
                 per_cgroup[label] = {"cgroup": cg, "error": str(exc)}
-        psi = psi_file(self.cgroup_root, pids[0], "memory", self.procfs) if pids else None
-        if psi is not None:
-            with open(psi) as f:
-                counters[("psi",)] = parse_pressure(f.read())["some"]["total"] / 1e6
+        psi = self._psi_files(pids)
+        for path in psi:
+            try:
+                with open(path) as f:
+                    counters[("psi", path)] = parse_pressure(f.read())["some"]["total"] / 1e6
+            except (OSError, ValueError, KeyError):  # its cgroup went with its worker
+                continue
         rates = self._rate.update(now, counters)
         signals = {
             "worker_major_faults_per_s": (
                 sum(r for k, r in rates.items() if k[0] == "majflt") if rates is not None and faults else None
             ),
-            "worker_psi_memory_some": (rates or {}).get(("psi",)),
+            # the most stalled worker's: a rule on it acts for that worker's sake
+            "worker_psi_memory_some": max((r for k, r in (rates or {}).items() if k[0] == "psi"), default=None),
             "best_effort_memory_held": (
                 float(waiting or any(r > 0 for k, r in rates.items() if k[0] == "limited"))
                 if rates is not None and self.best_effort
                 else None
             ),
         }
-        detail = {"worker_pids": sorted(faults), "worker_psi_file": psi, "cgroups": per_cgroup, "cgroup_error": error}
+        detail = {"worker_pids": sorted(faults), "worker_psi_files": psi, "cgroups": per_cgroup, "cgroup_error": error}
         return signals, detail
 
     def summary(self) -> dict:
