@@ -1,7 +1,8 @@
 """Capacity benchmark: the highest turbo arrival rate one node serves within its objective.
 
-    flock /tmp/turbonode-bench.lock .venv/bin/python bench/capacity.py [--cpus 0.5] [--requests 100]
+    /work/helpers/machine exclusive .venv/bin/python bench/capacity.py [--cpus 0.5] [--requests 100]
         [--conditions idle,fault,fault-plain] [--json FILE]
+    (to iterate: --rungs 0.7,0.9 runs just those rungs, --raw-limit 6.9 skips measuring the raw limit)
 
 One node as bench/fleet_slo.py runs three of them (sandbox/fleet.py: its own network namespace,
 its link shaped to --link, its cgroup capped at --cpus CPUs with the worker in it), the client
@@ -9,8 +10,8 @@ in the namespace at the other end of its link sending straight to the worker (no
 node's own capacity). Turbo requests only, open-loop (Poisson), the rate in rungs that are
 fractions of the node's raw compute limit, >= --requests per rung: up from RUNGS' first until a
 rung's turbo p99 exceeds worker.slo.turbo (every request counts: one refused or failed counts as
-REQUEST_TIMEOUT_S), down from it until one holds when the first does not. The capacity is the
-highest rung that held, for each condition:
+REQUEST_TIMEOUT_S), down from it (to 10 %) until one holds when the first does not. The capacity
+is the highest rung that held, for each condition:
 
   idle         the node with turbonode (agent, eBPF classifier under the HTB tiers), no fault
   fault        the demo's fault (stress-ng on every CPU in the node's cgroup + 4 bulk flows), turbonode
@@ -19,7 +20,14 @@ highest rung that held, for each condition:
 The raw compute limit: the worker's own engine (render/engine_host.py `build`, from the node's
 configuration) run in a process of its own in the node's worker cgroup: B turbo jobs submitted
 at once and run to the end, again and again, for B = 1 .. worker.max_batch; images/s of the best
-B. No HTTP, no PNG, no queueing: what the denoiser and the VAE give at best.
+B. No HTTP, no PNG, no queueing: what the denoiser and the VAE give at best. It runs as the
+engine process does: same configuration, quota, intra-op threads (render/cpu_threads.py's default
+for the quota) and OMP_WAIT_POLICY; its CPU ms per image are printed per B.
+
+Where the capacity goes, per rung (sandbox/worker_cpu.py): CPU ms per image answered in the
+engine's render loop (denoise and decode), the engine process's other threads (PNG encoding, the
+channel to the front) and the front (HTTP), images per denoiser step and per VAE decode actually
+formed, and the seconds the node's quota throttled it; with the agent, what it engaged.
 
 Targets: idle capacity >= 90 % of the raw limit; under the fault with turbonode >= 80 % of idle.
 The node's worker exports the figure once configured (worker.capacity.turbo) beside its served
@@ -45,8 +53,10 @@ from sandbox.demo import preflight  # noqa: E402
 from sandbox.fleet import FleetNet, FleetNode  # noqa: E402
 from sandbox.interrupt import exit_on_signals  # noqa: E402
 from sandbox.loadgen import Outcome  # noqa: E402
-from sandbox.node import REQUEST_TIMEOUT_S  # noqa: E402
+from sandbox.node import REQUEST_TIMEOUT_S, AgentWatch  # noqa: E402
+from sandbox.report import describe_agent  # noqa: E402
 from sandbox.settings import DemoSettings  # noqa: E402
+from sandbox.worker_cpu import Reading, engine_counters, split, thread_cpu, throttled  # noqa: E402
 from turbonode.config import WorkerConfig  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
 from turbonode.tiers import PROTECTED_TIER  # noqa: E402
@@ -54,9 +64,9 @@ from turbonode.tiers import PROTECTED_TIER  # noqa: E402
 CONDITIONS = ("idle", "fault", "fault-plain")
 FAULT = ("cpu", "bulk")  # the demo's (sandbox/demo.py)
 RUNGS = (0.5, 0.7, 0.8, 0.9, 1.0)  # fractions of the raw limit, up from the first
-# Down from RUNGS[0] when it does not hold: one rung (>= 100 requests at a low rate take minutes;
-# below it the capacity is reported as "below 30 %", a miss of either target anyway).
-LOWER_RUNGS = (0.3,)
+# Down from RUNGS[0] when it does not hold, until one holds (the fault conditions' held rate lies
+# there; 100 requests at 10 % take about 2.5 minutes); below the last, "below the lowest rung".
+LOWER_RUNGS = (0.3, 0.2, 0.1)
 IDLE_TARGET, FAULT_TARGET = 0.9, 0.8
 RAW_SECONDS = 8.0  # per batch size, after a warm-up round
 SLO_S = WorkerConfig().slo[PROTECTED_TIER]
@@ -64,7 +74,9 @@ WARMUP_S = 3.0  # the fault runs this long before the first request
 
 # Runs in the node's worker cgroup: the worker's engine as `build` makes it, driven in-process.
 RAW = r"""
-import json, sys, time
+import json, os, sys, time
+from render.cpu_threads import wait_policy_default
+wait_policy_default()  # as the engine process does: before torch loads
 from turbonode.config import load_config
 from render.engine_host import build
 from render.jobs import JobRequest
@@ -73,7 +85,7 @@ seconds = float(sys.argv[2])
 engine, info = build(cfg, None, None, lambda what: None)
 size, steps = info["defaults"]["size"], info["defaults"]["steps"]["turbo"]
 guidance = info["defaults"]["guidance"]["turbo"]
-out = {}
+out, cpu = {}, {}
 for batch in range(1, cfg.max_batch + 1):
     def round_():
         jobs = [engine.submit(JobRequest("a turbo tier test image", "turbo", steps, i, guidance, size, size))
@@ -82,12 +94,14 @@ for batch in range(1, cfg.max_batch + 1):
             engine.run_once()
         assert all(j.state.value == "done" for j in jobs), [j.error for j in jobs]
     round_()  # warm: the prompt's encoding cached, this batch size's graph traced
-    t0, images = time.monotonic(), 0
+    t0, c0, images = time.monotonic(), time.process_time(), 0
     while time.monotonic() - t0 < seconds:
         round_()
         images += batch
     out[batch] = images / (time.monotonic() - t0)
-print(json.dumps({"images_per_s": out, "steps": steps, "size": size}))
+    cpu[batch] = (time.process_time() - c0) * 1000 / images
+print(json.dumps({"images_per_s": out, "cpu_ms_per_image": cpu, "steps": steps, "size": size,
+                  "threads": engine.intra_op_threads, "wait_policy": os.environ.get("OMP_WAIT_POLICY")}))
 """
 
 
@@ -117,8 +131,9 @@ def rung(outcomes: list[Outcome], wall: float) -> dict:
     }
 
 
-def sweep(node: FleetNode, condition: str, limit: float, requests: int, log) -> dict:
-    """Up the rungs until one does not hold (down first when the lowest does not); each rung's figures."""
+def sweep(node: FleetNode, condition: str, limit: float, requests: int, log, only: tuple[float, ...] = ()) -> dict:
+    """Up the rungs until one does not hold (down first when the lowest does not); each rung's
+    figures. `only`: just these rungs, each run whatever the others gave (no capacity figure)."""
     rungs: dict[str, dict] = {}
 
     def run(fraction: float) -> bool:
@@ -130,6 +145,10 @@ def sweep(node: FleetNode, condition: str, limit: float, requests: int, log) -> 
         return r["p99_s"] is not None and r["p99_s"] <= SLO_S
 
     held = None
+    if only:
+        for fraction in only:
+            run(fraction)
+        return {"rungs": rungs, "capacity_fraction": None, "capacity": None}
     if run(RUNGS[0]):
         held = RUNGS[0]
         for fraction in RUNGS[1:]:
@@ -149,24 +168,57 @@ def run_rung(node: FleetNode, condition: str, rate: float, requests: int) -> dic
     if condition != "idle":
         started = faults.start(node, FAULT, requests / rate * 2 + 60)
         time.sleep(WARMUP_S)
+    watch = AgentWatch(node.agent_rpc) if condition != "fault-plain" else None
     try:
+        before = reading(node)
         outcomes, wall = node.load({}, requests, rate)
+        after = reading(node)
     finally:
+        if watch is not None:
+            watch.stop()
         for proc in started:
             node.release(proc)
-    return rung(outcomes, wall)
+    r = rung(outcomes, wall)
+    return {**r, "cpu": split(before, after, r["ok"]), "agent": watch.summary() if watch else None}
+
+
+def reading(node: FleetNode) -> Reading:
+    """The worker's CPU per thread, the node's throttling and the engine's counters, now."""
+    front, engine = node.worker_rpc.call("status")["pids"]
+    sb = node.sandbox
+    page = subprocess.run(
+        sb.cmd(sb.client, "curl", "-sf", f"http://{node.address}/metrics"),
+        capture_output=True,
+        text=True,
+        timeout=30,
+        check=True,
+    ).stdout
+    assert node.cgroups is not None  # a FleetNode has them
+    return Reading(
+        {"front": thread_cpu(front), "engine": thread_cpu(engine)},
+        throttled(node.cgroups, node.top_cgroup),
+        engine_counters(page, PROTECTED_TIER),
+    )
 
 
 def _ms(v) -> str:
     return "-" if v is None else f"{v * 1000:.0f}"
 
 
+def _f(v, digits: int = 0) -> str:
+    return "-" if v is None else f"{v:.{digits}f}"
+
+
 def report(result: dict) -> str:
     raw = result["raw"]
     lines = [
-        f"raw compute limit: {raw['limit']:.2f} images/s at batch {raw['best_batch']} "
+        f"raw compute limit: {raw['limit']:.2f} images/s (given with --raw-limit, not measured)"
+        if raw["best_batch"] is None
+        else f"raw compute limit: {raw['limit']:.2f} images/s at batch {raw['best_batch']} "
         f"({', '.join(f'b{b} {v:.2f}' for b, v in raw['images_per_s'].items())}); "
-        f"turbo {raw['steps']} steps at {raw['size']} px, node of {result['cpus']:g} CPU",
+        f"turbo {raw['steps']} steps at {raw['size']} px, node of {result['cpus']:g} CPU, "
+        f"{raw.get('threads')} intra-op thread(s), OMP_WAIT_POLICY {raw.get('wait_policy')}; CPU ms per image "
+        + ", ".join(f"b{b} {v:.0f}" for b, v in raw.get("cpu_ms_per_image", {}).items()),
         f"{'condition':<12} {'rate/s':>7} {'of raw':>6} {'n':>4} {'ok':>4} {'p50 ms':>7} {'p99 ms':>7} {'in SLO':>7}",
     ]
     for condition, r in result["conditions"].items():
@@ -175,6 +227,28 @@ def report(result: dict) -> str:
                 f"{condition:<12} {x['rate']:>7.2f} {float(fraction):>6.0%} {x['n']:>4} {x['ok']:>4} "
                 f"{_ms(x['p50_s']):>7} {_ms(x['p99_s']):>7} {(x['within_slo'] or 0):>7.1%}"
             )
+    lines.append(
+        "where the worker's CPU went, per image answered: ms of CPU in the engine's render loop (denoise, "
+        "decode), its other threads (PNG, channel), the front (HTTP); images per step and per decode; "
+        "step and decode wall ms per image; seconds the node's quota throttled it"
+    )
+    lines.append(
+        f"{'condition':<12} {'of raw':>6} {'loop':>5} {'other':>5} {'front':>5} {'img/step':>8} {'img/dec':>7} "
+        f"{'step':>5} {'decode':>6} {'thrott':>6}"
+    )
+    for condition, r in result["conditions"].items():
+        for fraction, x in r["rungs"].items():
+            c = x.get("cpu") or {}
+            lines.append(
+                f"{condition:<12} {float(fraction):>6.0%} {_f(c.get('engine_loop_ms')):>5} "
+                f"{_f(c.get('engine_other_ms')):>5} {_f(c.get('front_ms')):>5} {_f(c.get('images_per_step'), 2):>8} "
+                f"{_f(c.get('images_per_decode'), 2):>7} {_f(c.get('step_wall_ms')):>5} "
+                f"{_f(c.get('decode_wall_ms')):>6} {_f(c.get('throttled_s'), 1):>6}"
+            )
+    for condition, r in result["conditions"].items():
+        for fraction, x in r["rungs"].items():
+            if x.get("agent"):
+                lines.append(f"agent, {condition} {float(fraction):.0%}: {describe_agent(x['agent'])}")
     cap = {c: r["capacity"] for c, r in result["conditions"].items()}
     lines.append(
         "capacity (highest rate with turbo p99 <= "
@@ -199,12 +273,26 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _fractions(text: str) -> tuple[float, ...]:
+    try:
+        out = tuple(float(x) for x in text.split(",") if x)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of fractions: {text!r}") from None
+    if not all(0 < x <= 2 for x in out):
+        raise argparse.ArgumentTypeError(f"rungs are fractions of the raw limit in (0, 2]: {text!r}")
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--conditions", default=",".join(CONDITIONS), help=f"comma-separated, from {', '.join(CONDITIONS)}")
     ap.add_argument("--cpus", type=float, default=0.5, help="the node's CPU quota (bench/fleet_slo.py's per node)")
     ap.add_argument("--requests", type=int, default=100, help="turbo requests per rung (>= 100 for a p99)")
     ap.add_argument("--link", default="20mbit", help="the node's link rate")
+    ap.add_argument(
+        "--raw-limit", type=float, help="images/s to take as the raw limit instead of measuring it (to iterate)"
+    )
+    ap.add_argument("--rungs", type=_fractions, default=(), help="only these rungs (e.g. 0.7,0.9), no sweep")
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--report", metavar="JSON", help="print the table of a run saved with --json; run nothing")
     args = ap.parse_args()
@@ -225,7 +313,11 @@ def main() -> int:
     with FleetNet(1) as net:
         node = FleetNode(DemoSettings(rate=args.link), net.link(0), "node0", args.cpus, log)
         with node:
-            result["raw"] = raw_limit(node)
+            result["raw"] = (
+                {"limit": args.raw_limit, "best_batch": None, "images_per_s": {}, "steps": None, "size": None}
+                if args.raw_limit
+                else raw_limit(node)
+            )
             log(f"raw compute limit: {result['raw']['limit']:.2f} images/s at batch {result['raw']['best_batch']}")
             try:
                 for condition in conditions:
@@ -236,7 +328,7 @@ def main() -> int:
                         agent = node.start_agent()
                     try:
                         result["conditions"][condition] = sweep(
-                            node, condition, result["raw"]["limit"], args.requests, log
+                            node, condition, result["raw"]["limit"], args.requests, log, args.rungs
                         )
                     finally:
                         if agent is not None:

@@ -74,6 +74,7 @@ from sandbox.cgroup_v2 import CgroupV2Unavailable, cpu_on_v2  # noqa: E402
 from sandbox.demo import preflight  # noqa: E402
 from sandbox.loadgen import Outcome, summarize  # noqa: E402
 from sandbox.node import AgentWatch, DemoNode  # noqa: E402
+from sandbox.report import describe_agent  # noqa: E402
 from sandbox.settings import DemoSettings  # noqa: E402
 from turbonode.errors import ControlError  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
@@ -470,17 +471,6 @@ def describe_node(events: dict, quiet: bool = False) -> str:
     text = f"psi mem {psi.get('memory', 0):.2f} io {psi.get('io', 0):.2f}, "
     text += f"worker majflt {events.get('worker_major_faults_per_s', 0):g}/s, exits {events.get('worker_exits', 0)}"
     return text + (f", oom kills {', '.join(f'{k} {n}' for k, n in kills.items())}" if kills else "")
-
-
-def describe_agent(agent: dict) -> str:
-    text = f"{agent['max_level']}" + (f" ({', '.join(agent['reasons'])})" if agent["reasons"] else "")
-    text += f", throttled {agent['throttled_share']:.0%}"
-    levers = agent.get("levers") or {}
-    if levers:
-        text += ", levers " + ", ".join(f"{name} {share:.0%}" for name, share in sorted(levers.items()))
-    for name, (p50, p90) in sorted((agent.get("signals_p50_p90") or {}).items()):
-        text += f", {name} p50/p90 {p50:.2f}/{p90:.2f}"
-    return text
 
 
 @contextlib.contextmanager

@@ -147,7 +147,7 @@ class _Image:
     started: bool
 
     def candidate(self, key: Hashable) -> batching.Candidate:
-        return batching.Candidate(key, self.tier, self.shape, self.seq, self.started, self.rows)
+        return batching.Candidate(key, self.tier, self.shape, self.seq, self.started, self.rows, self.steps == 1)
 
     def finished(self, key: Hashable) -> batching.Finished:
         return batching.Finished(key, self.tier, self.shape, self.seq)

@@ -360,7 +360,13 @@ class Engine:
         return True
 
     def _candidate(self, s: Sample) -> batching.Candidate:
-        return batching.Candidate(s.key, s.job.tier, _shape(s), s.job.seq, s.started, rows(self.family, s))
+        return batching.Candidate(
+            s.key, s.job.tier, _shape(s), s.job.seq, s.started, rows(self.family, s), self._steps_left(s) == 1
+        )
+
+    def _steps_left(self, s: Sample) -> int:
+        """Denoising steps `s` has still to take (a step cap applies from its first step)."""
+        return s.total_steps - s.step if s.started else self.steps_for(s.job.tier, s.job.request.steps)
 
     # ---- the thread -------------------------------------------------------------------
 
@@ -473,8 +479,7 @@ class Engine:
                 groups: dict[int, list[Sample]] = {}  # a job's images by steps left (most share one)
                 for s in job.samples:
                     if s.image is None:
-                        left = s.total_steps - s.step if s.started else self.steps_for(job.tier, job.request.steps)
-                        groups.setdefault(left, []).append(s)
+                        groups.setdefault(self._steps_left(s), []).append(s)
                 for left, group in groups.items():
                     h, w = _shape(group[0])
                     out.append(

@@ -75,3 +75,15 @@ def traffic(traffic: dict, rate_bps: int) -> str:
             f"  EF ping under that load: p50 {rtts[len(rtts) // 2]:.3f} ms, p99 {p99:.3f} ms ({len(rtts)} replies)"
         )
     return "\n".join(lines)
+
+
+def describe_agent(agent: dict) -> str:
+    """One line of what the agent did during a load (sandbox/node.py AgentWatch.summary)."""
+    text = f"{agent['max_level']}" + (f" ({', '.join(agent['reasons'])})" if agent["reasons"] else "")
+    text += f", throttled {agent['throttled_share']:.0%}"
+    levers = agent.get("levers") or {}
+    if levers:
+        text += ", levers " + ", ".join(f"{name} {share:.0%}" for name, share in sorted(levers.items()))
+    for name, (p50, p90) in sorted((agent.get("signals_p50_p90") or {}).items()):
+        text += f", {name} p50/p90 {p50:.2f}/{p90:.2f}"
+    return text

@@ -43,6 +43,21 @@ def test_turbo_joins_at_the_next_step_boundary():
     assert all(j.state is JobState.DONE for j in relax)
 
 
+def test_turbo_jobs_a_step_apart_share_one_decode():
+    """Two turbo jobs a step apart: the first one's decode waits for the step that finishes the
+    second, and one VAE call decodes both (two calls before, one image each)."""
+    events = []
+    engine = make_engine(max_batch=4, on_event=events.append)
+    first = engine.submit(req("turbo", steps=2, seed=1))
+    engine.run_once()
+    second = engine.submit(req("turbo", steps=2, seed=2))
+    drain(engine, [first, second])
+    assert first.state is JobState.DONE and second.state is JobState.DONE
+    decodes = [e for e in events if e["kind"] == "decode"]
+    assert [len(e["samples"]) for e in decodes] == [2], [(e["kind"], tiers_of(e)) for e in events]
+    assert [e["kind"] for e in events] == ["step", "step", "step", "decode"]
+
+
 def test_threaded_turbo_waits_at_most_the_step_in_progress():
     """Under a relax flood, at most the relax step already under way runs before turbo's first step.
 

@@ -13,6 +13,7 @@ from render.batching import (
     decode_chunk,
     decode_overdue,
     estimate_cost,
+    plan_boundary,
     should_decode,
 )
 from render.throttle import ThrottleState, make_throttle
@@ -190,6 +191,37 @@ def test_decode_chunk_best_tier_first_and_bounded_below_turbo():
     turbo = [Finished(f"t{i}", "turbo", (256, 256), i) for i in range(5)]
     assert decode_chunk(turbo, 4, 0.01, 0.04) == ("t0", "t1", "t2", "t3")
     assert decode_chunk(turbo[:1] + fin, 4, None, None) == ("t0",)  # turbo decodes without the others
+
+
+def boundary(runnable, finished, limits=None, deferred=0):
+    return plan_boundary(
+        runnable, finished, limits or Limits(4, min_share=0.1), {}, deferred, BatchPolicy.STEP_PRIORITY, 0.02, 0.07
+    )
+
+
+def test_a_turbo_decode_waits_for_the_step_that_finishes_another_turbo_image():
+    """Poisson turbo jobs finish a step apart; one VAE call for two images costs far less than two,
+    so a finished turbo image waits for the step that finishes the next one, then both decode."""
+    t1 = Finished("t1", "turbo", (256, 256), 1)
+    last = Candidate("t2", "turbo", (256, 256), 2, started=True, last_step=True)
+    first = Candidate("t3", "turbo", (256, 256), 3)
+    plan = boundary([last, first], [t1])
+    assert not plan.decode and plan.step is not None and plan.step.keys == ("t2", "t3")
+    t2 = Finished("t2", "turbo", (256, 256), 2)
+    assert boundary([first], [t1, t2]).decode == ("t1", "t2")  # nothing finishes next step: decode now
+    # no wait when the next step finishes none of turbo's images of the shape
+    assert boundary([first], [t1]).decode == ("t1",)
+    other_shape = Candidate("t4", "turbo", (128, 128), 2, started=True, last_step=True)
+    assert boundary([other_shape], [t1]).decode == ("t1",)
+    relax = Candidate("r1", "relax", (256, 256), 0, started=True, last_step=True)
+    assert boundary([relax], [t1]).decode == ("t1",)
+    # nor once the decode is full (turbo's batch), nor when it is overdue
+    full = [Finished(f"f{i}", "turbo", (256, 256), i) for i in range(4)]
+    assert boundary([last], full).decode == ("f0", "f1", "f2", "f3")
+    assert boundary([last], [t1], deferred=9).decode == ("t1",)
+    # a lower tier's decode never waits so
+    r2 = Finished("r2", "relax", (256, 256), 0)
+    assert boundary([Candidate("r3", "relax", (256, 256), 1, started=True, last_step=True)], [r2]).decode == ("r2",)
 
 
 class Clock:
