@@ -137,3 +137,14 @@ def promtool_check(text: str) -> subprocess.CompletedProcess:
 
 
 PROMTOOL_SKIP = None if shutil.which("promtool") else "promtool not installed (Debian package prometheus)"
+
+
+def kill_9_once(script: str, ready: str = "engaged") -> None:
+    """Run `script` (Python, from the repo root) until it prints `ready`, then kill -9 it: an agent
+    that dies holding what it changed, with no shutdown path run."""
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=ROOT, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == ready
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import textwrap
@@ -17,6 +16,7 @@ from agent.levers.cgroup import CpuShare, CpuShareLever, WorkerCgroup
 from agent.levers.journal import KnobError, KnobJournal, same_value
 from render.cpu_threads import available_cpus
 from sandbox.cgroup_v2 import CgroupV2Unavailable, cpu_on_v2, unavailable
+from tests.daemon_harness import kill_9_once
 from turbonode.cgroups import CgroupError, CpuHierarchy, shares_from_weight, slice_path
 from turbonode.config import LeversConfig
 
@@ -261,12 +261,7 @@ def test_real_cgroups_restored_at_next_start_after_kill_9(real_cgroups, tmp_path
         print("engaged", flush=True)
         time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", agent], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "engaged"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kill_9_once(agent)
     assert [read(p) for p in weight] != before  # the dead agent left them changed
     assert KnobJournal(str(state)).restore_leftovers() == []
     assert [read(p) for p in weight] == before

@@ -31,6 +31,7 @@ from agent.levers.memory import MemorySqueeze, OomGuard
 from bench.node import wait_for
 from sandbox.node_memory import NodeMemory
 from tests.agent_helpers import MiniWorker
+from tests.daemon_harness import kill_9_once
 from tests.test_agent_daemon import FakeProc, start_agent, stop
 from turbonode import caps
 from turbonode.cgroups import CgroupError
@@ -197,12 +198,7 @@ def test_what_the_levers_changed_is_restored_after_kill_9(node, tmp_path):
         print("engaged", flush=True)
         time.sleep(60)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", agent], cwd=ROOT, stdout=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout.readline().strip() == "engaged"
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait()
+    kill_9_once(agent)
     try:
         assert limit.read_text().strip() != before and oom_control(h, batch, OOM_KILL_DISABLE) == "1"
         assert Path(f"/proc/{job.pid}/oom_score_adj").read_text().strip() == "1000"
