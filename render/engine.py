@@ -41,6 +41,7 @@ from .decode import decode_images
 from .denoise import denoise_step, rows
 from .encode_prompt import PromptEncoder
 from .families.base import Family, FamilyError, TierDefaults
+from .heap import HeapTrim
 from .job_table import RECENT, JobTable
 from .jobs import Job, JobRequest, JobState, Sample
 from .memory_lock import MemoryLock
@@ -134,6 +135,7 @@ class Engine:
         self.steps_total = 0
         self.intra_op_threads = 0  # what the engine thread last set (0: not set yet)
         self.memory_lock = MemoryLock("engine")  # its pages resident while the throttle asks
+        self.heap_trim = HeapTrim(self.clock)
         self.heartbeat = clock()
         self.pid = os.getpid()  # the process the engine runs in (render/remote_engine.py: another one)
 
@@ -375,6 +377,7 @@ class Engine:
         while True:
             t = self.throttle.current()
             self.memory_lock.apply(t is not None and t.lock_memory)
+            self.heap_trim.maybe()
             with wake:
                 if self._stopping:
                     return

@@ -144,6 +144,9 @@ class JobTable:
             if job.state.terminal:
                 return
             job.state, job.error, job.finished = state, error, self.clock()
+            # the kept record needs no prompt encoding (the encoder's cache keeps the hot ones):
+            # a thousand kept jobs would pin a thousand of them, ~0.5 MB each for SD 1.5 with CFG
+            job.cond = job.uncond = None
             self._active.pop(job.id, None)
             self._finished.append(job.id)
             while len(self._finished) > KEEP_FINISHED:

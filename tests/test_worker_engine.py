@@ -262,6 +262,37 @@ def test_only_the_newest_done_jobs_keep_their_images():
     assert all(j.samples[0].image is not None for j in jobs[1:])
 
 
+def test_a_finished_job_keeps_its_record_and_images_but_no_denoising_state():
+    """A worker keeps a thousand finished jobs: what each holds past its end stays in the heap."""
+    engine = make_engine()
+    job = engine.submit(req("fast", steps=3, n=2))
+    drain(engine, [job])
+    assert job.cond is None and job.uncond is None  # the encoder's cache keeps the hot ones
+    for s in job.samples:
+        assert s.state.scheduler is None and s.state.generator is None and s.state.latents.numel() == 0
+        assert s.image is not None
+    described = job.describe(0)
+    assert described["steps"] == 3 and described["step"] == 3 and described["progress"] == 1.0
+
+
+def test_the_engine_trims_its_heap_every_period():
+    clock = Clock()
+    engine = make_engine(clock=clock)
+    if not engine.heap_trim.available:
+        pytest.skip("the C library has no malloc_trim (not glibc)")
+    engine.start()
+    try:
+        time.sleep(0.3)
+        assert engine.heap_trim.trims == 0  # the period has not passed on the engine's clock
+        clock.t += engine.heap_trim.period_s
+        deadline = time.monotonic() + 5  # the idle loop wakes at least every second
+        while engine.heap_trim.trims == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.heap_trim.trims == 1
+    finally:
+        engine.stop()
+
+
 def test_draining_fails_queued_jobs_and_runs_paused_started_ones():
     engine = make_engine()
     running = engine.submit(req("relax", steps=3))

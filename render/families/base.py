@@ -91,9 +91,10 @@ class Denoising:
     width: int
     scheduler: Any
     latents: torch.Tensor  # [1, ...] in the family's layout, on the denoiser's device
-    generator: torch.Generator  # CPU: ancestral samplers draw their noise from it too
+    generator: torch.Generator | None  # CPU: ancestral samplers draw their noise from it too
     step: int = 0
     extra: dict = field(default_factory=dict)
+    released_steps: int | None = None  # total_steps once released: the scheduler is gone then
 
     @property
     def rows(self) -> int:
@@ -102,6 +103,8 @@ class Denoising:
 
     @property
     def total_steps(self) -> int:
+        if self.released_steps is not None:
+            return self.released_steps
         return len(self.scheduler.timesteps)
 
     @property
@@ -113,8 +116,12 @@ class Denoising:
         return self.scheduler.timesteps[self.step]
 
     def release(self) -> None:
-        """Drop the tensors once the image is decoded; the step counts stay for the job's record."""
+        """Drop the tensors, scheduler and generator once the image is decoded; the step counts
+        stay for the job's record. A worker keeps a thousand finished jobs (render/job_table.py):
+        what each holds past its end stays in the heap for good and fragments it."""
+        self.released_steps = self.total_steps
         self.latents, self.cond, self.uncond = torch.empty(0), {}, None
+        self.scheduler, self.generator, self.extra = None, None, {}
 
 
 class LatentDecoder(torch.nn.Module):
