@@ -1,11 +1,11 @@
 """The engine process's resident memory under sustained load, per checkout, side by side: a
 worker serves requests for minutes, and its RSS must level off, not grow with every request.
 
-    .venv/bin/python bench/worker_rss.py --trees /path/to/other/checkout,. [--seconds 120] [--json FILE]
+    .venv/bin/python bench/worker_rss.py --trees /path/to/other/checkout,. [--seconds 120] [--size 256] [--json FILE]
 
 Each checkout's worker (`turboctl worker run --model tiny` on loopback, bench/worker_turbo.py's
-Worker) runs in turn under closed-loop clients, one per tier and a second relax one (64x64, the
-tiers' default steps), for `--seconds`; the engine process's RSS is read every SAMPLE_S from
+Worker) runs in turn under closed-loop clients, one per tier and a second relax one (`--size`,
+default bench/node_slo.py's 256x256; the tiers' default steps), for `--seconds`; the engine process's RSS is read every SAMPLE_S from
 /proc. Per checkout: requests served, RSS at the start (after warming) and at the end, its
 growth per 1,000 requests and over the last half of the run (where a bounded heap is flat).
 """
@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from bench.worker_turbo import Worker  # noqa: E402
+from bench.worker_turbo import SIZE, Worker  # noqa: E402
 from sandbox.loadgen import request_image  # noqa: E402
 
 SAMPLE_S = 10.0
@@ -39,17 +39,17 @@ def engine_rss_mib(worker: Worker) -> int:
     raise SystemExit(f"no engine process under the worker of {worker.tree}")
 
 
-def load(worker: Worker, seconds: float) -> dict:
+def load(worker: Worker, seconds: float, size: int) -> dict:
     stop, served, failed = threading.Event(), [0], [0]
 
     def client(tier: str) -> None:
         while not stop.is_set():
-            ok = request_image(worker.url, tier, 64).status == 200
+            ok = request_image(worker.url, tier, size).status == 200
             served[0] += ok
             failed[0] += not ok
 
     for _ in range(3):  # warm: traced graphs, caches
-        request_image(worker.url, "turbo", 64)
+        request_image(worker.url, "turbo", size)
     threads = [threading.Thread(target=client, args=(t,), daemon=True) for t in CLIENTS]
     samples = [(0.0, 0, engine_rss_mib(worker))]
     t0 = time.monotonic()
@@ -75,7 +75,8 @@ def load(worker: Worker, seconds: float) -> dict:
 
 def table(result: dict) -> str:
     lines = [
-        f"engine RSS under {len(CLIENTS)} closed-loop clients for {result['seconds']} s (MiB)",
+        f"engine RSS under {len(CLIENTS)} closed-loop clients, {result['size']}x{result['size']}, "
+        f"for {result['seconds']} s (MiB)",
         f"{'checkout':30} {'served':>7} {'failed':>6} {'start':>6} {'end':>6} {'per 1000 req':>13} {'last half':>10}",
     ]
     for label, r in result["trees"].items():
@@ -90,15 +91,16 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--trees", default=".", help="comma-separated checkouts to compare (default: this one)")
     ap.add_argument("--seconds", type=float, default=120.0, help="load per checkout")
+    ap.add_argument("--size", type=int, default=SIZE, help="image size in pixels")
     ap.add_argument("--json", help="write the figures here")
     args = ap.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="turbonode-bench-"))
-    result: dict = {"seconds": args.seconds, "trees": {}}
+    result: dict = {"seconds": args.seconds, "size": args.size, "trees": {}}
     for tree in [Path(t).resolve() for t in args.trees.split(",")]:
         worker = Worker(tree, scratch)
         try:
             worker.wait_serving()
-            result["trees"][worker.label] = load(worker, args.seconds)
+            result["trees"][worker.label] = load(worker, args.seconds, args.size)
         finally:
             worker.stop()
     if args.json:
