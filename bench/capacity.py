@@ -63,7 +63,7 @@ from turbonode.tiers import PROTECTED_TIER  # noqa: E402
 
 CONDITIONS = ("idle", "fault", "fault-plain")
 FAULT = ("cpu", "bulk")  # the demo's (sandbox/demo.py)
-RUNGS = (0.5, 0.7, 0.8, 0.9, 1.0)  # fractions of the raw limit, up from the first
+RUNGS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # fractions of the raw limit, up from the first
 # Down from RUNGS[0] when it does not hold, until one holds (the fault conditions' held rate lies
 # there; 100 requests at 10 % take about 2.5 minutes); below the last, "below the lowest rung".
 LOWER_RUNGS = (0.3, 0.2, 0.1)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from agent.levers.cgroup import CpuShare, CpuShareLever, WorkerCgroup
+from agent.levers.cgroup import CpuShare, CpuShareLever, WorkerCgroup, quota_neighbours
 from agent.levers.journal import KnobError, KnobJournal, same_value
 from render.cpu_threads import available_cpus
 from sandbox.cgroup_v2 import CgroupV2Unavailable, cpu_on_v2, unavailable
@@ -101,6 +101,56 @@ def test_v1_tree_found_on_a_hybrid_host_and_lever_applied_and_undone(tmp_path):
     assert [read(root / f"cpu/{cg}/cpu.shares") for cg in ("worker", "batch")] == ["1024", "1024"]
     assert read(root / "cpu/batch/cpu.cfs_quota_us") == "-1"
     assert not state.exists()
+
+
+def test_the_neighbours_that_spend_a_workers_quota_are_capped_while_engaged(tmp_path):
+    """A node (a pod, a slice) capped at 0.5 CPU holds the worker and other work: a hog there on
+    another CPU spends the node's budget whatever the weights, so cpu_share caps the worker's
+    neighbours under that quota at a share of it (bench/capacity.py's fault cell), and puts back."""
+    root = fake_v1(tmp_path)
+    for cg in ("node", "node/worker", "node/other", "node/other/job", "node/batch", "node/tight"):
+        d = root / "cpu" / cg
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cpu.shares").write_text("1024\n")
+        (d / "cpu.cfs_quota_us").write_text("-1\n")
+        (d / "cpu.cfs_period_us").write_text("100000\n")
+    (root / "cpu/node/cpu.cfs_quota_us").write_text("50000\n")
+    (root / "cpu/node/tight/cpu.cfs_quota_us").write_text("1000\n")  # capped tighter by someone: left
+    h = CpuHierarchy.find(str(root))
+    assert quota_neighbours(h, ["/node/worker"]) == {"/node/other": 0.5, "/node/batch": 0.5, "/node/tight": 0.5}
+    assert quota_neighbours(h, ["/worker"]) == {}  # no quota above it: nothing shares one
+    state = tmp_path / "levers.json"
+    lever = CpuShareLever(h, KnobJournal(str(state)), ("/node/worker",), ("/batch",), neighbour_share=0.1)
+    lever.engage()
+    quota = {
+        cg: read(root / f"cpu/{cg}/cpu.cfs_quota_us")
+        for cg in ("node", "node/worker", "node/other", "node/batch", "node/tight", "node/other/job")
+    }
+    assert quota == {
+        "node": "50000",
+        "node/worker": "-1",
+        "node/other": "5000",
+        "node/batch": "5000",
+        "node/tight": "1000",
+        "node/other/job": "-1",
+    }
+    lever.engage()  # engaged again: the same
+    assert read(root / "cpu/node/other/cpu.cfs_quota_us") == "5000"
+    assert lever.release() == []
+    assert [read(root / f"cpu/node/{cg}/cpu.cfs_quota_us") for cg in ("other", "batch", "tight")] == [
+        "-1",
+        "-1",
+        "1000",
+    ]
+    # a best-effort neighbour with a cap of its own gets that one; share 0 leaves the neighbours alone
+    lever = CpuShareLever(
+        h, KnobJournal(str(state)), ("/node/worker",), ("/node/batch",), best_effort_cpus=0.2, neighbour_share=0.1
+    )
+    lever.engage()
+    assert [read(root / f"cpu/node/{cg}/cpu.cfs_quota_us") for cg in ("other", "batch")] == ["5000", "20000"]
+    assert lever.release() == []
+    CpuShareLever(h, KnobJournal(str(state)), ("/node/worker",), ()).engage()
+    assert read(root / "cpu/node/other/cpu.cfs_quota_us") == "-1"
 
 
 def test_v2_tree_uses_cpu_weight_and_cpu_max(tmp_path):
@@ -245,6 +295,32 @@ def test_real_cgroups_applied_and_undone(real_cgroups, tmp_path):
     assert all(not same_value(read(Path(f)), v) or f.endswith("period_us") for f, v in quota)
 
 
+def test_real_quota_neighbours_capped_and_put_back(hierarchy, tmp_path):
+    """The kernel takes the neighbours' caps under a real quota'd parent (v1 refuses a child's
+    quota above its parent's) and the lever puts them back."""
+    h = hierarchy
+    node = f"/tn-test-{uuid.uuid4().hex[:8]}-node"
+    made = []
+    try:
+        for cg in (node, f"{node}/worker", f"{node}/other"):
+            h.create(cg)
+            made.append(cg)
+        for f, v in h.quota_writes(node, 0.5):
+            Path(f).write_text(v)
+        other = h.quota_writes(f"{node}/other", 0.05)
+        before = [read(Path(f)) for f, _ in other]
+        lever = CpuShareLever(
+            h, KnobJournal(str(tmp_path / "levers.json")), (f"{node}/worker",), (), neighbour_share=0.1
+        )
+        lever.engage()
+        assert all(same_value(read(Path(f)), v) for f, v in other)
+        assert lever.release() == []
+        assert [read(Path(f)) for f, _ in other] == before
+    finally:
+        for cg in reversed(made):
+            h.remove(cg)
+
+
 def test_real_cgroups_restored_at_next_start_after_kill_9(real_cgroups, tmp_path):
     h, (worker, batch) = real_cgroups
     state = tmp_path / "levers.json"
@@ -291,6 +367,7 @@ def test_the_worker_cgroup_found_from_its_pid_is_weighed_and_its_quota_read(real
             "cgroup_version": h.version,
             "worker_cgroups": {"default": worker},
             "best_effort": (batch,),
+            "quota_neighbours": {},  # no quota above the worker here
             "unresolved": {},
         }
         assert read(weight) == h.weight_value(10000) == ("10000" if h.version == 2 else "102400")

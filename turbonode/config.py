@@ -654,6 +654,12 @@ class LeversConfig:
     best_effort_cpus: float = opt(
         0.0, in_range(0, MAX_CPUS), "CPU cap of each best-effort cgroup while engaged (0: none)"
     )
+    quota_neighbour_share: float = opt(
+        0.1,
+        in_range(0, 1),
+        "while cpu_share is engaged, cap each cgroup that shares a worker's CPU quota (its nearest ancestor's) "
+        "at this share of that quota (0: leave them)",
+    )
     worker_threads: int = opt(
         1, in_range(1, MAX_INTRA_OP_THREADS), "torch intra-op threads of the worker while worker_threads is engaged"
     )

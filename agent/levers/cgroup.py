@@ -1,7 +1,11 @@
 """The CPU-share lever: favour the workers over co-located best-effort work while degraded.
 
 It raises every worker's cgroup weight and lowers (optionally caps) the configured best-effort
-cgroups' (a batch slice, say) on cgroup v1 or v2 (turbonode/cgroups.py). Measured on the
+cgroups' (a batch slice, say) on cgroup v1 or v2 (turbonode/cgroups.py). Where a worker runs
+under a CPU quota it shares with other cgroups (a Kubernetes pod's limit over its containers, a
+systemd slice's CPUQuota=), it also caps those neighbours at a share of that quota: a weight acts
+per CPU, but a quota is one budget spent on every CPU at once, so a hog on another CPU spends
+the worker's budget whatever their weights (measured: bench/capacity.py's fault cell). Measured on the
 development VM (docs/benchmarks.md): a hog in another session gets the same CPU share as the
 worker whatever its nice (sched_autogroup), and a lowered weight on the hog's cgroup alone
 leaves the 2-thread tail; raising the worker's weight above its neighbours keeps its steps
@@ -10,6 +14,7 @@ at idle speed. Writes go through the KnobJournal: reversible, restored after a c
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -34,6 +39,7 @@ class CpuShareLever:
     worker_weight: int = V2_WEIGHT_MAX
     best_effort_weight: int = V2_WEIGHT_MIN
     best_effort_cpus: float | None = None  # a hard cap as well, in CPUs; None: weight only
+    neighbour_share: float = 0.0  # cap quota_neighbours at this share of the quota they share; 0: leave them
     engaged: list[str] = field(default_factory=list)  # files written, in order
 
     def writes(self) -> list[tuple[str, str]]:
@@ -46,6 +52,26 @@ class CpuShareLever:
             out.append((self.hierarchy.weight_file(cg)[0], self.hierarchy.weight_value(self.best_effort_weight)))
             if self.best_effort_cpus is not None:
                 out += self.hierarchy.quota_writes(cg, self.best_effort_cpus)
+        for cg, cap in self.neighbour_caps().items():
+            out += self.hierarchy.quota_writes(cg, cap)
+        return out
+
+    def neighbour_caps(self) -> dict[str, float]:
+        """{cgroup: CPUs} for each quota neighbour of the workers this lever caps: not a
+        best-effort cgroup with a cap of its own (best_effort_cpus), not capped tighter already."""
+        if not self.neighbour_share:
+            return {}
+        out = {}
+        for cg, quota in quota_neighbours(self.hierarchy, self.workers).items():
+            if cg in self.best_effort and self.best_effort_cpus is not None:
+                continue
+            cap = quota * self.neighbour_share
+            try:
+                own = self.hierarchy.quota_cpus(cg)
+            except CgroupError:
+                own = None
+            if own is None or own > cap:  # a tighter cap (or ours, engaged again) stays
+                out[cg] = cap
         return out
 
     def engage(self) -> None:
@@ -59,6 +85,36 @@ class CpuShareLever:
         problems = [p for p in (self.journal.undo(path) for path in reversed(self.engaged)) if p]
         self.engaged.clear()
         return problems
+
+
+def quota_neighbours(hierarchy: CpuHierarchy, workers: Sequence[str]) -> dict[str, float]:
+    """{cgroup: CPUs of the quota it shares with a worker}: below each worker's nearest ancestor
+    with a CPU quota of its own, every cgroup beside the path down to the worker (and holding no
+    worker). They spend the budget the worker runs on."""
+    on_path = {"/".join(w.rstrip("/").split("/")[:i]) or "/" for w in workers for i in range(1, w.count("/") + 2)}
+    out: dict[str, float] = {}
+    for worker in workers:
+        parts = worker.strip("/").split("/")
+        for depth in range(len(parts) - 1, 0, -1):  # the worker's parent up to the top level
+            ancestor = "/" + "/".join(parts[:depth])
+            try:
+                quota = hierarchy.quota_cpus(ancestor)
+            except CgroupError:
+                continue
+            if quota is None:
+                continue
+            for level in range(depth, len(parts)):
+                parent = "/" + "/".join(parts[:level])
+                try:
+                    names = sorted(os.listdir(hierarchy.dir(parent)))
+                except OSError:  # removed meanwhile
+                    continue
+                for name in names:
+                    cg = f"{parent}/{name}"
+                    if cg not in on_path and os.path.isdir(hierarchy.dir(cg)):
+                        out.setdefault(cg, quota)
+            break  # the nearest quota: the budget the worker draws on
+    return out
 
 
 @dataclass(frozen=True)
@@ -160,6 +216,7 @@ class CpuShare:
             self.cfg.worker_cpu_weight,
             self.cfg.best_effort_cpu_weight,
             self.cfg.best_effort_cpus or None,
+            self.cfg.quota_neighbour_share,
         )
         if self.lever is not None:  # engaged again (refresh): release undoes the first writes too
             lever.engaged = list(self.lever.engaged)
@@ -169,6 +226,7 @@ class CpuShare:
             "cgroup_version": hierarchy.version,
             "worker_cgroups": found,
             "best_effort": lever.best_effort,
+            "quota_neighbours": lever.neighbour_caps(),
             "unresolved": dict(self.cgroups.unresolved),
         }
 
