@@ -173,13 +173,21 @@ def run_rung(node: FleetNode, condition: str, rate: float, requests: int) -> dic
         before = reading(node)
         outcomes, wall = node.load({}, requests, rate)
         after = reading(node)
+        capped = _capped(node) if watch is not None else None
     finally:
         if watch is not None:
             watch.stop()
         for proc in started:
             node.release(proc)
     r = rung(outcomes, wall)
-    return {**r, "cpu": split(before, after, r["ok"]), "agent": watch.summary() if watch else None}
+    agent = {**watch.summary(), "quota_neighbours": capped} if watch else None
+    return {**r, "cpu": split(before, after, r["ok"]), "agent": agent}
+
+
+def _capped(node: FleetNode) -> dict | None:
+    """What cpu_share capped under the node's quota at the end of the rung (None: not engaged)."""
+    lever = node.agent_rpc.call("status").get("actions", {}).get("levers", {}).get("cpu_share") or {}
+    return lever.get("quota_neighbours") if lever.get("engaged") else None
 
 
 def reading(node: FleetNode) -> Reading:
@@ -248,7 +256,11 @@ def report(result: dict) -> str:
     for condition, r in result["conditions"].items():
         for fraction, x in r["rungs"].items():
             if x.get("agent"):
-                lines.append(f"agent, {condition} {float(fraction):.0%}: {describe_agent(x['agent'])}")
+                capped = x["agent"].get("quota_neighbours")
+                lines.append(
+                    f"agent, {condition} {float(fraction):.0%}: {describe_agent(x['agent'])}"
+                    + (f"; quota neighbours capped at the end: {capped}" if capped else "")
+                )
     cap = {c: r["capacity"] for c, r in result["conditions"].items()}
     lines.append(
         "capacity (highest rate with turbo p99 <= "
