@@ -305,6 +305,11 @@ def main() -> int:
         "--raw-limit", type=float, help="images/s to take as the raw limit instead of measuring it (to iterate)"
     )
     ap.add_argument("--rungs", type=_fractions, default=(), help="only these rungs (e.g. 0.7,0.9), no sweep")
+    ap.add_argument(
+        "--neighbour-share",
+        type=float,
+        help="the node agent's levers.quota_neighbour_share (default: the config's; 0: the ablation without it)",
+    )
     ap.add_argument("--json", help="write every figure here")
     ap.add_argument("--report", metavar="JSON", help="print the table of a run saved with --json; run nothing")
     args = ap.parse_args()
@@ -320,10 +325,17 @@ def main() -> int:
     def log(msg: str) -> None:
         print(msg, file=sys.stderr, flush=True)
 
-    result: dict = {"cpus": args.cpus, "requests": args.requests, "link": args.link, "conditions": {}}
+    result: dict = {
+        "cpus": args.cpus,
+        "requests": args.requests,
+        "link": args.link,
+        "neighbour_share": args.neighbour_share,
+        "conditions": {},
+    }
     result["loadavg_before"] = os.getloadavg()
     with FleetNet(1) as net:
-        node = FleetNode(DemoSettings(rate=args.link), net.link(0), "node0", args.cpus, log)
+        levers = "" if args.neighbour_share is None else f"quota_neighbour_share = {args.neighbour_share}\n"
+        node = FleetNode(DemoSettings(rate=args.link, extra_toml=levers), net.link(0), "node0", args.cpus, log)
         with node:
             result["raw"] = (
                 {"limit": args.raw_limit, "best_batch": None, "images_per_s": {}, "steps": None, "size": None}

@@ -134,6 +134,7 @@ def test_the_neighbours_that_spend_a_workers_quota_are_capped_while_engaged(tmp_
         "node/tight": "1000",
         "node/other/job": "-1",
     }
+    assert lever.neighbour_caps() == {"/node/other": 0.05, "/node/batch": 0.05}  # what status reports, once engaged
     lever.engage()  # engaged again: the same
     assert read(root / "cpu/node/other/cpu.cfs_quota_us") == "5000"
     assert lever.release() == []

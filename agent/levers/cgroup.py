@@ -70,7 +70,8 @@ class CpuShareLever:
                 own = self.hierarchy.quota_cpus(cg)
             except CgroupError:
                 own = None
-            if own is None or own > cap:  # a tighter cap (or ours, engaged again) stays
+            ours = {f for f, _ in self.hierarchy.quota_writes(cg, cap)} & set(self.engaged)
+            if own is None or own > cap or ours:  # a tighter cap someone else set stays
                 out[cg] = cap
         return out
 
