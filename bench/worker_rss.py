@@ -5,9 +5,10 @@ worker serves requests for minutes, and its RSS must level off, not grow with ev
 
 Each checkout's worker (`turboctl worker run --model tiny` on loopback, bench/worker_turbo.py's
 Worker) runs in turn under closed-loop clients, one per tier and a second relax one (`--size`,
-default bench/node_slo.py's 256x256; the tiers' default steps), for `--seconds`; the engine process's RSS is read every SAMPLE_S from
-/proc. Per checkout: requests served, RSS at the start (after warming) and at the end, its
-growth per 1,000 requests and over the last half of the run (where a bounded heap is flat).
+default bench/node_slo.py's 256x256; the tiers' default steps), for `--seconds`; the engine
+process's RSS is read every SAMPLE_S from /proc. Per checkout: requests served, RSS at the start
+(after warming) and at the end, its growth per 1,000 requests and over the last half of the run
+(where a bounded heap is flat).
 """
 
 from __future__ import annotations
