@@ -25,13 +25,16 @@ Modes, side by side in one run:
              the shipped file), FIFO nodes (one FIFO shaped to the link), no agent, workers that
              queue whatever comes
   turbonode  the shipped file (per-tier /readyz checks, retry and redispatch of a refused or
-             unanswered request), each node's agent, workers with worker.refuse_unready and so
-             deadline-aware admission (worker.slo: turbo 2 s, fast FAST_SLO_S)
+             unanswered request, turbo weighted by each worker's agent-check), each node's agent,
+             workers with worker.refuse_unready and so deadline-aware admission (worker.slo:
+             turbo 2 s, fast FAST_SLO_S)
 
 Per cell and mode: fleet turbo n, p50/p99/max of the answered, turbo errors (any client-visible
 answer but 200: a 5xx, a reset), SLO attainment (the share of turbo and of fast requests answered
-within their objective), the share of turbo each node served during its own fault window, fast
-and relax images/s, the requests HAProxy retried and the worker restarts.
+within their objective), the share of turbo each node served during its own fault window and (in
+turbonode mode) its HAProxy turbo weight there (the agent-check's, sampled every 0.5 s: median,
+and when it first fell to WEIGHED_DOWN_PCT), fast and relax images/s, the requests HAProxy
+retried and the worker restarts.
 Targets: turbonode's turbo p99 in `rolling` <= 1.2 x its p99 in `none`; 0 client-visible turbo errors.
 """
 
@@ -68,6 +71,7 @@ MODES = ("plain", "turbonode")
 ROLLING = ("gc", "cpu+bulk", "kill")  # node i's fault in window i
 TURBO_SLO_S, FAST_SLO_S = 2.0, 10.0
 TARGET_RATIO = 1.2
+WEIGHED_DOWN_PCT = 3  # a node's weight at or below this: (almost) out of the turbo rotation
 LEAD_S = 3.0  # the load generator starts (python, in the client namespace) before the first request
 SETTLE_TIMEOUT_S = 120.0
 
@@ -79,6 +83,31 @@ class SloFleetNode(FleetNode):
         if args[:1] != ("worker",):
             return super()._turboctl(*args)
         return [sys.executable, "-c", WORKER_PY, *args]
+
+
+class WeightWatch:
+    """HAProxy's turbo weight of each node (what its agent-check last set), every half second."""
+
+    def __init__(self, fleet: SandboxFleet, start_at: float):
+        self.fleet, self.start_at = fleet, start_at
+        self.samples: list[dict] = []  # {"t": seconds from start_at, node: weight, ...}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weights", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        assert self.fleet.balancer is not None
+        while not self._stop.wait(0.5):
+            try:
+                row = {n.name: self.fleet.balancer.weight("turbo", n.name) for n in self.fleet.nodes}
+            except (OSError, ValueError, IndexError):
+                continue
+            self.samples.append({"t": round(time.monotonic() - self.start_at, 2), **row})
+
+    def stop(self) -> list[dict]:
+        self._stop.set()
+        self._thread.join(5)
+        return self.samples
 
 
 class Rolling:
@@ -164,6 +193,7 @@ def run_cell(fleet: SandboxFleet, cell: str, mode: str, args: argparse.Namespace
     try:
         watches = {node.name: AgentWatch(node.agent_rpc) for node, _ in agents}
         start_at = time.monotonic() + LEAD_S
+        weights = WeightWatch(fleet, start_at) if mode == "turbonode" else None
         window = args.requests / args.rate / len(fleet.nodes)
         rolling = Rolling(fleet.nodes, start_at, window, log)
         clients = {"fast": args.fast_clients, "relax": args.relax_clients}
@@ -174,6 +204,7 @@ def run_cell(fleet: SandboxFleet, cell: str, mode: str, args: argparse.Namespace
             outcomes = fleet.load(clients, args.requests, args.rate, start_at, seed=args.seed)
         wall = time.monotonic() - start_at
     finally:
+        weight_samples = weights.stop() if weights is not None else []
         for watch in watches.values():
             watch.stop()
         for node, agent in agents:
@@ -187,7 +218,7 @@ def run_cell(fleet: SandboxFleet, cell: str, mode: str, args: argparse.Namespace
         if "killed_s" in w
     ]
     return {
-        **figures(outcomes, wall, rolling.windows),
+        **figures(outcomes, wall, rolling.windows, weight_samples),
         "retried": fleet.balancer.retried()[retried_before:],
         "restarts": restarts,
         "agents": {name: w.summary() for name, w in watches.items()},
@@ -195,7 +226,7 @@ def run_cell(fleet: SandboxFleet, cell: str, mode: str, args: argparse.Namespace
     }
 
 
-def figures(outcomes: list[Outcome], wall: float, windows: list[dict]) -> dict:
+def figures(outcomes: list[Outcome], wall: float, windows: list[dict], weights: list[dict]) -> dict:
     turbo = [o for o in outcomes if o.tier == PROTECTED_TIER]
     ok = [o for o in turbo if o.status == 200]
     fast = [o for o in outcomes if o.tier == "fast"]
@@ -205,7 +236,19 @@ def figures(outcomes: list[Outcome], wall: float, windows: list[dict]) -> dict:
     for w in windows:
         sent = [o for o in turbo if w["start_s"] <= o.sent_at < w.get("end_s", float("inf"))]
         mine = sum(o.server == w["node"] for o in sent)
-        shares.append({**w, "turbo_sent": len(sent), "served_by_it": mine, "share": mine / len(sent) if sent else None})
+        own = [x for x in weights if w["start_s"] <= x["t"] < w.get("end_s", float("inf")) and w["node"] in x]
+        low = [x["t"] - w["start_s"] for x in own if x[w["node"]] <= WEIGHED_DOWN_PCT]
+        shares.append(
+            {
+                **w,
+                "turbo_sent": len(sent),
+                "served_by_it": mine,
+                "share": mine / len(sent) if sent else None,
+                # its HAProxy weight in its window: the median, and when it first fell to a few percent
+                "weight_p50": percentile([x[w["node"]] for x in own], 50),
+                "weighed_down_after_s": round(low[0], 1) if low else None,
+            }
+        )
     return {
         "turbo": {
             "n": len(turbo),
@@ -225,6 +268,7 @@ def figures(outcomes: list[Outcome], wall: float, windows: list[dict]) -> dict:
         },
         "relax_images_per_s": (tiers.get("relax") or {}).get("images_per_s"),
         "windows": shares,
+        "weights": weights,
         "wall_s": wall,
     }
 
@@ -247,7 +291,15 @@ def report(result: dict) -> str:
     for cell, by_mode in result["cells"].items():
         for mode, r in by_mode.items():
             t = r["turbo"]
-            shares = ", ".join(f"{w['node']}: {w['fault']} {_pct(w['share'])}" for w in r["windows"])
+            shares = ", ".join(
+                f"{w['node']}: {w['fault']} {_pct(w['share'])}"
+                + (
+                    f" (weight p50 {w['weight_p50']:.0f}, <= {WEIGHED_DOWN_PCT} after {w['weighed_down_after_s']} s)"
+                    if w.get("weight_p50") is not None
+                    else ""
+                )
+                for w in r["windows"]
+            )
             lines.append(
                 f"{cell:<8} {mode:<10} {t['n']:>4} {_ms(t['p50_s']):>6} {_ms(t['p99_s']):>6} {_ms(t['max_s']):>6} "
                 f"{t['errors']:>6} {_pct(t['attainment']):>9} {_pct(r['fast']['attainment']):>8} "

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from turbonode import sdnotify
-from turbonode.config import DEFAULT_WORKER, WorkerConfig, split_host_port
+from turbonode.config import DEFAULT_WORKER, WorkerConfig, split_host_port, weight_address
 from turbonode.errors import TurbonodeError
 from turbonode.exposition import daemon_registry
 from turbonode.jsonrpc import SERVER_ERROR, WORKER_LOADING, RpcError
@@ -36,6 +36,8 @@ from .cpu_threads import pin_cpus, wait_policy_default
 from .memory_lock import MemoryLock
 from .readiness import ENGINE_STALL_S
 from .remote_engine import RemoteEngine
+from .weight import FULL_PCT
+from .weight_agent import WeightAgent
 
 if TYPE_CHECKING:
     from .control_server import ControlServer
@@ -105,6 +107,8 @@ class Worker:
         self.defaults: RequestDefaults | None = None
         self.family = ""
         self.address: tuple[str, int] | None = None
+        self.weight_agent = WeightAgent(self.weight)
+        self.weight_address: tuple[str, int] | None = None  # where HAProxy's agent-check asks, once bound
         self.malformed_log = MalformedRequestLog(self.metrics.http_malformed.inc)
 
     def _build_labels(self) -> dict[str, str]:
@@ -113,6 +117,13 @@ class Worker:
         if not info:
             return {}
         return {"backend": info["name"], "device": info["device"], "model_family": self.family}
+
+    def weight(self) -> int:
+        """What the agent-check answers (render/weight.py): full until the model has loaded."""
+        engine = self.api.engine
+        if engine is None or not engine.alive:
+            return FULL_PCT
+        return engine.snapshot()["speed"]["weight_percent"]
 
     def load(self, engine: RemoteEngine) -> None:
         """Have the engine process load the model and build the engine (minutes for a first
@@ -169,6 +180,16 @@ class Worker:
         except OSError as exc:
             await self._shutdown(runner)
             raise ListenError(f"cannot listen on {self.cfg.listen}: {exc.strerror or exc}") from None
+        weight_at = weight_address(self.cfg.listen, self.cfg.weight_port)
+        if weight_at is not None:
+            try:
+                self.weight_address = await self.weight_agent.start(*weight_at)
+            except OSError as exc:
+                await self._shutdown(runner)
+                raise ListenError(
+                    f"cannot listen on {weight_at[0]}:{weight_at[1]} (worker.weight_port, HAProxy's agent-check): "
+                    f"{exc.strerror or exc}"
+                ) from None
         try:
             self.control = ControlServer(self.cfg.control_socket, loading_handlers(), self.cfg.control_group)
         except OSError as exc:
@@ -181,7 +202,8 @@ class Worker:
         bound = runner.addresses[0]
         self.address = (bound[0], bound[1])
         url = f"http://{'[' + bound[0] + ']' if ':' in bound[0] else bound[0]}:{bound[1]}"
-        loading(f"listening on {url} (control {self.cfg.control_socket}), loading model {self.cfg.model}")
+        weight = f", agent-check port {self.weight_address[1]}" if self.weight_address else ""
+        loading(f"listening on {url} (control {self.cfg.control_socket}{weight}), loading model {self.cfg.model}")
         gone = asyncio.Event()
         try:
             self.engine = RemoteEngine(on_exit=gone.set)
@@ -260,6 +282,7 @@ class Worker:
             await asyncio.sleep(interval)
 
     async def _shutdown(self, runner) -> None:
+        await self.weight_agent.close()
         if runner.addresses:  # listening: close the listener, then answer who got in before it closed
             for site in runner.sites:
                 await site.stop()

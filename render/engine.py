@@ -47,6 +47,7 @@ from .jobs import Job, JobRequest, JobState, Sample
 from .memory_lock import MemoryLock
 from .prepare_latents import LatentPreparer
 from .throttle import ThrottleState
+from .weight import StepPace
 
 log = logging.getLogger(__name__)
 
@@ -132,6 +133,7 @@ class Engine:
         self.step_times: collections.deque[float] = collections.deque(maxlen=RECENT)
         self.decode_s_per_image: float | None = None
         self.step_cost: dict[tuple, float] = {}  # (shape, denoiser rows) -> smoothed step seconds
+        self.speed = StepPace()  # against its usual pace: the weight a balancer reads (render/weight.py)
         self.steps_total = 0
         self.intra_op_threads = 0  # what the engine thread last set (0: not set yet)
         self.memory_lock = MemoryLock("engine")  # its pages resident while the throttle asks
@@ -275,6 +277,7 @@ class Engine:
         _charge(samples, seconds, weights)
         key = (_shape(samples[0]), n_rows)
         self.step_cost[key] = _smooth(self.step_cost.get(key), seconds)
+        self.speed.observe(key, seconds, t0 + seconds)
         self.step_times.append(seconds)
         self.steps_total += 1
         if self.metrics is not None:
@@ -449,6 +452,7 @@ class Engine:
             "gpu_allocated_bytes": torch.cuda.memory_allocated(device) if device.type == "cuda" else None,
             "pace": self.pace(),
             "backlog": self.backlog(),
+            "speed": self.speed.describe(self.clock()),
         }
 
     def pace(self) -> dict:

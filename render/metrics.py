@@ -31,6 +31,8 @@ from turbonode.metric_names import (
     REQUESTS,
     SLO,
     STAGES,
+    STEP_SLOWDOWN,
+    WEIGHT,
 )
 from turbonode.tier_headers import ACCOUNT_HEADER, DOWNGRADE_REASONS, TIER_HEADER
 from turbonode.tiers import PRIORITY_ORDER, TIER_NAMES
@@ -325,6 +327,16 @@ class EngineCollector:
         )
         throttled = self.engine.throttle.current() is not None
         yield GaugeMetricFamily(P + "throttled", "1 while a throttle from the agent is in force", value=int(throttled))
+        speed = snap["speed"]
+        yield GaugeMetricFamily(
+            WEIGHT,
+            "The weight HAProxy's agent-check reads, percent of its configured one",
+            value=speed["weight_percent"],
+        )
+        if speed["slowdown"] is not None:
+            yield GaugeMetricFamily(
+                STEP_SLOWDOWN, "Recent denoising step time over the worker's usual one", value=speed["slowdown"]
+            )
         cache = snap["text_cache"]
         yield CounterMetricFamily(P + "text_cache_hits", "Prompt embeddings served from the cache", value=cache["hits"])
         yield CounterMetricFamily(P + "text_cache_misses", "Prompt embeddings computed", value=cache["misses"])

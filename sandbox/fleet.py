@@ -51,6 +51,8 @@ BALANCER_PORT = 8460  # the shipped config's `bind :8460`
 # Lines of the shipped config a plain balancer does without: tier-aware health checks and retries
 # of refused requests (HAProxy then checks TCP connects and retries only a failed connect).
 PLAIN_DROPS = re.compile(r"^\s*(option httpchk|http-check |retry-on )")
+# ... and the weights the workers answer (agent-check): a plain balancer weighs every server alike.
+AGENT_OPTIONS = re.compile(r" agent-(check|port \S+|inter \S+)")
 SERVER_LINE = re.compile(r"^(\s+)server \S+ \S+ id \d+ (.*)$")
 
 
@@ -213,8 +215,9 @@ def fleet_config(text: str, servers: list[tuple[str, str]], stats_socket: str) -
 
 
 def plain_config(text: str) -> str:
-    """A plain balancer from a fleet config: round-robin, TCP checks, HAProxy's default retries."""
-    lines = [line for line in text.splitlines() if not PLAIN_DROPS.match(line)]
+    """A plain balancer from a fleet config: round-robin, TCP checks, HAProxy's default retries, no
+    agent-check weights."""
+    lines = [AGENT_OPTIONS.sub("", line) for line in text.splitlines() if not PLAIN_DROPS.match(line)]
     return "\n".join(line.replace("balance leastconn", "balance roundrobin") for line in lines) + "\n"
 
 
@@ -287,6 +290,17 @@ class Balancer:
 
     def wait(self, want: dict[tuple[str, str], str], timeout: float) -> dict[tuple[str, str], str]:
         return wait_state(self.stats, want, timeout)
+
+    def weight(self, backend: str, server: str) -> int:
+        """The server's current weight (what its agent-check last set), from the runtime API."""
+        with socket.socket(socket.AF_UNIX) as s:
+            s.settimeout(5)
+            s.connect(str(self.stats))
+            s.sendall(f"get weight {backend}/{server}\n".encode())
+            data = b""
+            while chunk := s.recv(4096):
+                data += chunk
+        return int(data.split()[0])  # "<current> (initial <initial>)"
 
     def retried(self) -> list[dict]:
         """Requests HAProxy logged with retries (httplog's retries field; '+' when redispatched):

@@ -18,6 +18,7 @@ import pytest
 from conftest import KERNEL_SKIP
 from daemon_harness import ROOT
 
+from sandbox import faults
 from sandbox.fleet import SHIPPED_CONFIG, FleetSettings, SandboxFleet, fleet_config, plain_config
 from sandbox.settings import DemoSettings
 
@@ -40,6 +41,52 @@ for t in threads:
     t.join()
 print(json.dumps([asdict(o) for o in outs]))
 """
+
+
+# In the front namespace: each node's engine kept busy (relax, closed-loop, straight to the
+# node) until stdin closes, so that its steps - what its weight is judged by - run all along.
+BUSY = r"""
+import sys, threading
+from sandbox.loadgen import request_image
+stop = threading.Event()
+def loop(url):
+    while not stop.is_set():
+        request_image(url, "relax", 128, 8, timeout=60)
+for url in sys.argv[1:]:
+    threading.Thread(target=loop, args=(url,), daemon=True).start()
+sys.stdin.read()
+stop.set()
+"""
+# In the client namespace: n turbo requests through HAProxy, `at_once` at a time.
+TURBO = r"""
+import json, sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict
+from sandbox.loadgen import request_image
+url, n, at_once = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with ThreadPoolExecutor(at_once) as pool:
+    outs = list(pool.map(lambda _: request_image(url, "turbo", 128, 2, timeout=60), range(n)))
+print(json.dumps([asdict(o) for o in outs]))
+"""
+
+
+def turbo(fleet: SandboxFleet, n: int, at_once: int = 1) -> list[dict]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    argv = [sys.executable, "-c", TURBO, fleet.url, str(n), str(at_once)]
+    out = subprocess.run(fleet.net.cmd(fleet.net.client, *argv), capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+def wait_weight(fleet: SandboxFleet, server: str, ok, timeout: float) -> tuple[int, float]:
+    """Until the turbo backend's weight of `server` satisfies `ok`: the weight and the seconds it took."""
+    assert fleet.balancer is not None
+    t0 = time.monotonic()
+    while True:
+        weight = fleet.balancer.weight("turbo", server)
+        if ok(weight) or time.monotonic() - t0 > timeout:
+            return weight, time.monotonic() - t0
+        time.sleep(0.1)
 
 
 class Burst:
@@ -80,17 +127,19 @@ def test_fleet_config_substitutes_addresses_only():
     servers = [("a", "10.254.20.2:8460"), ("b", "10.254.21.2:8460"), ("c", "10.254.22.2:8460")]
     out = fleet_config(text, servers, "/tmp/x/haproxy.sock")
     lines = [line.strip() for line in out.splitlines() if line.strip().startswith("server ")]
-    shipped = [line.strip() for line in text.splitlines() if line.strip().startswith("server ")]
-    options = shipped[0].split(" id ")[1].split(" ", 1)[1]
-    backends = sum(1 for line in text.splitlines() if line.startswith("backend "))
-    assert lines == [f"server {n} {a} id {i} {options}" for i, (n, a) in enumerate(servers, 1)] * backends
+    # each backend's servers from its own first server line (turbo's has the agent-check)
+    firsts = [b.split("\n    server ", 2)[1] for b in text.split("\nbackend ")[1:]]
+    options = [first.split(" id ")[1].split(" ", 1)[1].splitlines()[0] for first in firsts]
+    assert any("agent-check" in o for o in options) and len(set(options)) == len(options)
+    assert lines == [f"server {n} {a} id {i} {o}" for o in options for i, (n, a) in enumerate(servers, 1)]
     # every other line as shipped (the stats socket's path aside)
     rest = [line for line in out.splitlines() if not line.strip().startswith("server ")]
     want = [line for line in text.splitlines() if not line.strip().startswith("server ")]
     assert rest == [line.replace("/run/haproxy/turbonode.sock", "/tmp/x/haproxy.sock") for line in want]
     plain = "\n".join(line for line in plain_config(out).splitlines() if not line.lstrip().startswith("#"))
     assert "httpchk" not in plain and "retry-on" not in plain and "balance leastconn" not in plain
-    assert plain.count("balance roundrobin") == backends and plain.count(" check") == len(lines)
+    assert "agent-" not in plain  # every server weighs alike
+    assert plain.count("balance roundrobin") == len(options) and plain.count(" check") == len(lines)
     with pytest.raises(ValueError, match="template"):
         fleet_config("global\n    stats socket /run/haproxy/turbonode.sock\n", servers, "/tmp/s")
 
@@ -159,3 +208,56 @@ def test_two_nodes_behind_haproxy_unready_refused_and_killed():
     # everything it made is gone
     assert fleet.net.balancer not in subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     assert not fleet.work.exists()
+
+
+@pytest.mark.slow
+@needs_haproxy
+@pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
+def test_a_slow_node_is_weighed_down_and_all_slow_all_serve():
+    """The agent-check weights (render/weight.py): a node whose steps run slow (a CPU hog in its
+    cgroup, under its quota) gets (almost) no turbo while the other runs at its usual pace; when
+    both are slow, both serve."""
+    # 128 px: steps of ~30 ms on 0.5 CPU, several per CPU-quota period (at 64 px, 7 ms steps are
+    # either untouched or stalled for the rest of a 100 ms period, too noisy a measure)
+    settings = FleetSettings(
+        nodes=2, cpus=0.5, node=DemoSettings(size=128, worker_config={"refuse_unready": True}, keep_logs=False)
+    )
+    with SandboxFleet(settings, log=print) as fleet:
+        node0, node1 = fleet.nodes
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}
+        urls = [f"http://{node.address}" for node in fleet.nodes]
+        busy = subprocess.Popen(
+            fleet.net.cmd(fleet.net.balancer, sys.executable, "-c", BUSY, *urls), stdin=subprocess.PIPE, env=env
+        )
+        hogs = []  # (node, process)
+        try:
+            deadline = time.monotonic() + 60
+            while any(n.worker_rpc.call("status")["speed"]["slowdown"] is None for n in fleet.nodes):
+                assert time.monotonic() < deadline, "the workers did not learn their usual pace"
+                time.sleep(0.5)
+            for node in ("node0", "node1"):  # both at their usual pace: full weight
+                weight, _ = wait_weight(fleet, node, lambda w: w == 100, 30)
+                assert weight == 100, f"{node} at {weight} before any fault"
+            assert {o["server"] for o in turbo(fleet, 6)} == {"node0", "node1"}
+
+            hogs += [(node0, p) for p in faults.start(node0, ("cpu",), 300)]
+            weight, took = wait_weight(fleet, "node0", lambda w: w <= 3, 20)
+            assert weight <= 3, f"node0's weight {weight} 20 s into its CPU hog"
+            print(f"node0 weighed down to {weight} % {took:.1f} s after the hog started")
+            answers = turbo(fleet, 20)
+            assert {o["status"] for o in answers} == {200}
+            on_slow = sum(o["server"] == "node0" for o in answers)
+            assert on_slow <= 1, f"node0, slow, served {on_slow} of 20 turbo requests"
+
+            hogs += [(node1, p) for p in faults.start(node1, ("cpu",), 300)]  # every node slow: all still serve
+            weight, _ = wait_weight(fleet, "node1", lambda w: w <= 3, 20)
+            assert weight <= 3, f"node1's weight {weight} 20 s into its CPU hog"
+            answers = turbo(fleet, 16, at_once=8)
+            assert {o["status"] for o in answers} == {200}, answers
+            assert {o["server"] for o in answers} == {"node0", "node1"}, [o["server"] for o in answers]
+        finally:
+            for node, hog in hogs:
+                node.release(hog)
+            assert busy.stdin is not None
+            busy.stdin.close()
+            busy.wait(90)

@@ -60,6 +60,8 @@ MAX_CPUS = 4096  # a CPU quota in CPUs (levers.best_effort_cpus); CPUs are numbe
 MAX_GPUS = 1024  # NVML indexes are below it ([workers.<name>] gpu)
 # The one worker of a node whose file names none ([workers] absent): [worker] and agent.worker_socket.
 DEFAULT_WORKER = "default"
+# worker.weight_port 0: the HTTP port + this (8460 -> 8560, 8461 -> 8561)
+WEIGHT_PORT_OFFSET = 100
 # A worker's name is a systemd instance (turbonode-worker@<name>), part of a file name and a
 # metric label value: letters, digits, '-' and '_'.
 WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
@@ -315,6 +317,13 @@ class WorkerConfig:
         in_range(0, MAX_INTRA_OP_THREADS),
         "torch intra-op threads (0: one fewer than the CPUs the worker may use, at least 1)",
     )
+    weight_port: int = opt(
+        0,
+        in_range(-1, 65535),
+        "TCP port answering HAProxy's agent-check with the worker's weight: how much slower its steps run "
+        f"than usual (docs/fleet.md, weights). 0: the HTTP port + {WEIGHT_PORT_OFFSET} (ephemeral with an "
+        "ephemeral HTTP port; with [workers] tables each one's HTTP port + it); -1: none",
+    )
     handshake_tier: str = opt(
         "turbo",
         one_of("", *TIER_NAMES),
@@ -376,6 +385,12 @@ class WorkerEntry:
         "",
         empty_or(host_port),
         "its HTTP API ('': worker.listen's host and its port plus the worker's position among the tables)",
+    )
+    weight_port: int = opt(
+        0,
+        in_range(0, 65535),
+        "its agent-check port (0: worker.weight_port plus the worker's position, or its HTTP port + "
+        f"{WEIGHT_PORT_OFFSET} when worker.weight_port is 0)",
     )
     gpu: int = opt(
         -1,
@@ -717,6 +732,7 @@ class WorkerSpec:
     device: str
     cgroup: str  # levers.worker_cgroup's forms
     cpus: frozenset[int]  # empty: any
+    weight_port: int = 0  # worker.weight_port's forms
 
 
 def instance_socket(base: str, name: str) -> str:
@@ -732,7 +748,14 @@ def node_workers(cfg: Config) -> list[WorkerSpec]:
     if not cfg.workers:
         return [
             WorkerSpec(
-                DEFAULT_WORKER, cfg.agent.worker_socket, w.listen, None, w.device, cfg.levers.worker_cgroup, frozenset()
+                DEFAULT_WORKER,
+                cfg.agent.worker_socket,
+                w.listen,
+                None,
+                w.device,
+                cfg.levers.worker_cgroup,
+                frozenset(),
+                w.weight_port,
             )
         ]
     host, _, port = w.listen.rpartition(":")
@@ -745,6 +768,7 @@ def node_workers(cfg: Config) -> list[WorkerSpec]:
             e.device or (f"cuda:{e.gpu}" if e.gpu >= 0 else w.device),
             e.cgroup,
             parse_cpu_list(e.cpus) if e.cpus else frozenset(),
+            e.weight_port or (w.weight_port + i if w.weight_port > 0 else w.weight_port),
         )
         for i, (name, e) in enumerate(cfg.workers.items())
     ]
@@ -762,8 +786,23 @@ def instance_worker(cfg: Config, name: str | None) -> tuple[WorkerConfig, Worker
     if not cfg.workers:  # the node's only worker is [worker] as it is
         return cfg.worker, dataclasses.replace(spec, control_socket=cfg.worker.control_socket)
     return dataclasses.replace(
-        cfg.worker, control_socket=spec.control_socket, listen=spec.listen, device=spec.device
+        cfg.worker,
+        control_socket=spec.control_socket,
+        listen=spec.listen,
+        device=spec.device,
+        weight_port=spec.weight_port,
     ), spec
+
+
+def weight_address(listen: str, weight_port: int) -> tuple[str, int] | None:
+    """Where a worker on `listen` answers HAProxy's agent-check (worker.weight_port's forms): None
+    for -1; 0 is the HTTP port + WEIGHT_PORT_OFFSET, or 0 (ephemeral) with an ephemeral HTTP port."""
+    if weight_port < 0:
+        return None
+    host, port = split_host_port(listen)
+    if weight_port == 0:
+        weight_port = port + WEIGHT_PORT_OFFSET if port else 0
+    return host, weight_port
 
 
 # ---- loading -------------------------------------------------------------------------
@@ -898,6 +937,31 @@ def _check_across(cfg: Config) -> None:
             f"must be at least twice agent.sample_period ({a.sample_period:g} s), got {a.throttle_ttl:g}",
         )
     _check_workers(cfg)
+    _check_weight_ports(cfg)
+
+
+def _check_weight_ports(cfg: Config) -> None:
+    """Each worker's agent-check port in range and its own: no worker's HTTP port, no other's."""
+    specs = node_workers(cfg)
+    for i, spec in enumerate(specs):
+        own = cfg.workers.get(spec.name)
+        key = f"workers.{spec.name}.weight_port" if own is not None and own.weight_port else "worker.weight_port"
+        address = weight_address(spec.listen, spec.weight_port)
+        if address is None:
+            continue
+        host, port = address
+        if port > 65535:
+            raise ConfigError(key, f"port {port} (for the worker on {spec.listen}) is out of range: set {key}")
+        if not port:
+            continue
+        taken = [(s.listen, f"{s.name}'s HTTP port") for s in specs] + [
+            (f"{a[0]}:{a[1]}", f"{s.name}'s weight port")
+            for s in specs[:i]
+            if (a := weight_address(s.listen, s.weight_port)) is not None
+        ]
+        for other, what in taken:
+            if _same_port(f"{host}:{port}", other):
+                raise ConfigError(key, f"port {port} (for the worker on {spec.listen}) is worker {what} too")
 
 
 def _merge(base: dict[str, Any], extra: Mapping[str, Any]) -> dict[str, Any]:

@@ -46,6 +46,11 @@ CAPACITY = "turbonode_worker_capacity_requests_per_second"
 LOAD = "turbonode_worker_load_requests_per_second"
 LOAD_WINDOW_S = 60.0
 
+# The weight the worker answers HAProxy's agent-check (render/weight.py: 100 while its steps run at
+# their usual pace, down to a few percent when slower) and the step slowdown it comes from.
+WEIGHT = "turbonode_worker_weight_percent"
+STEP_SLOWDOWN = "turbonode_worker_step_slowdown_ratio"
+
 STAGES = ("queue_wait", "denoise", "decode", "respond")
 # ok: images answered; accepted: an async job queued (202); rejected: 429/503 before queueing
 # (queue full, tier shed, not ready, draining); failed: the job failed; cancelled: by the
