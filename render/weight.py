@@ -5,9 +5,10 @@ still meets it at twice its usual step time stays ready, and a balancer that onl
 keeps sending it its share of turbo, which then makes the fleet's tail. The weight says how
 well: HAProxy's agent-check (deploy/haproxy/turbonode.cfg) asks each worker for it every
 agent-inter, as a percentage of the server's configured weight, and the turbo backend's
-weighted round-robin shares requests in proportion: a worker at 1 % beside two at 100 % gets one
-request in 201. The weights are relative: when every worker is slow, all are at the floor and
-share the load as before (the floor is never 0, which would drain the server).
+weighted round-robin shares requests in proportion: a worker at 1 % (2 of a configured weight
+256) beside two at 100 % gets one request in 257. The weights are relative: when every worker
+is slow, all are at the floor and share the load as before (the floor is never 0, which would
+drain the server).
 
 The measure is the worker's step times against its own usual times for a step of that image
 shape and batch rows (batches of different sizes cost differently), summed over the last
@@ -29,8 +30,9 @@ from dataclasses import dataclass
 # The weight as HAProxy's agent-check takes it: percent of the server's configured weight.
 FULL_PCT = 100
 # Never 0 (HAProxy's DRAIN: no new traffic): a slow worker still gets its small share, and all
-# of them their equal shares when every one is slow. 1 of a configured `weight 100`: for a p99
-# within 1.2x of the fleet's without a fault, under 1 % of turbo may meet a slow node.
+# of them their equal shares when every one is slow. 1 % of the configured `weight 256` is 2 (HAProxy
+# rounds down): for a p99 within 1.2x of the fleet's without a fault, under 1 % of turbo may meet
+# a slow node (measured: at 1 of 100, one request per fault window, each in the tail).
 FLOOR_PCT = 1
 # Up to this slowdown (step time over a window / usual step time) a worker is healthy: full
 # weight. Above the noise measured on nodes of 0.5 CPU (docs/fleet.md, "Weights": windows of a
@@ -46,9 +48,10 @@ STEEPNESS = 16
 # time and no more). A second: a 3x slowdown reads 1.5x half a second in and 3x after a second.
 WINDOW_S = 1.0
 # The slowdown reported rises with the window's at once and falls towards it with this time
-# constant: a node under a fault has moments at its usual pace (measured: a second or two, as the
-# CPU share between a hog and the worker swings), which must not let turbo back in.
-FALL_S = 3.0
+# constant: a node under a fault has spells at its usual pace (measured in the fleet bench's CPU
+# hog window, where the agent's cpu_share lever wins the CPU back for a while: 6-9 s), which must
+# not let turbo back in; each relapse costs a second of turbo on a slow node before it is seen.
+FALL_S = 5.0
 # A step key's (image shape, batch rows) first step may trace a graph or warm caches: not counted.
 # Its next LEARN_STEPS make its usual time (their mean; until then its steps are not judged,
 # and a worker with no key known has full weight); after them it follows each step by

@@ -292,7 +292,8 @@ class Balancer:
         return wait_state(self.stats, want, timeout)
 
     def weight(self, backend: str, server: str) -> int:
-        """The server's current weight (what its agent-check last set), from the runtime API."""
+        """The server's current weight (what its agent-check last set) in percent of its configured
+        one, from the runtime API."""
         with socket.socket(socket.AF_UNIX) as s:
             s.settimeout(5)
             s.connect(str(self.stats))
@@ -300,7 +301,8 @@ class Balancer:
             data = b""
             while chunk := s.recv(4096):
                 data += chunk
-        return int(data.split()[0])  # "<current> (initial <initial>)"
+        current, _, initial = data.decode().partition("(initial ")  # "<current> (initial <initial>)"
+        return round(100 * int(current) / int(initial.rstrip(")\n ")))
 
     def retried(self) -> list[dict]:
         """Requests HAProxy logged with retries (httplog's retries field; '+' when redispatched):
