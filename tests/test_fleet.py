@@ -216,7 +216,7 @@ def test_two_nodes_behind_haproxy_unready_refused_and_killed():
 def test_a_slow_node_is_weighed_down_and_all_slow_all_serve():
     """The agent-check weights (render/weight.py): a node whose steps run slow (a CPU hog in its
     cgroup, under its quota) gets (almost) no turbo while the other runs at its usual pace; when
-    both are slow, both serve."""
+    both are slow, turbo is still answered and neither is drained."""
     # 128 px: steps of ~30 ms on 0.5 CPU, several per CPU-quota period (at 64 px, 7 ms steps are
     # either untouched or stalled for the rest of a 100 ms period, too noisy a measure)
     settings = FleetSettings(
@@ -254,7 +254,11 @@ def test_a_slow_node_is_weighed_down_and_all_slow_all_serve():
             assert weight <= 3, f"node1's weight {weight} 20 s into its CPU hog"
             answers = turbo(fleet, 16, at_once=8)
             assert {o["status"] for o in answers} == {200}, answers
-            assert {o["server"] for o in answers} == {"node0", "node1"}, [o["server"] for o in answers]
+            # neither drained (weight 0 would be HAProxy's DRAIN): which one serves follows their
+            # relative weights, which swing with each hog's share of its node's CPU (once all 16
+            # went to node1: a round-robin of small weights is lumpy)
+            assert fleet.balancer is not None
+            assert all(fleet.balancer.weight("turbo", n) > 0 for n in ("node0", "node1"))
         finally:
             for node, hog in hogs:
                 node.release(hog)
