@@ -72,18 +72,23 @@ def test_gc_pauses_are_pushed_once_and_history_is_not_news(worker, watcher):  # 
 
 
 def test_turbo_wait_excursion_is_pushed_once(worker, watcher):  # noqa: F811
-    sample(watcher)
+    excursion_is_pushed_once(worker, watcher)
+
+
+def excursion_is_pushed_once(worker: MiniWorker, ww: WorkerWatcher) -> None:
+    """A turbo-wait excursion wakes the loop once; its end and a new one make news again."""
+    sample(ww)
     worker.set_turbo_wait(0.8)
-    assert pushed(watcher)
-    assert watcher.sample(0)["turbo_wait_s"] == 0.8
-    before = watcher.feed.pushes
+    assert pushed(ww)
+    assert ww.sample(0)["turbo_wait_s"] == 0.8
+    before = ww.feed.pushes
     for _ in range(3):  # the excursion goes on: reported every period, not pushed again
-        assert sample(watcher)["turbo_wait_s"] == 0.8
-    assert watcher.feed.pushes == before
+        assert sample(ww)["turbo_wait_s"] == 0.8
+    assert ww.feed.pushes == before
     worker.set_turbo_wait(0.1)
-    assert wait_for(lambda: watcher.due(0) and watcher.sample(0)["turbo_wait_s"] == 0.1, WAIT_S)
+    assert wait_for(lambda: ww.due(0) and ww.sample(0)["turbo_wait_s"] == 0.1, WAIT_S)
     worker.set_turbo_wait(0.9)  # a new excursion is news again
-    assert pushed(watcher)
+    assert pushed(ww) and ww.feed.pushes == before + 1
 
 
 def test_absent_worker_is_a_state_then_recovers(tmp_path):
@@ -166,17 +171,7 @@ def test_an_excursion_first_seen_in_a_status_answer_is_pushed_once(tmp_path):
     srv = old.serve(path)
     ww = WorkerWatcher(WorkerFeed(path, {"turbo_wait_s": 0.5}, period=0.05))
     try:
-        sample(ww)
-        old.set_turbo_wait(0.8)
-        assert pushed(ww)
-        before = ww.feed.pushes
-        for _ in range(3):  # the excursion goes on: reported every period, not pushed again
-            assert sample(ww)["turbo_wait_s"] == 0.8
-        assert ww.feed.pushes == before
-        old.set_turbo_wait(0.1)
-        assert wait_for(lambda: ww.due(0) and ww.sample(0)["turbo_wait_s"] == 0.1, WAIT_S)
-        old.set_turbo_wait(0.9)
-        assert pushed(ww) and ww.feed.pushes == before + 1
+        excursion_is_pushed_once(old, ww)
     finally:
         srv.close()
         ww.close()
