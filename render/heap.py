@@ -12,10 +12,7 @@ PERIOD_S from the engine's loop. Where the C library has no malloc_trim (not gli
 from __future__ import annotations
 
 import ctypes
-import logging
 from collections.abc import Callable
-
-log = logging.getLogger(__name__)
 
 PERIOD_S = 5.0
 
