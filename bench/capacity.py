@@ -48,10 +48,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.node import bench_start  # noqa: E402
 from sandbox import faults  # noqa: E402
-from sandbox.demo import preflight  # noqa: E402
 from sandbox.fleet import FleetNet, FleetNode  # noqa: E402
-from sandbox.interrupt import exit_on_signals  # noqa: E402
 from sandbox.loadgen import Outcome  # noqa: E402
 from sandbox.node import REQUEST_TIMEOUT_S, AgentWatch  # noqa: E402
 from sandbox.report import describe_agent  # noqa: E402
@@ -319,11 +318,7 @@ def main() -> int:
     conditions = [c for c in args.conditions.split(",") if c]
     if bad := [c for c in conditions if c not in CONDITIONS]:
         ap.error(f"unknown condition: {', '.join(bad)}")
-    preflight()
-    exit_on_signals()
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+    log = bench_start()
 
     result: dict = {
         "cpus": args.cpus,

@@ -54,11 +54,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench.node import bench_start  # noqa: E402
 from bench.node_slo import GC_REARM_S, WORKER_PY  # noqa: E402
 from sandbox import faults  # noqa: E402
-from sandbox.demo import preflight  # noqa: E402
 from sandbox.fleet import FleetNode, FleetSettings, SandboxFleet  # noqa: E402
-from sandbox.interrupt import exit_on_signals  # noqa: E402
 from sandbox.loadgen import Outcome, summarize  # noqa: E402
 from sandbox.node import AgentWatch  # noqa: E402
 from sandbox.settings import DemoSettings  # noqa: E402
@@ -357,11 +356,7 @@ def main() -> int:
         ap.error(f"unknown cell or mode: {', '.join(bad)}")
     if args.nodes < len(ROLLING) and "rolling" in cells:
         ap.error(f"the rolling fault needs {len(ROLLING)} nodes")
-    preflight()
-    exit_on_signals()
-
-    def log(msg: str) -> None:
-        print(msg, file=sys.stderr, flush=True)
+    log = bench_start()
 
     result: dict = {
         "cells": {},

@@ -14,12 +14,15 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from sandbox.demo import preflight  # noqa: E402
+from sandbox.interrupt import exit_on_signals  # noqa: E402
 from sandbox.netns import Sandbox  # noqa: E402
 from turbonode.config import DEFAULT_WORKER, instance_socket  # noqa: E402
 from turbonode.errors import ControlError, TurbonodeError  # noqa: E402
@@ -33,6 +36,19 @@ WORKER_PY = (
     "import sys; sys.argv[0] = 'turboctl'; from bench.garbage import Garbage; Garbage().install(); "
     "from turboctl import main; main()"
 )
+
+
+def bench_start() -> Callable[[str], None]:
+    """What a sandbox benchmark does before it builds anything: refuse early, naming what the
+    machine lacks; let SIGTERM/SIGINT unwind its `with`s (what it made is removed); and its
+    progress log, on stderr (stdout carries the report)."""
+    preflight()
+    exit_on_signals()
+    return log_stderr
+
+
+def log_stderr(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
 
 
 def free_port() -> int:

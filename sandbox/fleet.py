@@ -48,6 +48,12 @@ ROOT = Path(__file__).resolve().parents[1]
 SHIPPED_CONFIG = ROOT / "deploy/haproxy/turbonode.cfg"
 SHIPPED_STATS_SOCKET = "/run/haproxy/turbonode.sock"
 BALANCER_PORT = 8460  # the shipped config's `bind :8460`
+# The CFS period of a node's quota. A node of 0.5 CPU stands for a slower machine, not for one that
+# stops for 50 ms in every 100 (the default period): with 100 ms, a 30 ms step either ran
+# untouched or waited out the rest of the period, so a node's step times, and the weight judged by
+# them, jumped with whatever else the node ran (its own HTTP work pushed a healthy node to 1.5x
+# its usual pace). 10 ms quanta share the CPU about as evenly as a slower core would.
+NODE_PERIOD_US = 10_000
 # Lines of the shipped config a plain balancer does without: tier-aware health checks and retries
 # of refused requests (HAProxy then checks TCP connects and retries only a failed connect).
 PLAIN_DROPS = re.compile(r"^\s*(option httpchk|http-check |retry-on )")
@@ -156,7 +162,7 @@ class FleetNode(DemoNode):
         for cg in (self.top_cgroup, self.other_cgroup):
             cgroups.create(cg)
             self._made.append(cg)
-        for path, value in cgroups.quota_writes(self.top_cgroup, self.cpus):
+        for path, value in cgroups.quota_writes(self.top_cgroup, self.cpus, NODE_PERIOD_US):
             Path(path).write_text(value)
         super()._make_cgroups(cgroups)
 

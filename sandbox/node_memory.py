@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TypeVar
 
@@ -59,7 +59,7 @@ class NodeMemory:
     def make(self) -> None:
         plans: list[tuple[Hierarchy | None, list[str]]] = [
             (self.memory, [self.parent, *self.memory_roles.values()]),
-            (self.io, list(self.io_roles.values())),
+            (self.io, _with_parents(self.io_roles.values())),
         ]
         for h, cgroups in plans:
             if h is None:
@@ -117,6 +117,15 @@ class NodeMemory:
         if self.memory is None:
             return {}
         return {role: self.memory.events(cg).get("oom_kill", 0) for role, cg in self.memory_roles.items()}
+
+
+def _with_parents(cgroups: Iterable[str]) -> list[str]:
+    """`cgroups` each after its parents (a fleet's node nests its roles under a cgroup of its own)."""
+    out: list[str] = []
+    for cg in cgroups:
+        parts = cg.strip("/").split("/")
+        out += [p for i in range(1, len(parts) + 1) if (p := "/" + "/".join(parts[:i])) not in out]
+    return out
 
 
 def evict_libraries(prefix: str = sys.prefix) -> int:

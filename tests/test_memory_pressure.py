@@ -327,6 +327,22 @@ def test_the_sandbox_node_memory_cgroups_are_made_limited_and_removed():
         assert not os.path.exists(node.io.dir(f"/{name}-batch"))
 
 
+def test_the_sandbox_node_io_cgroups_nested_like_a_fleet_node_are_made_with_their_parents():
+    real_memory()
+    name = f"tn-test-{uuid.uuid4().hex[:8]}"
+    roles = {"worker": f"/{name}-top/worker", "batch": f"/{name}-top/batch"}  # sandbox/fleet.py's layout
+    node = NodeMemory(name, 0, roles, log=pytest.fail)  # nothing may be left out
+    if node.io is None:
+        pytest.skip("no blkio/io controller here")
+    try:
+        node.make()
+        assert node.io is not None and node.procs_files("batch") == [node.io.procs_file(roles["batch"])]
+        assert os.path.isdir(node.io.dir(roles["worker"]))
+    finally:
+        node.remove()
+    assert not os.path.exists(node.io.dir(f"/{name}-top"))
+
+
 def test_the_pressure_programs_stay_in_their_bounds_and_delete_their_files(node, tmp_path):
     h, parent = node
     batch = f"{parent}/batch"

@@ -174,15 +174,15 @@ class CpuHierarchy(Hierarchy):
             raise ValueError(f"a CPU weight must be {V2_WEIGHT_MIN}..{V2_WEIGHT_MAX}, got {weight}")
         return str(weight if self.version == 2 else shares_from_weight(weight))
 
-    def quota_writes(self, cgroup: str, cpus: float | None) -> list[tuple[str, str]]:
-        """(file, value) pairs that cap `cgroup` at `cpus` CPUs per period (None: no cap)."""
+    def quota_writes(self, cgroup: str, cpus: float | None, period_us: int = PERIOD_US) -> list[tuple[str, str]]:
+        """(file, value) pairs that cap `cgroup` at `cpus` CPUs per period of `period_us` (None: no cap)."""
         if cpus is not None and cpus <= 0:
             raise ValueError(f"a CPU quota must be positive, got {cpus}")
-        quota = None if cpus is None else max(1000, int(cpus * PERIOD_US))
+        quota = None if cpus is None else max(1000, int(cpus * period_us))
         if self.version == 2:
-            return [(self.file(cgroup, "cpu.max"), f"{quota or 'max'} {PERIOD_US}")]
+            return [(self.file(cgroup, "cpu.max"), f"{quota or 'max'} {period_us}")]
         return [
-            (self.file(cgroup, "cpu.cfs_period_us"), str(PERIOD_US)),
+            (self.file(cgroup, "cpu.cfs_period_us"), str(period_us)),
             (self.file(cgroup, "cpu.cfs_quota_us"), str(quota or -1)),
         ]
 
