@@ -80,12 +80,14 @@ def test_the_workers_own_stall_on_v2_engages_them_and_none_on_v1_never_does():
     assert str(dict(d[-1].levers)["memory_protect"]) == "worker_psi_memory_some=0.4 > 0.1"
 
 
-def test_the_io_stall_engages_the_io_weight_only():
+def test_the_io_stall_engages_the_io_levers_only():
     p = policy_from_config(PolicyConfig())
-    d = feed(p, [{"psi_io_some": 0.6}] * 5)
-    assert levers(d[-1]) == {"io_weight"} and LEVELS[d[-1].level] == "normal"  # it only weighs io
-    d = feed(p, [{"psi_io_some": 0.0}] * 40, start=0.5)
-    assert not levers(d[-1])  # its 3 s of calm
+    d = feed(p, [{"psi_io_some": 0.2}] * 20)
+    assert not any(levers(x) for x in d)  # below enter (0.30)
+    d = feed(p, [{"psi_io_some": 0.6}] * 5, start=2.0)
+    assert levers(d[-1]) == {"io_weight", "io_throttle"} and LEVELS[d[-1].level] == "normal"  # io only
+    d = feed(p, [{"psi_io_some": 0.0}] * 40, start=2.5)
+    assert levers(d[20]) == {"io_weight", "io_throttle"} and not levers(d[-1])  # its 3 s of calm
 
 
 def test_a_real_io_cgroup_weighed_and_put_back(tmp_path):

@@ -23,6 +23,7 @@ import time
 import urllib.request
 import uuid
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -34,11 +35,12 @@ from tests.agent_helpers import MiniWorker
 from tests.daemon_harness import kill_9_once
 from tests.test_agent_daemon import FakeProc, start_agent, stop
 from turbonode import caps
-from turbonode.cgroups import CgroupError
+from turbonode.cgroups import CgroupError, Hierarchy
 from turbonode.config import LeversConfig
 from turbonode.memory_cgroups import OOM_CONTROL, OOM_KILL_DISABLE, MemoryHierarchy
 
 ROOT = Path(__file__).resolve().parents[1]
+H = TypeVar("H", bound=Hierarchy)
 MIB = 1 << 20
 NODE_MB = 256  # the node's RAM in these tests: all they may allocate
 _mask = caps.effective()
@@ -46,16 +48,21 @@ _mask = caps.effective()
 LOWERED = "-900" if _mask is None or _mask >> caps.CAP_SYS_RESOURCE & 1 else "0"
 
 
-def real_memory() -> MemoryHierarchy:
+def real_v1(kind: type[H], v2_tests: str) -> H:
+    """This host's v1 hierarchy of a controller, for tests of its v1 files (v2's: `v2_tests`)."""
     if os.geteuid() != 0:
         pytest.skip("needs root to create cgroups")
     try:
-        h = MemoryHierarchy.find()
+        h = kind.find()
     except CgroupError as exc:
-        pytest.skip(f"no cgroup memory controller to test on: {exc}")
+        pytest.skip(f"no cgroup {kind.controller} controller to test on: {exc}")
     if h.version != 1:
-        pytest.skip("the memory controller is on cgroup v2 here: these tests are v1's (v2: test_memory_cgroups.py)")
+        pytest.skip(f"the {kind.controller} controller is on cgroup v2 here: these tests are v1's (v2: {v2_tests})")
     return h
+
+
+def real_memory() -> MemoryHierarchy:
+    return real_v1(MemoryHierarchy, "test_memory_cgroups.py")
 
 
 @pytest.fixture

@@ -70,6 +70,10 @@ WORKER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,31}")
 SAMPLE_PERIOD_RANGE_S = (0.05, 60.0)
 MAX_MIN_CHANGE_INTERVAL_S = 3600.0  # policy.min_change_interval: beyond an hour the policy is frozen
 MAX_DWELL_S = 3600.0  # a rule's enter_s / exit_s: beyond an hour it never acts
+MAX_WRITE_LIMIT = 2**53  # levers.best_effort_write_bps / _iops (the kernel takes u64; TOML ints are exact to here)
+# io_throttle's caps (docs/benchmarks.md, node SLO io cell)
+BEST_EFFORT_WRITE_BPS = 32 << 20
+BEST_EFFORT_WRITE_IOPS = 256
 PSI_WINDOW_US = 1_000_000  # the PSI trigger window (agent/watchers/psi.py): a threshold fits in it
 MEMORY_EXIT_S = 30.0  # the memory rules' dwell below exit before their levers are released
 
@@ -414,9 +418,9 @@ class WorkerEntry:
 # worker's cgroup over best-effort cgroups (CPU weight, optional quota); `worker_threads` lowers
 # the worker's torch intra-op threads through its throttle; `memory_squeeze` holds the best-effort
 # memory cgroups where they are, `memory_protect` keeps the worker's from reclaim (v2), `io_weight`
-# favours the worker's io cgroup (agent/levers/memory.py, io.py). docs/agent.md, measured in
-# docs/benchmarks.md.
-LEVER_NAMES = ("cpu_share", "worker_threads", "memory_squeeze", "memory_protect", "io_weight")
+# favours the worker's io cgroup, `io_throttle` caps the best-effort cgroups' writes
+# (agent/levers/memory.py, io.py). docs/agent.md, measured in docs/benchmarks.md.
+LEVER_NAMES = ("cpu_share", "worker_threads", "memory_squeeze", "memory_protect", "io_weight", "io_throttle")
 OOM_SCORE_ADJ = (-1000, 1000)  # /proc/PID/oom_score_adj's range
 
 
@@ -510,9 +514,9 @@ POLICY_RULES: dict[str, RuleDefaults] = {
     ),
     # io: the worker reads and writes nothing while it serves; a stalled writer's own waits are the
     # node's io stall (PSI some), so throttling the worker's lower tiers for it helps nobody: the
-    # rule only weighs io (max_level normal)
+    # rule weighs and caps the best-effort cgroups' io (max_level normal)
     "psi_io_some": RuleDefaults(
-        0.30, 0.10, fraction, "the node's io stall fraction (PSI some)", ("io_weight",), "normal"
+        0.30, 0.10, fraction, "the node's io stall fraction (PSI some)", ("io_weight", "io_throttle"), "normal"
     ),
 }
 POLICY_SIGNALS = tuple(POLICY_RULES)
@@ -647,6 +651,14 @@ def string_list(v: Any) -> None:
         raise ValueError(f"expected an array of non-empty strings, got {v!r}")
 
 
+def device_list(v: Any) -> None:
+    """Block devices: "MAJ:MIN", a name or a /dev path each (turbonode/block_devices.py resolves them)."""
+    string_list(v)
+    for x in v:
+        if not re.fullmatch(r"\d+:\d+|(/dev/)?[\w.+-]+(/[\w.+-]+)*", x):
+            raise ValueError(f"expected a block device as 'MAJ:MIN', a name or a /dev path, got {x!r}")
+
+
 CPU_WEIGHT = in_range(V2_WEIGHT_MIN, V2_WEIGHT_MAX)  # cgroup v2 cpu.weight units (turbonode/cgroups.py)
 
 
@@ -700,6 +712,22 @@ class LeversConfig:
     )
     best_effort_io_weight: int = opt(
         1, in_range(IO_WEIGHT_MIN, IO_WEIGHT_MAX), "io.weight (v2 units) of each best-effort cgroup while engaged"
+    )
+    best_effort_write_bps: int = opt(
+        BEST_EFFORT_WRITE_BPS,
+        in_range(0, MAX_WRITE_LIMIT),
+        "while io_throttle is engaged, each best-effort cgroup's writes per device in bytes/s (0: no byte cap)",
+    )
+    best_effort_write_iops: int = opt(
+        BEST_EFFORT_WRITE_IOPS,
+        in_range(0, MAX_WRITE_LIMIT),
+        "while io_throttle is engaged, each best-effort cgroup's write requests per device a second (0: no cap)",
+    )
+    io_throttle_devices: list[str] = opt(
+        [],
+        device_list,
+        "the disks io_throttle caps writes to: 'MAJ:MIN', names or /dev paths ([]: every disk a mounted "
+        "filesystem lies on)",
     )
 
 

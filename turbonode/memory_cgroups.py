@@ -21,12 +21,17 @@ Io, v2 | v1 (blkio): weight io.weight (and io.bfq.weight where BFQ schedules the
 blkio.bfq.weight (BFQ, the kernel's only proportional v1 policy since 5.0; blkio.weight of CFQ
 before). Weights are given in v2 units (1..10000, default 100) and converted for v1 as systemd
 converts IOWeight=; they act only where the device's scheduler is BFQ (or, on v2, io.cost is on).
+Write limits, per device (a whole disk's "MAJ:MIN", turbonode/block_devices.py): io.max's wbps and
+wiops | blkio.throttle.write_bps_device and write_iops_device (blk-throttle: any scheduler). On v1
+only the bios a cgroup's tasks submit themselves are charged to it (direct io, and the writeback
+their fsync or sync_file_range starts); the flusher's background writeback of their dirty pages is
+the root's. On v2 with the memory controller beside io, that writeback is the cgroup's too.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from .cgroups import UNIFIED, CgroupError, Hierarchy
@@ -35,6 +40,8 @@ PAGE = os.sysconf("SC_PAGE_SIZE")
 IO_WEIGHT_MIN, IO_WEIGHT_MAX = 1, 10000  # io.weight, v2 units
 BFQ_WEIGHT_MIN, BFQ_WEIGHT_MAX = 1, 1000  # blkio.bfq.weight / io.bfq.weight
 CFQ_WEIGHT_MIN, CFQ_WEIGHT_MAX = 10, 1000  # blkio.weight (CFQ, kernels before 5.0)
+V1_NO_LIMIT = "0"  # a device without a line in blkio.throttle.*_device; writing 0 removes its line
+V2_NO_LIMIT = "rbps=max wbps=max riops=max wiops=max"  # ... in io.max; writing it removes the line
 OOM_CONTROL = "memory.oom_control"
 OOM_KILL_DISABLE = "oom_kill_disable"  # the key of memory.oom_control that a write sets
 NO_PROTECTION_V1 = "cgroup v1 has no memory.min: its pages cannot be protected by the cgroup"
@@ -174,3 +181,26 @@ class IoHierarchy(Hierarchy):
             return [(self.file(cgroup, "blkio.weight"), str(cfq))]
         self.file(cgroup, "blkio.bfq.weight")  # a missing cgroup is named as such
         raise CgroupError(f"cgroup {cgroup} has no blkio.bfq.weight or blkio.weight: no proportional io policy")
+
+    def throttle_writes(
+        self, cgroup: str, devices: Sequence[str], bps: int, iops: int
+    ) -> list[tuple[str, str, str, str]]:
+        """(file, value, device, absent) per-device lines that cap `cgroup`'s writes to each of
+        `devices` ("MAJ:MIN") at `bps` bytes and `iops` requests a second (0: that one uncapped);
+        `absent` is what the file reads for a device it has no line for (agent/levers/journal.py)."""
+        if self.version == 2:
+            value = f"wbps={bps or 'max'} wiops={iops or 'max'}"
+            return [(self._throttle_file(cgroup, "io.max"), value, dev, V2_NO_LIMIT) for dev in devices]
+        out = []
+        for name, limit in (("blkio.throttle.write_bps_device", bps), ("blkio.throttle.write_iops_device", iops)):
+            if limit:
+                path = self._throttle_file(cgroup, name)
+                out += [(path, str(limit), dev, V1_NO_LIMIT) for dev in devices]
+        return out
+
+    def _throttle_file(self, cgroup: str, name: str) -> str:
+        path = self.file(cgroup, name)
+        if not os.path.exists(path):
+            why = "the io controller is not enabled for it" if self.version == 2 else "no CONFIG_BLK_DEV_THROTTLING"
+            raise CgroupError(f"cgroup {cgroup} has no {name}: no io write limits ({why})")
+        return path

@@ -12,6 +12,7 @@ A rule of `[policy.rules.<signal>]` lists the levers it engages while it is acti
                   (agent/levers/memory.py), and each worker told to lock its memory (a field of
                   its throttle: render/memory_lock.py)
   io_weight       (node) io weight up for every worker, down for best-effort cgroups (agent/levers/io.py)
+  io_throttle     (node) best-effort cgroups' writes capped per disk (agent/levers/io.py)
 
 Beside them, the OOM guard (agent/levers/memory.py) is standing while the agent runs
 (`levers.oom_guard`): the workers' and the agent's oom_score_adj lowered, the best-effort
@@ -37,7 +38,7 @@ from turbonode.config import LEVER_NAMES, LeversConfig
 from turbonode.errors import TurbonodeError
 
 from .cgroup import CpuShare, WorkerCgroup
-from .io import IoWeight
+from .io import IoThrottle, IoWeight
 from .journal import KnobJournal, KnobWrites
 from .memory import MemoryProtect, MemorySqueeze, OomGuard
 
@@ -164,6 +165,7 @@ class Levers(LeverSet):
             "memory_squeeze": MemorySqueeze(cfg, KnobWrites(self.journal)),
             "memory_protect": MemoryProtect(cfg, KnobWrites(self.journal), workers, procfs),
             "io_weight": IoWeight(cfg, KnobWrites(self.journal), workers, procfs),
+            "io_throttle": IoThrottle(cfg, KnobWrites(self.journal), procfs),
         }
         self.oom_guard = OomGuard(cfg, KnobWrites(self.journal), worker_pids, procfs) if cfg.oom_guard else None
         self.restore_problems: list[str] = []

@@ -9,6 +9,9 @@ value we wrote. A file someone else changed since is left alone (it is theirs no
 reported, like a file that has gone (a removed cgroup, a deleted device), unless it was one
 that goes with its process (/proc/PID/oom_score_adj: `vanishes`). A knob may be one line of a
 'key value' file (v1's memory.oom_control takes "1" and reads back "oom_kill_disable 1 ...").
+A per-device line (blkio.throttle.write_bps_device, io.max: `absent` set) is written as
+"KEY VALUE" and reads as `absent` while the file has no line for KEY (no limit on that device);
+the journal names it "FILE KEY", each device of a file a knob of its own.
 """
 
 from __future__ import annotations
@@ -33,9 +36,16 @@ class Entry:
     written: str
     key: str | None = None  # the line of a 'key value' file this knob is (None: the whole file)
     vanishes: bool = False  # the file goes with its process: gone is nothing to restore
+    absent: str | None = None  # a per-device line: what a missing line means; written as 'KEY VALUE'
+    file: str = ""  # a per-device line's file ('': the knob's name is its file)
 
 
-def read_knob(path: str, key: str | None = None) -> str:
+def knob_name(path: str, key: str | None = None, absent: str | None = None) -> str:
+    """The journal's name of a knob: its file, or for a per-device line 'FILE KEY'."""
+    return path if absent is None else f"{path} {key}"
+
+
+def read_knob(path: str, key: str | None = None, absent: str | None = None) -> str:
     try:
         with open(path) as f:
             text = f.read().strip()
@@ -47,10 +57,15 @@ def read_knob(path: str, key: str | None = None) -> str:
         name, _, value = line.partition(" ")
         if name == key:
             return value.strip()
+    if absent is not None:
+        return absent
     raise KnobError(f"{path} has no {key!r} line")
 
 
-def write_knob(path: str, value: str) -> None:
+def write_knob(path: str, value: str, key: str | None = None, absent: str | None = None) -> None:
+    """Write `value` to `path`; a per-device line (`absent` set) as 'KEY VALUE'."""
+    if absent is not None:
+        value = f"{key} {value}"
     try:
         with open(path, "w") as f:
             f.write(value)
@@ -78,40 +93,45 @@ class KnobJournal:
 
     # ---- changing and undoing --------------------------------------------------------
 
-    def set(self, path: str, value: str, key: str | None = None, vanishes: bool = False) -> None:
-        """Write `value` to `path`, remembering (on disk, first) what was there before."""
-        entry = self.entries.get(path)
+    def set(
+        self, path: str, value: str, key: str | None = None, vanishes: bool = False, absent: str | None = None
+    ) -> str:
+        """Write `value` to `path`, remembering (on disk, first) what was there before; the knob's name."""
+        name = knob_name(path, key, absent)
+        entry = self.entries.get(name)
         before = entry.written if entry else None
         if entry is None:
-            entry = self.entries[path] = Entry(read_knob(path, key), value, key, vanishes)
+            file = path if absent is not None else ""
+            entry = self.entries[name] = Entry(read_knob(path, key, absent), value, key, vanishes, absent, file)
         entry.written = value
         self._save()
         try:
-            write_knob(path, value)
+            write_knob(path, value, key, absent)
         except KnobError:
             if before is None:
-                del self.entries[path]
+                del self.entries[name]
             else:
                 entry.written = before
             self._save()
             raise
         # the kernel may normalise what it stores (masks are padded): compare against what it reads back
-        self.entries[path].written = read_knob(path, key)
+        entry.written = read_knob(path, key, absent)
         self._save()
+        return name
 
-    def undo(self, path: str) -> str | None:
-        """Put the original back; returns why it could not be, or None."""
-        entry = self.entries.get(path)
+    def undo(self, name: str) -> str | None:
+        """Put the original of knob `name` back; returns why it could not be, or None."""
+        entry = self.entries.get(name)
         if entry is None:
             return None
-        problem = self._restore(path, entry)
-        del self.entries[path]
+        problem = self._restore(name, entry)
+        del self.entries[name]
         self._save()
         return problem
 
     def undo_all(self) -> list[str]:
         """Undo every change (newest first); the problems, one line each."""
-        return [p for p in (self.undo(path) for path in reversed(list(self.entries))) if p]
+        return [p for p in (self.undo(name) for name in reversed(list(self.entries))) if p]
 
     def changed(self) -> dict[str, dict[str, str]]:
         return {path: asdict(e) for path, e in self.entries.items()}
@@ -139,16 +159,17 @@ class KnobJournal:
         self._remove_state()
         return problems
 
-    def _restore(self, path: str, entry: Entry) -> str | None:
+    def _restore(self, name: str, entry: Entry) -> str | None:
+        path = entry.file or name
         if entry.vanishes and not os.path.exists(path):
             return None  # its process has exited, and the value with it
         try:
-            now = read_knob(path, entry.key)
+            now = read_knob(path, entry.key, entry.absent)
             if same_value(now, entry.original):
                 return None  # never written, or already back (a crash between saving and writing)
             if not same_value(now, entry.written):
-                return f"{path}: left at {now!r} (changed by someone else since we wrote {entry.written!r})"
-            write_knob(path, entry.original)
+                return f"{name}: left at {now!r} (changed by someone else since we wrote {entry.written!r})"
+            write_knob(path, entry.original, entry.key, entry.absent)
         except KnobError as exc:
             return str(exc)
         return None
@@ -178,16 +199,18 @@ class KnobJournal:
 
 
 class KnobWrites:
-    """The files one lever wrote through a shared journal, undone newest first."""
+    """The knobs one lever wrote through a shared journal (`paths`: their names), undone newest first."""
 
     def __init__(self, journal: KnobJournal):
         self.journal = journal
         self.paths: list[str] = []
 
-    def set(self, path: str, value: str, key: str | None = None, vanishes: bool = False) -> None:
-        self.journal.set(path, value, key, vanishes)
-        if path not in self.paths:
-            self.paths.append(path)
+    def set(
+        self, path: str, value: str, key: str | None = None, vanishes: bool = False, absent: str | None = None
+    ) -> None:
+        name = self.journal.set(path, value, key, vanishes, absent)
+        if name not in self.paths:
+            self.paths.append(name)
 
     def written(self, path: str) -> str | None:
         """What we last wrote to `path` (as the kernel read it back), or None if we have not."""
