@@ -39,7 +39,9 @@ MiB that stands for the node's RAM (sandbox/node_memory.py), so reclaim and OOM 
 it; a worker that exits is started again after 2 s, as systemd would. The memory and io faults
 are sandbox/pressure.py programs (sandbox/faults.py). Per cell the turbo requests that failed
 (`err`), the worker's exits and the OOM kills per cgroup are counted, and the node's memory and
-io stall and the worker's major faults are measured in both modes (the `pressure` line).
+io stall, the worker's major faults, the node's busy CPUs (/proc/stat, all but idle and iowait)
+and what the batch cgroup wrote (its io cgroup's counters) are measured in both modes (the
+`node` line).
 
 With `--workers N` the node runs N workers under one agent, as a multi-GPU node does (`[workers.a]`,
 `[workers.b]`, ...: each its own port, socket and cgroup and, with as many CPUs, a CPU of its own),
@@ -97,6 +99,7 @@ WARMUP_S = 3.0  # the fault runs this long before the first request...
 MEMORY_WARMUP_S = 30.0  # ...the memory fault this long: it grows to where the node stalls first
 SETTLE_TIMEOUT_S = 60.0
 NODE_MEMORY_MB = 3072  # the node's RAM: what the worker, the agent and batch work share
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit
 # The worker as `turboctl worker run`, with bench/garbage.py's thread installed in its process
 # (idle until SIGUSR1: the gc fault).
 WORKER_PY = (
@@ -236,8 +239,12 @@ class SloNode(DemoNode):
                 for pid in (w.rpc.call("status") if w.rpc else {}).get("pids", []):
                     with contextlib.suppress(OSError, ValueError, IndexError):
                         faults[pid] = process_major_faults(Path(f"/proc/{pid}/stat").read_text())
+        with open("/proc/stat") as f:  # cpu  user nice system idle iowait irq softirq steal ...
+            ticks = [int(x) for x in f.readline().split()[1:9]]
         return {
             "at": time.monotonic(),
+            "cpu_busy_s": (sum(ticks) - ticks[3] - ticks[4]) / CLOCK_TICKS,  # all but idle and iowait
+            "batch_written": self.memory.written_bytes("batch"),
             "stall_s": stall,
             "major_faults": faults,
             "worker_exits": len(self.worker_exits),
@@ -276,6 +283,10 @@ def node_events(before: dict, after: dict) -> dict:
     faults = sum(n - old.get(pid, 0) for pid, n in new.items())
     return {
         "psi_some": {res: round((after["stall_s"][res] - v) / dt, 4) for res, v in before["stall_s"].items()},
+        "cpu_busy_cores": round((after["cpu_busy_s"] - before["cpu_busy_s"]) / dt, 2),
+        "batch_write_mb_per_s": None
+        if after["batch_written"] is None
+        else round((after["batch_written"] - before["batch_written"]) / dt / 1e6, 1),
         "worker_major_faults_per_s": round(faults / dt, 1),
         "worker_exits": after["worker_exits"] - before["worker_exits"],
         "oom_kills": {k: n - before["oom_kills"].get(k, 0) for k, n in after["oom_kills"].items()},
@@ -462,7 +473,8 @@ def stages(result: dict) -> str:
 
 
 def describe_node(events: dict, quiet: bool = False) -> str:
-    """PSI some (memory, io), the worker's major faults/s, its exits and the OOM kills of a cell;
+    """PSI some (memory, io), the worker's major faults/s, its exits, the node's busy CPUs, what the
+    batch cgroup wrote and the OOM kills of a cell;
     with `quiet`, '' when nothing stands out."""
     kills = {k: n for k, n in (events.get("oom_kills") or {}).items() if n}
     psi = events.get("psi_some") or {}
@@ -470,6 +482,10 @@ def describe_node(events: dict, quiet: bool = False) -> str:
         return ""
     text = f"psi mem {psi.get('memory', 0):.2f} io {psi.get('io', 0):.2f}, "
     text += f"worker majflt {events.get('worker_major_faults_per_s', 0):g}/s, exits {events.get('worker_exits', 0)}"
+    if events.get("cpu_busy_cores") is not None:  # runs saved before these were measured have none
+        text += f", cpu busy {events['cpu_busy_cores']:.2f} cores"
+    if events.get("batch_write_mb_per_s") is not None:
+        text += f", batch writes {events['batch_write_mb_per_s']:g} MB/s"
     return text + (f", oom kills {', '.join(f'{k} {n}' for k, n in kills.items())}" if kills else "")
 
 

@@ -112,6 +112,12 @@ class NodeMemory:
             return ""
         return f'memory_best_effort_cgroups = ["{self.memory_roles["batch"]}"]\n'
 
+    def written_bytes(self, role: str) -> int | None:
+        """Bytes the role's io cgroup has written (None: no io cgroups here)."""
+        if self.io is None or role not in self.io_roles:
+            return None
+        return self.io.written_bytes(self.io_roles[role])
+
     def oom_kills(self) -> dict[str, int]:
         """OOM kills so far in each role's memory cgroup."""
         if self.memory is None:

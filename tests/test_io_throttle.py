@@ -75,6 +75,7 @@ def fake_procfs(tmp_path: Path) -> Path:
 def fake_blkio(tmp_path: Path, files: tuple[str, ...] = (BPS_V1, IOPS_V1)) -> Path:
     root = tmp_path / "cgroup"
     write(root / "blkio/blkio.reset_stats", "")
+    (root / "blkio/batch").mkdir(parents=True)
     for name in files:
         write(root / "blkio/batch" / name, "")
     (root / "unified").mkdir()
@@ -220,3 +221,17 @@ def test_what_a_killed_agent_capped_is_restored_by_the_next(batch_blkio, tmp_pat
     levers = Levers(LeversConfig(oom_guard=False), str(state), [])
     assert levers.restore_leftovers() == []  # what the next agent does first
     assert [f.read_text() for f in files] == ["", ""] and not state.exists()
+
+
+def test_what_a_cgroup_wrote_per_version(tmp_path):
+    """bench/node_slo.py reports the batch cgroup's writes per cell from these counters."""
+    v1 = IoHierarchy.find(str(fake_blkio(tmp_path)))
+    write(
+        Path(v1.dir("/batch")) / "blkio.throttle.io_service_bytes_recursive",
+        "254:0 Read 10\n254:0 Write 300\n254:0 Total 310\n259:0 Write 5\nTotal 315\n",
+    )
+    assert v1.written_bytes("/batch") == 305
+    root = tmp_path / "cgroup2"
+    write(root / "cgroup.controllers", "io\n")
+    write(root / "batch.slice/io.stat", "254:0 rbytes=7 wbytes=1000 rios=1 wios=2\n259:0 rbytes=0 wbytes=24\n")
+    assert IoHierarchy.find(str(root)).written_bytes("batch.slice") == 1024

@@ -198,6 +198,19 @@ class IoHierarchy(Hierarchy):
                 out += [(path, str(limit), dev, V1_NO_LIMIT) for dev in devices]
         return out
 
+    def written_bytes(self, cgroup: str) -> int:
+        """Bytes written to any device by `cgroup` and its children since it was made, as charged to
+        it (v2 io.stat wbytes; v1 blkio.throttle.io_service_bytes_recursive, its Write lines)."""
+        if self.version == 2:
+            return sum(
+                int(field[len("wbytes=") :])
+                for line in self.read(cgroup, "io.stat").splitlines()
+                for field in line.split()[1:]
+                if field.startswith("wbytes=")
+            )
+        lines = self.read(cgroup, "blkio.throttle.io_service_bytes_recursive").splitlines()
+        return sum(int(f[2]) for f in (line.split() for line in lines) if len(f) == 3 and f[1] == "Write")
+
     def _throttle_file(self, cgroup: str, name: str) -> str:
         path = self.file(cgroup, name)
         if not os.path.exists(path):
