@@ -43,6 +43,7 @@ from .ownership import owned
 from .policy import actions_table, policy_from_config
 from .watchers.cpu import CpuWatcher
 from .watchers.memory import MemoryWatcher
+from .watchers.procfile import WorkerProcesses
 from .watchers.psi import PsiTriggers, PsiWatcher
 from .watchers.softirq import SoftirqWatcher
 from .watchers.softnet import SoftnetWatcher
@@ -115,17 +116,18 @@ def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
     def worker_pids() -> list[int]:  # the workers' own compute is no contention
         return [pid for u in workers for pid in u.feed.pids()]
 
+    processes = WorkerProcesses(a.procfs, worker_pids)  # their /proc/PID/stat, read once a sample for both
     watchers = [
-        CpuWatcher(a.procfs, worker_pids=worker_pids),
+        CpuWatcher(a.procfs, processes=processes),
         PsiWatcher(a.procfs, PsiTriggers(a.procfs, cfg.policy.psi_trigger_us)),
         SoftnetWatcher(a.procfs),
         SoftirqWatcher(a.procfs, a.sysfs),
         MemoryWatcher(  # node-wide: the node's memory, every worker's major faults
             a.procfs,
-            worker_pids,
-            cfg.levers.cgroup_root,
-            cfg.levers.memory_worker_cgroup,
-            best_effort_memory_cgroups(cfg.levers),
+            cgroup_root=cfg.levers.cgroup_root,
+            worker_cgroup=cfg.levers.memory_worker_cgroup,
+            best_effort=best_effort_memory_cgroups(cfg.levers),
+            processes=processes,
         ),
     ]
     link = parse_rate(cfg.qos.rate)

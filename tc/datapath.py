@@ -158,7 +158,10 @@ class Datapath:
             raise BpfUnavailableError(caps.lacks(missing, f"loading the classifier on {self._where()}"))
 
     def _require_ours(self, link: Link) -> None:
-        if reconcile.read_owner(link)[1] != "ours":
+        self._check_ours(reconcile.read_owner(link)[1])
+
+    def _check_ours(self, owner: str) -> None:
+        if owner != "ours":
             raise DatapathError(f"no turbonode QoS on {self._where()}: run `turboctl qos apply` first")
 
     # ---- inputs ---------------------------------------------------------------------
@@ -312,10 +315,11 @@ class Datapath:
     def show(self) -> dict[str, Any]:
         """Per-tier counters and class statistics, plus "unparsed" and the applied link rate."""
         with self._link() as link:  # first: names a missing device or namespace
-            self._require_ours(link)
-            classes = link.classes()
+            # each dump once (the agent reads this every few seconds): the owner from them too
             qdiscs = link.qdiscs()
-            filters = link.filters()
+            _, owner, filters = reconcile.owner_of(link, qdiscs)
+            self._check_ours(owner)
+            classes = link.classes()
         paths = classifier.pin_paths(self.places.pin_dir)
         counters = bpfobj.read_counters(paths["counters"], classifier.COUNTER_SLOTS)
         dscp_table = bpfobj.read_u32_array(paths["dscp_map"], 64)

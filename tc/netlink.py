@@ -10,6 +10,7 @@ import errno
 import logging
 import os
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -116,6 +117,11 @@ def require_netns_entry(netns: str | None) -> None:
         raise NotRootError(caps.lacks(missing, f"entering netns {netns}"))
 
 
+def root_of(qdiscs: Iterable[Qdisc]) -> Qdisc | None:
+    """The root qdisc among a link's."""
+    return next((q for q in qdiscs if q.parent == TC_H_ROOT), None)
+
+
 class Link:
     """rtnetlink for tc on device `dev` inside named netns `netns` (None: this process's own)."""
 
@@ -206,10 +212,7 @@ class Link:
         return out
 
     def root_qdisc(self) -> Qdisc | None:
-        for q in self.qdiscs():
-            if q.parent == TC_H_ROOT:
-                return q
-        return None
+        return root_of(self.qdiscs())
 
     def replace_htb_root(self, default_minor: int) -> None:
         """Our root, with its ownership mark set in the same message that creates it."""

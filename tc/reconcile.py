@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from turbonode.errors import DatapathError
 
-from .netlink import TC_H_ROOT, ClassState, FilterState, Link, Qdisc, UnsupportedKind
+from .netlink import TC_H_ROOT, ClassState, FilterState, Link, Qdisc, UnsupportedKind, root_of
 from .tree import (
     FILTER_HANDLE,
     FILTER_PRIO,
@@ -66,9 +66,16 @@ def root_owner(root: Qdisc | None, filters: Iterable[FilterState]) -> str:
 
 
 def read_owner(link: Link) -> tuple[Qdisc | None, str]:
-    root = link.root_qdisc()
+    root, owner, _ = owner_of(link, link.qdiscs())
+    return root, owner
+
+
+def owner_of(link: Link, qdiscs: Iterable[Qdisc]) -> tuple[Qdisc | None, str, list[FilterState]]:
+    """read_owner from the link's qdiscs as already dumped, with the filters on our root (none on
+    another's): a reader that wants both dumps each once."""
+    root = root_of(qdiscs)
     filters = link.filters() if root is not None and root.handle == ROOT_HANDLE else []
-    return root, root_owner(root, filters)
+    return root, root_owner(root, filters), filters
 
 
 def claim_root(link: Link, tree: Tree) -> int:

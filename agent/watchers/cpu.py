@@ -24,6 +24,7 @@ import os
 from collections.abc import Callable, Iterable
 
 from .base import MIN_RATE_WINDOW_S, Rate, Watcher
+from .procfile import ProcFile, WorkerProcesses
 from .psi import parse_pressure
 
 COLUMNS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")  # guest* are inside user/nice
@@ -42,15 +43,8 @@ def parse_stat(text: str) -> dict[str, dict[str, int]]:
     return out
 
 
-def process_stat_fields(text: str) -> list[str]:
-    """The fields of a /proc/PID/stat line from its third (state) on. The command name in
-    parentheses may hold spaces and parentheses itself: fields are counted after the last ')'."""
-    return text[text.rindex(")") + 2 :].split()
-
-
-def process_cpu_ticks(text: str) -> int:
-    """utime + stime (clock ticks, all threads) from a /proc/PID/stat line."""
-    fields = process_stat_fields(text)
+def process_cpu_ticks(fields: list[str]) -> int:
+    """utime + stime (clock ticks, all threads) from a /proc/PID/stat line's fields (process_stat_fields)."""
     return int(fields[11]) + int(fields[12])  # fields 14 and 15 of the line; state is field 3
 
 
@@ -67,39 +61,40 @@ class CpuWatcher(Watcher):
     name = "cpu"
     interval = MIN_RATE_WINDOW_S
 
-    def __init__(self, procfs: str = "/proc", worker_pids: Callable[[], Iterable[int]] = tuple):
+    def __init__(
+        self,
+        procfs: str = "/proc",
+        worker_pids: Callable[[], Iterable[int]] = tuple,
+        processes: WorkerProcesses | None = None,  # the workers' stat, read once a sample for every watcher
+    ):
         super().__init__()
-        self.procfs = procfs
-        self.path = os.path.join(procfs, "stat")
-        self.pressure = os.path.join(procfs, "pressure", "cpu")
-        self.worker_pids = worker_pids
+        self.stat_file = ProcFile(os.path.join(procfs, "stat"))
+        self.pressure_file = ProcFile(os.path.join(procfs, "pressure", "cpu"))
+        self.processes = processes or WorkerProcesses(procfs, worker_pids)
         self._rate = Rate()
 
-    def _worker_ticks(self) -> dict[tuple[str, int], int]:
+    def _worker_ticks(self, now: float) -> dict[tuple[str, int], int]:
         """CPU ticks so far of each worker process that still exists (one that exited, or a
         restarted worker's new pid, counts from the sample after it is first seen)."""
         ticks = {}
-        for pid in self.worker_pids():
+        for pid, fields in self.processes.stat(now).items():
             try:
-                with open(os.path.join(self.procfs, str(pid), "stat")) as f:
-                    ticks[("worker", pid)] = process_cpu_ticks(f.read())
-            except (OSError, ValueError, IndexError):  # gone, or not a stat line: not the worker's
+                ticks[("worker", pid)] = process_cpu_ticks(fields)
+            except (ValueError, IndexError):  # not a stat line: not the worker's
                 continue
         return ticks
 
     def _waiting_s(self) -> dict[tuple[str, str], float]:
         """Seconds so far that some task waited for a CPU; none on a kernel without PSI."""
         try:
-            with open(self.pressure) as f:
-                return {("psi", "some"): parse_pressure(f.read())["some"]["total"] / 1e6}
+            return {("psi", "some"): parse_pressure(self.pressure_file.read())["some"]["total"] / 1e6}
         except (OSError, ValueError, KeyError):
             return {}
 
     def read(self, now):
-        with open(self.path) as f:
-            stat = parse_stat(f.read())
+        stat = parse_stat(self.stat_file.read())
         flat: dict = {(cpu, col): v for cpu, cols in stat.items() for col, v in cols.items()}
-        flat.update(self._worker_ticks())
+        flat.update(self._worker_ticks(now))
         flat.update(self._waiting_s())
         rates = self._rate.update(now, flat)
         if rates is None:
@@ -123,3 +118,7 @@ class CpuWatcher(Watcher):
             "cpu_steal": total.get("steal"),
         }
         return signals, {"total": total, "per_cpu": per_cpu}
+
+    def close(self) -> None:
+        for f in (self.stat_file, self.pressure_file, self.processes):
+            f.close()

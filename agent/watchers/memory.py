@@ -22,8 +22,8 @@ pids are passed in (the worker's memory cgroup in the detail is the first worker
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -31,10 +31,24 @@ from turbonode.cgroups import CgroupError, slice_path
 from turbonode.memory_cgroups import MemoryHierarchy, psi_file
 
 from .base import MIN_RATE_WINDOW_S, Rate, Watcher
-from .cpu import process_stat_fields
+from .procfile import WorkerProcesses, process_stat_fields
 from .psi import parse_pressure
 
 MAJFLT = 9  # majflt is field 12 of a /proc/PID/stat line; process_stat_fields starts at field 3
+# How often the workers' cgroups and memory.pressure files are looked up again while the same
+# processes run (a new process is looked up at once): systemd puts a worker in its cgroup when it
+# starts it, and nothing in the normal course moves it later.
+PLACEMENT_RECHECK_S = 5.0
+
+
+class Placement(NamedTuple):
+    """Where the workers' processes are: the hierarchy, {label: cgroup} to read (the worker's and
+    the best-effort ones), why some could not be found, and the workers' memory.pressure files."""
+
+    hierarchy: MemoryHierarchy | None
+    cgroups: dict[str, str]
+    error: str | None
+    psi_files: list[str]
 
 
 def process_major_faults(text: str) -> int:
@@ -53,23 +67,25 @@ class MemoryWatcher(Watcher):
         cgroup_root: str = "/sys/fs/cgroup",
         worker_cgroup: str = "auto",
         best_effort: Sequence[str] = (),
+        processes: WorkerProcesses | None = None,  # the workers' stat, read once a sample for every watcher
     ):
         super().__init__()
-        self.procfs, self.worker_pids, self.cgroup_root = procfs, worker_pids, cgroup_root
+        self.procfs, self.cgroup_root = procfs, cgroup_root
+        self.processes = processes or WorkerProcesses(procfs, worker_pids)
         self.worker_cgroup, self.best_effort = worker_cgroup, tuple(best_effort)
         self._rate = Rate()
         self.major_faults_total = 0.0  # the worker's, accumulated over its restarts
         self._last_faults: dict[int, int] = {}
+        self._placed: tuple[tuple[int, ...], float, Placement] | None = None
 
-    def _faults(self, pids: list[int]) -> dict[int, int]:
-        out = {}
-        for pid in pids:
-            try:
-                with open(os.path.join(self.procfs, str(pid), "stat")) as f:
-                    out[pid] = process_major_faults(f.read())
-            except (OSError, ValueError, IndexError):  # gone, or not a stat line: not the worker's
-                continue
-        return out
+    def _placement(self, pids: list[int], now: float) -> Placement:
+        """Where the workers' processes are: looked up for a new set of processes, and again
+        every PLACEMENT_RECHECK_S (each lookup reads a file or two per process)."""
+        key = tuple(pids)
+        if self._placed is None or self._placed[0] != key or now - self._placed[1] >= PLACEMENT_RECHECK_S:
+            h, cgroups, error = self._cgroups(pids)
+            self._placed = (key, now, Placement(h, cgroups, error, self._psi_files(pids)))
+        return self._placed[2]
 
     def _cgroups(self, pids: list[int]) -> tuple[MemoryHierarchy | None, dict[str, str], str | None]:
         """The hierarchy, {label: cgroup} to read, and why some could not be."""
@@ -102,13 +118,17 @@ class MemoryWatcher(Watcher):
         return list(files)
 
     def read(self, now):
-        pids = list(self.worker_pids())
-        faults = self._faults(pids)
+        faults = {}
+        for pid, fields in self.processes.stat(now).items():
+            try:
+                faults[pid] = int(fields[MAJFLT])
+            except (ValueError, IndexError):  # not a stat line: not the worker's
+                continue
         for pid, n in faults.items():  # a new pid (a restarted worker) counts from its first sample
             self.major_faults_total += max(0, n - self._last_faults.get(pid, n))
         self._last_faults = faults
         counters: dict = {("majflt", pid): n for pid, n in faults.items()}
-        h, cgroups, error = self._cgroups(pids)
+        h, cgroups, error, psi = self._placement(list(faults), now)
         per_cgroup: dict[str, dict] = {}
         waiting = False
         for label, cg in cgroups.items():
@@ -121,7 +141,6 @@ class MemoryWatcher(Watcher):
                     waiting = waiting or h.waiting_at_limit(cg)
             except (CgroupError, ValueError) as exc:
                 per_cgroup[label] = {"cgroup": cg, "error": str(exc)}
-        psi = self._psi_files(pids)
         for path in psi:
             try:
                 with open(path) as f:
@@ -143,6 +162,9 @@ class MemoryWatcher(Watcher):
         }
         detail = {"worker_pids": sorted(faults), "worker_psi_files": psi, "cgroups": per_cgroup, "cgroup_error": error}
         return signals, detail
+
+    def close(self) -> None:
+        self.processes.close()
 
     def summary(self) -> dict:
         return {
