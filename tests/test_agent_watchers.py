@@ -9,8 +9,10 @@ import time
 
 import pytest
 
-from agent.watchers.cpu import CpuWatcher, parse_stat
+from agent.watchers.cpu import CpuWatcher, parse_stat, process_cpu_ticks
 from agent.watchers.gpu import GpuWatcher
+from agent.watchers.memory import PLACEMENT_RECHECK_S, MemoryWatcher
+from agent.watchers.procfile import ProcFile, WorkerProcesses, process_stat_fields
 from agent.watchers.psi import PsiTriggers, PsiWatcher, _refusal, parse_pressure
 from agent.watchers.softirq import SoftirqWatcher, quantile
 from agent.watchers.softirqs_proc import parse_softirqs
@@ -140,6 +142,84 @@ def test_cpu_missing_file_is_reported_not_raised(tmp_path):
     assert w.sample(0) == {}
     assert not w.ok and "stat" in w.error
     assert "turbonode_cpu_collector_success 0.0" in scrape(w)
+
+
+# ---- the workers' processes, read once a sample ---------------------------------------------
+
+
+def test_the_workers_stat_is_read_once_a_sample_for_the_cpu_and_memory_watchers(tmp_path):
+    """With 4 workers (8 processes) every per-process read counts at 10 samples a second: the cpu
+    watcher (their CPU time) and the memory watcher (their major faults) share one read."""
+    named = []
+
+    def pids():
+        named.append(1)
+        return [41]
+
+    write(tmp_path, "stat", STAT.format(u=100, s=50, i=800, si=10, st=5))
+    write(tmp_path, "41/stat", pid_stat(41, "turboctl worker", 10, 5))
+    write(tmp_path, "41/cgroup", "0::/\n")
+    processes = WorkerProcesses(str(tmp_path), pids)
+    cpu = CpuWatcher(str(tmp_path), processes=processes)
+    memory = MemoryWatcher(str(tmp_path), cgroup_root=str(tmp_path / "none"), processes=processes)
+    for w in (cpu, memory):
+        w.sample(0.0)
+    assert len(named) == 1
+    write(tmp_path, "stat", STAT.format(u=150, s=75, i=820, si=30, st=25))
+    write(tmp_path, "41/stat", pid_stat(41, "turboctl worker", 30, 5))
+    assert cpu.sample(1.0)["cpu_load"] == pytest.approx((95 - 20) / 135)
+    assert memory.sample(1.0)["worker_major_faults_per_s"] == 0
+    assert len(named) == 2 and memory.detail["worker_pids"] == [41]
+
+
+def test_a_kept_open_stat_is_fresh_at_each_read_and_fails_once_its_process_exits():
+    """procfs makes the text anew at each read from offset 0; a process that exited is gone
+    (ESRCH), not another that reused its pid."""
+    spin = subprocess.Popen(
+        [sys.executable, "-c", "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"]
+    )
+    try:
+        processes = WorkerProcesses(pids=lambda: [spin.pid])
+        file = ProcFile(f"/proc/{spin.pid}/stat")
+        first = process_cpu_ticks(process_stat_fields(file.read()))
+        assert processes.stat(0.0)[spin.pid][0] in "RSD"
+        time.sleep(0.4)
+        assert process_cpu_ticks(process_stat_fields(file.read())) > first
+        assert processes.stat(0.0) is processes.stat(0.0)  # one read for the sample at 0.0
+    finally:
+        spin.wait()
+    with pytest.raises(ProcessLookupError):
+        file.read()
+    assert processes.stat(1.0) == {}
+
+
+def test_the_workers_cgroups_are_looked_up_for_new_processes_and_every_few_seconds(tmp_path):
+    """Where a worker's processes are (their cgroup, its memory.pressure) is read for a new process
+    at once and again every PLACEMENT_RECHECK_S, not at every sample (two files per process)."""
+    root = tmp_path / "cgroup2"
+    write(root, "cgroup.controllers", "cpu memory\n")
+    for cg in ("a.service", "b.service"):
+        write(root, f"{cg}/memory.current", "1\n")
+        write(root, f"{cg}/memory.events", "low 0\nhigh 0\nmax 0\noom 0\noom_kill 0\n")
+        write(root, f"{cg}/memory.pressure", "some avg10=0 avg60=0 avg300=0 total=0\n")
+    for pid in (7, 8):
+        write(tmp_path, f"proc/{pid}/stat", pid_stat(pid, "worker", 0, 0))
+    write(tmp_path, "proc/7/cgroup", "0::/a.service\n")
+    write(tmp_path, "proc/8/cgroup", "0::/b.service\n")
+    pids = [7]
+    w = MemoryWatcher(str(tmp_path / "proc"), lambda: pids, str(root))
+    w.sample(0.0)
+    assert w.detail["worker_psi_files"] == [str(root / "a.service/memory.pressure")]
+    write(tmp_path, "proc/7/cgroup", "0::/b.service\n")  # moved: seen at the next look
+    w.sample(1.0)
+    assert w.detail["worker_psi_files"] == [str(root / "a.service/memory.pressure")]
+    assert w.detail["cgroups"]["worker"]["cgroup"] == "/a.service"
+    w.sample(PLACEMENT_RECHECK_S)
+    assert w.detail["worker_psi_files"] == [str(root / "b.service/memory.pressure")]
+    write(tmp_path, "proc/8/cgroup", "0::/a.service\n")
+    pids[:] = [8]  # a restarted worker: looked up at once
+    w.sample(PLACEMENT_RECHECK_S + 0.1)
+    assert w.detail["worker_psi_files"] == [str(root / "a.service/memory.pressure")]
 
 
 # ---- softnet_stat -----------------------------------------------------------------------

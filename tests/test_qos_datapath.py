@@ -372,3 +372,23 @@ def test_a_tree_of_an_earlier_version_is_still_ours(sandbox, monkeypatch):
         assert f"r2q {OWNER_R2Q} " in tc_text(sandbox, "-d", "qdisc", "show", "dev", sandbox.dev, "root")
     finally:
         dp.remove()
+
+
+def test_show_dumps_each_table_once_and_refuses_a_tree_not_ours(sandbox, datapath, monkeypatch):
+    """The agent's HTB watcher reads show() every few seconds: the ownership check uses the same
+    qdisc and filter dumps as the view (each netlink dump costs milliseconds of the agent's CPU)."""
+    from tc.netlink import Link
+    from turbonode.errors import DatapathError
+
+    dumps: list[str] = []
+    for name in ("qdiscs", "filters", "classes"):
+        real = getattr(Link, name)
+        monkeypatch.setattr(
+            Link, name, lambda self, *a, _real=real, _name=name, **k: dumps.append(_name) or _real(self, *a, **k)
+        )
+    view = datapath.show()
+    assert sorted(dumps) == ["classes", "filters", "qdiscs"]
+    assert view["prog_id"] and view["leaf_kind"] and view["tiers"]["turbo"]["class"] == "1:10"
+    tc_text(sandbox, "qdisc", "del", "dev", sandbox.dev, "root")
+    with pytest.raises(DatapathError, match="no turbonode QoS"):
+        datapath.show()
