@@ -5,7 +5,7 @@ import time
 import pytest
 
 from agent.watchers.base import MIN_RATE_WINDOW_S
-from agent.watchers.softirq import NET_RX, SoftirqWatcher, missing_tracepoints
+from agent.watchers.softirq import NET_RX, NR_SLOTS, SoftirqWatcher, missing_tracepoints
 from tests.agent_helpers import scrape
 from tests.conftest import needs_bcc
 
@@ -49,3 +49,20 @@ def test_missing_tracepoints_fall_back_to_procfs(tmp_path):
     assert w.probe is None and "tracefs not mounted" in w.bpf_error
     w.sample(0)
     assert w.ok and w.mode == "procfs"
+
+
+def test_the_latency_histogram_is_read_in_one_batch(watcher, sandbox, monkeypatch):
+    """Every sample reads NET_RX's 32 histogram slots: one BPF_MAP_LOOKUP_BATCH, not 32 lookups,
+    with the same counts as the slot-by-slot read (between two of them: the counters only grow)."""
+    probe = watcher.probe
+    sandbox.run(sandbox.client, "ping", "-f", "-q", "-c", "500", "-w", "5", sandbox.server_ip, timeout=10)
+    slots = range(NET_RX * NR_SLOTS, (NET_RX + 1) * NR_SLOTS)
+    before = [sum(probe._per_cpu(probe._lat, k)) for k in slots]
+    per_slot = probe._per_cpu
+    monkeypatch.setattr(probe, "_per_cpu", lambda *a: pytest.fail("a lookup per slot"))
+    batch = probe.latency(NET_RX)
+    monkeypatch.setattr(probe, "_per_cpu", per_slot)
+    after = [sum(probe._per_cpu(probe._lat, k)) for k in slots]
+    assert probe.batch_error is None and sum(batch) > 0
+    assert all(b <= x <= a for b, x, a in zip(before, batch, after))
+    assert watcher.summary()["bpf_batch_error"] is None

@@ -15,7 +15,10 @@ from .base import Rate, Watcher
 
 class HtbWatcher(Watcher):
     name = "htb"
-    interval = 2.0  # a netlink dump plus map reads cost milliseconds: not at 4 Hz (agent CPU budget 2 %)
+    # Three netlink dumps and the map reads cost milliseconds, and no rule reads these signals (status
+    # and metrics do, scraped every 15 s or so): every 2 s it took 18 % of the agent's loop with 4
+    # workers (py-spy, bench/detection.py --workers 4), dumping qdiscs and filters twice then.
+    interval = 5.0
 
     def __init__(self, datapath):
         super().__init__()

@@ -11,6 +11,7 @@ node_exporter's business.
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
 
 from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
@@ -87,10 +88,37 @@ class SoftirqBpf:
         except Exception as exc:
             raise BpfUnavailable(f"loading bpf/softirq.c failed: {exc}") from None
         self._time, self._runs, self._lat = self.bpf[b"time_ns"], self.bpf[b"runs"], self.bpf[b"latency"]
+        # one vector's histogram as the batch lookup fills it: its slots, each per CPU
+        self._ncpu = self._lat.total_cpu
+        self._slot_keys = (ctypes.c_uint32 * NR_SLOTS)()
+        self._slot_values = (ctypes.c_uint64 * (NR_SLOTS * self._ncpu))()
+        self.batch_error: str | None = None  # why the histogram is read slot by slot (a kernel before 5.7)
 
     @staticmethod
     def _per_cpu(table, key: int) -> list[int]:
         return list(table[ctypes.c_int(key)])
+
+    def _batch_latency(self, vec: int) -> list[int]:
+        """latency(vec) in one BPF_MAP_LOOKUP_BATCH: a lookup per slot is a syscall and a ctypes
+        round trip each, 32 of them every sample. On an array the batch starts after the key it is
+        given (none: at key 0)."""
+        from bcc.libbcc import lib
+
+        first = vec * NR_SLOTS
+        after, last, count = ctypes.c_uint32(first - 1), ctypes.c_uint32(0), ctypes.c_uint32(NR_SLOTS)
+        res = lib.bpf_lookup_batch(
+            self._lat.map_fd,
+            ctypes.byref(after) if first else None,
+            ctypes.byref(last),
+            self._slot_keys,
+            self._slot_values,
+            ctypes.byref(count),
+        )
+        err = ctypes.get_errno()
+        if (res != 0 and err != errno.ENOENT) or count.value != NR_SLOTS:
+            raise OSError(err, f"BPF_MAP_LOOKUP_BATCH on the latency map: {os.strerror(err)}, {count.value} slots")
+        values, n = self._slot_values, self._ncpu
+        return [sum(values[s * n : (s + 1) * n]) for s in range(NR_SLOTS)]
 
     def time_ns(self, vec: int) -> list[int]:
         """Nanoseconds per CPU spent in vector `vec`."""
@@ -101,6 +129,11 @@ class SoftirqBpf:
 
     def latency(self, vec: int) -> list[int]:
         """Cumulative raise-to-entry histogram of `vec`, summed over CPUs."""
+        if self.batch_error is None:
+            try:
+                return self._batch_latency(vec)
+            except OSError as exc:
+                self.batch_error = str(exc)
         return [sum(self._per_cpu(self._lat, vec * NR_SLOTS + s)) for s in range(NR_SLOTS)]
 
     def close(self) -> None:
@@ -156,7 +189,8 @@ class SoftirqWatcher(Watcher):
         return signals, {"mode": "bpf", "netrx_cpu_share_per_cpu": shares}
 
     def summary(self) -> dict:
-        return {**super().summary(), "mode": self.mode, "bpf_error": self.bpf_error}
+        batch = self.probe.batch_error if self.probe else None  # the histogram read slot by slot: why
+        return {**super().summary(), "mode": self.mode, "bpf_error": self.bpf_error, "bpf_batch_error": batch}
 
     def collector_ok(self) -> bool:
         return self.ok and self.probe is not None
