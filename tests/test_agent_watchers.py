@@ -12,7 +12,7 @@ import pytest
 from agent.watchers.cpu import CpuWatcher, parse_stat, process_cpu_ticks
 from agent.watchers.gpu import GpuWatcher
 from agent.watchers.memory import PLACEMENT_RECHECK_S, MemoryWatcher
-from agent.watchers.procfile import ProcFile, WorkerProcesses, process_stat_fields
+from agent.watchers.procfile import WorkerProcesses, process_stat_fields, read_text
 from agent.watchers.psi import PsiTriggers, PsiWatcher, _refusal, parse_pressure
 from agent.watchers.softirq import SoftirqWatcher, quantile
 from agent.watchers.softirqs_proc import parse_softirqs
@@ -167,30 +167,27 @@ def test_the_workers_stat_is_read_once_a_sample_for_the_cpu_and_memory_watchers(
     assert len(named) == 1
     write(tmp_path, "stat", STAT.format(u=150, s=75, i=820, si=30, st=25))
     write(tmp_path, "41/stat", pid_stat(41, "turboctl worker", 30, 5))
-    assert cpu.sample(1.0)["cpu_load"] == pytest.approx((95 - 20) / 135)
+    assert cpu.sample(1.0)["cpu_load"] == pytest.approx((115 - 20) / 135)  # 115 busy, 20 the worker's
     assert memory.sample(1.0)["worker_major_faults_per_s"] == 0
     assert len(named) == 2 and memory.detail["worker_pids"] == [41]
 
 
-def test_a_kept_open_stat_is_fresh_at_each_read_and_fails_once_its_process_exits():
-    """procfs makes the text anew at each read from offset 0; a process that exited is gone
-    (ESRCH), not another that reused its pid."""
+def test_a_worker_process_that_exited_is_left_out():
+    """On this machine's /proc: a named worker process is read while it runs (its CPU time grows),
+    and left out once it has exited."""
     spin = subprocess.Popen(
         [sys.executable, "-c", "import time\nend = time.time() + 0.6\nwhile time.time() < end: pass"]
     )
     try:
         processes = WorkerProcesses(pids=lambda: [spin.pid])
-        file = ProcFile(f"/proc/{spin.pid}/stat")
-        first = process_cpu_ticks(process_stat_fields(file.read()))
+        first = process_cpu_ticks(process_stat_fields(read_text(f"/proc/{spin.pid}/stat")))
         assert processes.stat(0.0)[spin.pid][0] in "RSD"
         time.sleep(0.4)
-        assert process_cpu_ticks(process_stat_fields(file.read())) > first
-        assert processes.stat(0.0) is processes.stat(0.0)  # one read for the sample at 0.0
+        assert process_cpu_ticks(processes.stat(1.0)[spin.pid]) > first
+        assert processes.stat(1.0) is processes.stat(1.0)  # one read for the sample at 1.0
     finally:
         spin.wait()
-    with pytest.raises(ProcessLookupError):
-        file.read()
-    assert processes.stat(1.0) == {}
+    assert processes.stat(2.0) == {}
 
 
 def test_the_workers_cgroups_are_looked_up_for_new_processes_and_every_few_seconds(tmp_path):

@@ -254,7 +254,7 @@ def test_the_agents_cpu_watcher_leaves_out_the_processes_the_worker_names(real_w
         ww = loop.workers[0].feed
         cpu = next(w for w in loop.watchers if isinstance(w, CpuWatcher))
         assert wait_for(lambda: (ww.sample(time.monotonic()), ww.pids())[1], WAIT_S)
-        assert list(cpu.worker_pids()) == [os.getpid()]
+        assert list(cpu.processes.pids()) == [os.getpid()]
     finally:
         for w in loop.all_watchers():
             w.close()

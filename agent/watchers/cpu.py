@@ -24,7 +24,7 @@ import os
 from collections.abc import Callable, Iterable
 
 from .base import MIN_RATE_WINDOW_S, Rate, Watcher
-from .procfile import ProcFile, WorkerProcesses
+from .procfile import WorkerProcesses, read_text
 from .psi import parse_pressure
 
 COLUMNS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")  # guest* are inside user/nice
@@ -68,8 +68,8 @@ class CpuWatcher(Watcher):
         processes: WorkerProcesses | None = None,  # the workers' stat, read once a sample for every watcher
     ):
         super().__init__()
-        self.stat_file = ProcFile(os.path.join(procfs, "stat"))
-        self.pressure_file = ProcFile(os.path.join(procfs, "pressure", "cpu"))
+        self.path = os.path.join(procfs, "stat")
+        self.pressure = os.path.join(procfs, "pressure", "cpu")
         self.processes = processes or WorkerProcesses(procfs, worker_pids)
         self._rate = Rate()
 
@@ -87,12 +87,12 @@ class CpuWatcher(Watcher):
     def _waiting_s(self) -> dict[tuple[str, str], float]:
         """Seconds so far that some task waited for a CPU; none on a kernel without PSI."""
         try:
-            return {("psi", "some"): parse_pressure(self.pressure_file.read())["some"]["total"] / 1e6}
+            return {("psi", "some"): parse_pressure(read_text(self.pressure))["some"]["total"] / 1e6}
         except (OSError, ValueError, KeyError):
             return {}
 
     def read(self, now):
-        stat = parse_stat(self.stat_file.read())
+        stat = parse_stat(read_text(self.path))
         flat: dict = {(cpu, col): v for cpu, cols in stat.items() for col, v in cols.items()}
         flat.update(self._worker_ticks(now))
         flat.update(self._waiting_s())
@@ -118,7 +118,3 @@ class CpuWatcher(Watcher):
             "cpu_steal": total.get("steal"),
         }
         return signals, {"total": total, "per_cpu": per_cpu}
-
-    def close(self) -> None:
-        for f in (self.stat_file, self.pressure_file, self.processes):
-            f.close()

@@ -163,9 +163,6 @@ class MemoryWatcher(Watcher):
         detail = {"worker_pids": sorted(faults), "worker_psi_files": psi, "cgroups": per_cgroup, "cgroup_error": error}
         return signals, detail
 
-    def close(self) -> None:
-        self.processes.close()
-
     def summary(self) -> dict:
         return {
             **super().summary(),

@@ -27,7 +27,7 @@ from turbonode.config import PSI_WINDOW_US
 from turbonode.errors import TurbonodeError
 
 from .base import MIN_RATE_WINDOW_S, Rate, Watcher
-from .procfile import ProcFile
+from .procfile import read_text
 
 RESOURCES = ("cpu", "memory", "io")
 UNPRIVILEGED_WINDOW_US = 2_000_000  # the only windows the kernel takes without CAP_SYS_RESOURCE: multiples of 2 s
@@ -57,7 +57,6 @@ class PsiWatcher(Watcher):
     def __init__(self, procfs: str = "/proc", triggers: PsiTriggers | None = None):
         super().__init__()
         self.dir = os.path.join(procfs, "pressure")
-        self.files = {res: ProcFile(os.path.join(self.dir, res)) for res in RESOURCES}
         self._rate = Rate()
         self.triggers = triggers
 
@@ -65,9 +64,9 @@ class PsiWatcher(Watcher):
         if not os.path.isdir(self.dir):
             raise TurbonodeError(f"{self.dir} missing: kernel without PSI (CONFIG_PSI, psi=1)")
         data, totals = {}, {}
-        for res, file in self.files.items():
+        for res in RESOURCES:
             try:
-                data[res] = parse_pressure(file.read())
+                data[res] = parse_pressure(read_text(os.path.join(self.dir, res)))
             except FileNotFoundError:
                 continue
             for kind, values in data[res].items():
@@ -82,8 +81,6 @@ class PsiWatcher(Watcher):
         return {**super().summary(), "triggers": self.triggers.describe() if self.triggers else None}
 
     def close(self) -> None:
-        for file in self.files.values():
-            file.close()
         if self.triggers:
             self.triggers.close()
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 
 from .base import MIN_RATE_WINDOW_S, Rate, Watcher
-from .procfile import ProcFile
+from .procfile import read_text
 
 PROCESSED, DROPPED, TIME_SQUEEZE, CPU_ID = 0, 1, 2, 12
 
@@ -31,11 +31,11 @@ class SoftnetWatcher(Watcher):
 
     def __init__(self, procfs: str = "/proc"):
         super().__init__()
-        self.file = ProcFile(os.path.join(procfs, "net", "softnet_stat"))
+        self.path = os.path.join(procfs, "net", "softnet_stat")
         self._rate = Rate()
 
     def read(self, now):
-        stat = parse_softnet(self.file.read())
+        stat = parse_softnet(read_text(self.path))
         rates = self._rate.update(now, {(cpu, k): v for cpu, cols in stat.items() for k, v in cols.items()})
         if rates is None:
             return {"softnet_dropped_per_s": None, "softnet_squeezed_per_s": None}, {}
@@ -45,6 +45,3 @@ class SoftnetWatcher(Watcher):
             "softnet_squeezed_per_s": sum(c["time_squeeze"] for c in per_cpu.values()),
         }
         return signals, {"per_cpu_per_s": per_cpu}
-
-    def close(self) -> None:
-        self.file.close()
