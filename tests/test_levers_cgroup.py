@@ -154,6 +154,34 @@ def test_the_neighbours_that_spend_a_workers_quota_are_capped_while_engaged(tmp_
     assert read(root / "cpu/node/other/cpu.cfs_quota_us") == "-1"
 
 
+def test_the_agents_own_cgroup_is_never_capped_as_a_neighbour(tmp_path):
+    """An agent beside the worker under the node's quota (a sidecar in its pod; the sandbox node's
+    `other`) caps the batch neighbour, never itself: capped at a tenth of the quota, its status
+    calls timed out in bench/capacity.py's fault cell."""
+    root = fake_v1(tmp_path)
+    for cg in ("node", "node/worker", "node/agent", "node/batch"):
+        d = root / "cpu" / cg
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "cpu.shares").write_text("1024\n")
+        (d / "cpu.cfs_quota_us").write_text("-1\n")
+        (d / "cpu.cfs_period_us").write_text("100000\n")
+    (root / "cpu/node/cpu.cfs_quota_us").write_text("50000\n")
+    procfs = tmp_path / "proc"
+    for pid, cg in ((4242, "/node/worker"), (os.getpid(), "/node/agent")):
+        (procfs / str(pid)).mkdir(parents=True)
+        (procfs / str(pid) / "cgroup").write_text(f"4:cpu,cpuacct:{cg}\n1:name=systemd:/\n")
+    cfg = LeversConfig(cgroup_root=str(root), worker_cgroup="auto", quota_neighbour_share=0.1)
+    lever = CpuShare(
+        cfg, KnobJournal(str(tmp_path / "levers.json")), [WorkerCgroup("default", "auto", lambda: 4242)], str(procfs)
+    )
+    assert lever.engage()["quota_neighbours"] == {"/node/batch": 0.05}
+    assert [read(root / f"cpu/node/{cg}/cpu.cfs_quota_us") for cg in ("agent", "batch")] == ["-1", "5000"]
+    assert lever.release() == []
+    assert read(root / "cpu/node/batch/cpu.cfs_quota_us") == "-1"
+    h = CpuHierarchy.find(str(root))
+    assert quota_neighbours(h, ["/node/worker"], spared=["/node/agent"]) == {"/node/batch": 0.5}
+
+
 def test_v2_tree_uses_cpu_weight_and_cpu_max(tmp_path):
     root = fake_v2(tmp_path)
     h = CpuHierarchy.find(str(root))

@@ -40,6 +40,7 @@ class CpuShareLever:
     best_effort_weight: int = V2_WEIGHT_MIN
     best_effort_cpus: float | None = None  # a hard cap as well, in CPUs; None: weight only
     neighbour_share: float = 0.0  # cap quota_neighbours at this share of the quota they share; 0: leave them
+    spared: tuple[str, ...] = ()  # cgroups never capped as neighbours: the agent's own
     engaged: list[str] = field(default_factory=list)  # files written, in order
 
     def writes(self) -> list[tuple[str, str]]:
@@ -62,7 +63,7 @@ class CpuShareLever:
         if not self.neighbour_share:
             return {}
         out = {}
-        for cg, quota in quota_neighbours(self.hierarchy, self.workers).items():
+        for cg, quota in quota_neighbours(self.hierarchy, self.workers, self.spared).items():
             if cg in self.best_effort and self.best_effort_cpus is not None:
                 continue
             cap = quota * self.neighbour_share
@@ -88,11 +89,13 @@ class CpuShareLever:
         return problems
 
 
-def quota_neighbours(hierarchy: CpuHierarchy, workers: Sequence[str]) -> dict[str, float]:
+def quota_neighbours(hierarchy: CpuHierarchy, workers: Sequence[str], spared: Sequence[str] = ()) -> dict[str, float]:
     """{cgroup: CPUs of the quota it shares with a worker}: below each worker's nearest ancestor
     with a CPU quota of its own, every cgroup beside the path down to the worker (and holding no
-    worker). They spend the budget the worker runs on."""
-    on_path = {"/".join(w.rstrip("/").split("/")[:i]) or "/" for w in workers for i in range(1, w.count("/") + 2)}
+    worker, nor a `spared` cgroup). They spend the budget the worker runs on."""
+    on_path = {
+        "/".join(w.rstrip("/").split("/")[:i]) or "/" for w in (*workers, *spared) for i in range(1, w.count("/") + 2)
+    }
     out: dict[str, float] = {}
     for worker in workers:
         parts = worker.strip("/").split("/")
@@ -200,7 +203,7 @@ class CpuShare:
     dry_run_note = "would raise the workers' CPU weight and lower the best-effort cgroups'"
 
     def __init__(self, cfg: LeversConfig, journal: KnobJournal, workers: Sequence[WorkerCgroup], procfs: str):
-        self.cfg, self.journal = cfg, journal
+        self.cfg, self.journal, self.procfs = cfg, journal, procfs
         self.cgroups = WorkerCgroups(workers, procfs)
         self.lever: CpuShareLever | None = None
 
@@ -218,6 +221,7 @@ class CpuShare:
             self.cfg.best_effort_cpu_weight,
             self.cfg.best_effort_cpus or None,
             self.cfg.quota_neighbour_share,
+            self._own_cgroup(hierarchy),
         )
         if self.lever is not None:  # engaged again (refresh): release undoes the first writes too
             lever.engaged = list(self.lever.engaged)
@@ -230,6 +234,15 @@ class CpuShare:
             "quota_neighbours": lever.neighbour_caps(),
             "unresolved": dict(self.cgroups.unresolved),
         }
+
+    def _own_cgroup(self, hierarchy: CpuHierarchy) -> tuple[str, ...]:
+        """The agent's own cgroup, never capped as a worker's quota neighbour: a sidecar in the
+        worker's pod, or the sandbox node's `other`, would otherwise cap the agent itself at a
+        tenth of the quota (bench/capacity.py's fault cell: its status calls timed out)."""
+        try:
+            return (hierarchy.of_pid(os.getpid(), self.procfs),)
+        except CgroupError:
+            return ()
 
     def stale(self) -> bool:
         return self.cgroups.stale()
