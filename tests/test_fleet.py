@@ -253,7 +253,16 @@ def test_a_slow_node_is_weighed_down_and_all_slow_all_serve():
             weight, _ = wait_weight(fleet, "node1", lambda w: w <= 3, 20)
             assert weight <= 3, f"node1's weight {weight} 20 s into its CPU hog"
             answers = turbo(fleet, 16, at_once=8)
-            assert {o["status"] for o in answers} == {200}, answers
+            # each answered by a worker: 200, or its own refusal (503 + Retry-After: deadline-aware
+            # admission, when 8 at once on two nodes slowed 4-10x would miss the objective; one run
+            # in ten here, 3.4 s answers beside it), never HAProxy's "no server is available"
+            refused = [
+                (o["status"], o["server"], o["retry_after_s"], o["error"][:100]) for o in answers if o["status"] != 200
+            ]
+            assert all(
+                st == 503 and server in ("node0", "node1") and after is not None for st, server, after, _ in refused
+            ), refused
+            assert len(refused) <= len(answers) // 2, refused
             # neither drained (weight 0 would be HAProxy's DRAIN): which one serves follows their
             # relative weights, which swing with each hog's share of its node's CPU (once all 16
             # went to node1: a round-robin of small weights is lumpy)
