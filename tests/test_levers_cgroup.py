@@ -23,9 +23,10 @@ from turbonode.config import LeversConfig
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def fake_v1(tmp_path: Path) -> Path:
+def fake_v1(tmp_path: Path, *more: str) -> Path:
+    """A hybrid host's v1 cpu tree: the root, `worker`, `batch` and the cgroups `more` names."""
     root = tmp_path / "cgroup"
-    for cg in ("", "worker", "batch"):
+    for cg in ("", "worker", "batch", *more):
         d = root / "cpu" / cg
         d.mkdir(parents=True, exist_ok=True)
         (d / "cpu.shares").write_text("1024\n")
@@ -107,13 +108,7 @@ def test_the_neighbours_that_spend_a_workers_quota_are_capped_while_engaged(tmp_
     """A node (a pod, a slice) capped at 0.5 CPU holds the worker and other work: a hog there on
     another CPU spends the node's budget whatever the weights, so cpu_share caps the worker's
     neighbours under that quota at a share of it (bench/capacity.py's fault cell), and puts back."""
-    root = fake_v1(tmp_path)
-    for cg in ("node", "node/worker", "node/other", "node/other/job", "node/batch", "node/tight"):
-        d = root / "cpu" / cg
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "cpu.shares").write_text("1024\n")
-        (d / "cpu.cfs_quota_us").write_text("-1\n")
-        (d / "cpu.cfs_period_us").write_text("100000\n")
+    root = fake_v1(tmp_path, "node", "node/worker", "node/other", "node/other/job", "node/batch", "node/tight")
     (root / "cpu/node/cpu.cfs_quota_us").write_text("50000\n")
     (root / "cpu/node/tight/cpu.cfs_quota_us").write_text("1000\n")  # capped tighter by someone: left
     h = CpuHierarchy.find(str(root))
@@ -158,13 +153,7 @@ def test_the_agents_own_cgroup_is_never_capped_as_a_neighbour(tmp_path):
     """An agent beside the worker under the node's quota (a sidecar in its pod; the sandbox node's
     `other`) caps the batch neighbour, never itself: capped at a tenth of the quota, its status
     calls timed out in bench/capacity.py's fault cell."""
-    root = fake_v1(tmp_path)
-    for cg in ("node", "node/worker", "node/agent", "node/batch"):
-        d = root / "cpu" / cg
-        d.mkdir(parents=True, exist_ok=True)
-        (d / "cpu.shares").write_text("1024\n")
-        (d / "cpu.cfs_quota_us").write_text("-1\n")
-        (d / "cpu.cfs_period_us").write_text("100000\n")
+    root = fake_v1(tmp_path, "node", "node/worker", "node/agent", "node/batch")
     (root / "cpu/node/cpu.cfs_quota_us").write_text("50000\n")
     procfs = tmp_path / "proc"
     for pid, cg in ((4242, "/node/worker"), (os.getpid(), "/node/agent")):
