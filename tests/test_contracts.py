@@ -77,6 +77,14 @@ def test_config_defaults_env_and_flags(tmp_path):
         ("[qos]\ndscp = { 64 = 'turbo' }\n", "qos.dscp"),
         ("[agent]\ndry_run = 'yes'\n", "agent.dry_run"),
         ("nonsense = 1\n", "nonsense"),
+        # the weight port (render/weight_agent.py): in range, an int, not an HTTP port, one per worker
+        ("[worker]\nweight_port = 70000\n", "worker.weight_port"),
+        ('[worker]\nweight_port = "8560"\n', "worker.weight_port"),
+        ('[worker]\nlisten = "0.0.0.0:65500"\n', "worker.weight_port"),  # derived: 65600
+        ("[worker]\nweight_port = 8460\n", "worker.weight_port"),  # the HTTP port
+        ("[workers.a]\n[workers.b]\nweight_port = 8460\n", "workers.b.weight_port"),  # a's HTTP port
+        ("[workers.a]\nweight_port = 9000\n[workers.b]\nweight_port = 9000\n", "workers.b.weight_port"),
+        ('[worker]\nlisten = "0.0.0.0:8460"\nweight_port = 8461\n[workers.a]\n[workers.b]\n', "worker.weight_port"),
     ],
 )
 def test_config_names_the_bad_key(tmp_path, text, key):

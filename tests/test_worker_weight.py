@@ -20,7 +20,6 @@ from render.weight import (
 )
 from render.weight_agent import WeightAgent
 from turbonode.config import WEIGHT_PORT_OFFSET, load_config, node_workers, weight_address
-from turbonode.errors import ConfigError
 
 SMALL, BIG = ((64, 64), 1), ((64, 64), 4)  # step keys: image shape, batch rows
 STEP_S = 0.1
@@ -183,23 +182,3 @@ def test_weight_port_default_derived_from_each_http_port(tmp_path):
     path.write_text("[worker]\nweight_port = 9100\n[workers.a]\n[workers.b]\n")
     specs = node_workers(load_config(str(path), env={}))
     assert [weight_address(s.listen, s.weight_port)[1] for s in specs] == [9100, 9101]
-
-
-@pytest.mark.parametrize(
-    "toml, key",
-    [
-        ("[worker]\nweight_port = 70000\n", "worker.weight_port"),
-        ('[worker]\nweight_port = "8560"\n', "worker.weight_port"),
-        ('[worker]\nlisten = "0.0.0.0:65500"\n', "worker.weight_port"),  # derived: 65600
-        ("[worker]\nweight_port = 8460\n", "worker.weight_port"),  # the HTTP port
-        ("[workers.a]\n[workers.b]\nweight_port = 8460\n", "workers.b.weight_port"),  # a's HTTP port
-        ("[workers.a]\nweight_port = 9000\n[workers.b]\nweight_port = 9000\n", "workers.b.weight_port"),
-        ('[worker]\nlisten = "0.0.0.0:8460"\nweight_port = 8461\n[workers.a]\n[workers.b]\n', "worker.weight_port"),
-    ],
-)
-def test_bad_weight_port_names_the_key(tmp_path, toml, key):
-    path = tmp_path / "c.toml"
-    path.write_text(toml)
-    with pytest.raises(ConfigError) as err:
-        load_config(str(path), env={})
-    assert err.value.key == key, err.value
