@@ -71,6 +71,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from agent.watchers.memory import process_major_faults  # noqa: E402
+from agent.watchers.procfile import process_stat_fields  # noqa: E402
 from sandbox import faults  # noqa: E402
 from sandbox.cgroup_v2 import CgroupV2Unavailable, cpu_on_v2  # noqa: E402
 from sandbox.demo import preflight  # noqa: E402
@@ -238,7 +239,7 @@ class SloNode(DemoNode):
             with contextlib.suppress(ControlError):
                 for pid in (w.rpc.call("status") if w.rpc else {}).get("pids", []):
                     with contextlib.suppress(OSError, ValueError, IndexError):
-                        faults[pid] = process_major_faults(Path(f"/proc/{pid}/stat").read_text())
+                        faults[pid] = process_major_faults(process_stat_fields(Path(f"/proc/{pid}/stat").read_text()))
         with open("/proc/stat") as f:  # cpu  user nice system idle iowait irq softirq steal ...
             ticks = [int(x) for x in f.readline().split()[1:9]]
         return {

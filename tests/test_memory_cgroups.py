@@ -14,6 +14,7 @@ from agent.levers.io import IoWeight
 from agent.levers.journal import KnobError, KnobJournal, KnobWrites, read_knob
 from agent.levers.memory import MemoryProtect, MemorySqueeze, OomGuard
 from agent.watchers.memory import MemoryWatcher, process_major_faults
+from agent.watchers.procfile import process_stat_fields
 from turbonode.cgroups import CgroupError
 from turbonode.config import LeversConfig
 from turbonode.memory_cgroups import PAGE, IoHierarchy, MemoryHierarchy, keyed, psi_file
@@ -344,7 +345,7 @@ def stat_line(pid: int, majflt: int) -> str:
 
 
 def test_major_faults_field():
-    assert process_major_faults(stat_line(7, 1234)) == 1234
+    assert process_major_faults(process_stat_fields(stat_line(7, 1234))) == 1234
 
 
 def test_memory_watcher_rates_events_and_a_restarted_worker(tmp_path):

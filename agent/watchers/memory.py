@@ -31,7 +31,7 @@ from turbonode.cgroups import CgroupError, slice_path
 from turbonode.memory_cgroups import MemoryHierarchy, psi_file
 
 from .base import MIN_RATE_WINDOW_S, Rate, Watcher
-from .procfile import WorkerProcesses, process_stat_fields
+from .procfile import WorkerProcesses
 from .psi import parse_pressure
 
 MAJFLT = 9  # majflt is field 12 of a /proc/PID/stat line; process_stat_fields starts at field 3
@@ -51,9 +51,9 @@ class Placement(NamedTuple):
     psi_files: list[str]
 
 
-def process_major_faults(text: str) -> int:
-    """Major page faults so far (all threads) from a /proc/PID/stat line."""
-    return int(process_stat_fields(text)[MAJFLT])
+def process_major_faults(fields: list[str]) -> int:
+    """Major page faults so far (all threads) from a /proc/PID/stat line's fields (process_stat_fields)."""
+    return int(fields[MAJFLT])
 
 
 class MemoryWatcher(Watcher):
@@ -121,7 +121,7 @@ class MemoryWatcher(Watcher):
         faults = {}
         for pid, fields in self.processes.stat(now).items():
             try:
-                faults[pid] = int(fields[MAJFLT])
+                faults[pid] = process_major_faults(fields)
             except (ValueError, IndexError):  # not a stat line: not the worker's
                 continue
         for pid, n in faults.items():  # a new pid (a restarted worker) counts from its first sample
