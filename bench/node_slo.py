@@ -7,7 +7,8 @@ The sandbox node and client as `turboctl demo` builds them (sandbox/node.py: two
 namespaces joined by veth, the node's side shaped to the link rate, the real worker on the
 tiny model serving HTTP inside the node namespace; as under systemd, the worker runs in a
 cgroup of its own and batch work in a `batch` cgroup beside it). From the client namespace,
-turbo requests arrive open-loop (Poisson, `--rate` per second, `--requests` per cell) while
+turbo requests arrive open-loop (Poisson, `--rate` per second, `--requests` per cell; the same
+arrival times in every cell and mode, from `--seed`, so two cells differ by their fault only) while
 closed-loop fast and relax clients keep the worker busy (sandbox/loadgen.py). The demo is
 the short form of this benchmark: one cell (cpu + bulk), the same load and the same summary.
 
@@ -188,7 +189,7 @@ class SloNode(DemoNode):
             fault.on_stop.append(lambda: victim.send_signal(signal.SIGUSR2))
         return fault
 
-    def run_cell(self, cell: str, mode: str, requests: int, rate: float) -> dict:
+    def run_cell(self, cell: str, mode: str, requests: int, rate: float, seed: int | None = None) -> dict:
         self.wait_idle()
         agent = watch = None
         before = self.counters()
@@ -204,7 +205,7 @@ class SloNode(DemoNode):
             clients = {w.name: dict(BACKGROUND) for w in self.workers}
             if "relax-flood" in COMBINED.get(cell, (cell,)):  # at the first worker only
                 clients[self.workers[0].name]["relax"] += FLOOD_CLIENTS
-            loads = self.load_all(clients, requests, rate, self.knobs.nodelay)
+            loads = self.load_all(clients, requests, rate, self.knobs.nodelay, seed)
         finally:
             if watch:
                 watch.stop()
@@ -511,6 +512,7 @@ def main() -> int:
     ap.add_argument("--modes", default=",".join(MODES))
     ap.add_argument("--requests", type=int, default=100, help="turbo requests per cell and mode")
     ap.add_argument("--rate", type=float, default=1.0, help="turbo arrivals per second (Poisson)")
+    ap.add_argument("--seed", type=int, default=22, help="the turbo arrivals' seed (the same in every cell and mode)")
     ap.add_argument("--link", default="20mbit", help="the node's link rate, shaped in both modes")
     ap.add_argument(
         "--workers",
@@ -596,6 +598,7 @@ def main() -> int:
         "knobs": knobs.__dict__,
         "requests": args.requests,
         "rate": args.rate,
+        "seed": args.seed,
         "link": args.link,
         "node_memory_mb": args.node_memory,
         "workers": args.workers,
@@ -625,7 +628,7 @@ def run_cells(node: SloNode, cells: list[str], modes: list[str], args: argparse.
             for cell in cells:
                 for mode in modes:
                     log(f"cell {cell}, {mode}: {args.requests} turbo requests at {args.rate:g}/s")
-                    r = node.run_cell(cell, mode, args.requests, args.rate)
+                    r = node.run_cell(cell, mode, args.requests, args.rate, args.seed)
                     result["cells"].setdefault(cell, {})[mode] = r
                     for name, w in r.get("workers", {"": r}).items():
                         t = w["tiers"].get(PROTECTED_TIER, {})

@@ -353,14 +353,29 @@ class DemoNode(Closing):
         }
 
     def load_all(
-        self, clients: dict[str, dict[str, int]], probes: int, rate: float, nodelay: bool = True
+        self,
+        clients: dict[str, dict[str, int]],
+        probes: int,
+        rate: float,
+        nodelay: bool = True,
+        seed: int | None = None,
     ) -> dict[str, tuple[list[Outcome], float]]:
         """One load per worker, all at once (`clients` per worker name): each worker's outcomes
-        and the seconds its load ran."""
+        and the seconds its load ran. `seed`: the turbo arrivals' (worker i's: seed + i, so the
+        workers' bursts are not the same ones), else new arrivals each time."""
         by_name = {w.name: w for w in self.workers}
+        index = {w.name: i for i, w in enumerate(self.workers)}
         with ThreadPoolExecutor(len(clients)) as pool:
             futures = {
-                name: pool.submit(self.load, tiers, probes, rate, nodelay, port=by_name[name].port)
+                name: pool.submit(
+                    self.load,
+                    tiers,
+                    probes,
+                    rate,
+                    nodelay,
+                    port=by_name[name].port,
+                    seed=None if seed is None else seed + index[name],
+                )
                 for name, tiers in clients.items()
             }
             return {name: f.result() for name, f in futures.items()}
@@ -374,10 +389,11 @@ class DemoNode(Closing):
         key: tuple[str, str] | None = None,
         probe_keys: list[tuple[str, str]] | None = None,
         port: int = WORKER_PORT,
+        seed: int | None = None,
     ) -> tuple[list[Outcome], float]:
         """sandbox.loadgen from the client namespace to the worker on `port`: every outcome, and
-        the seconds it ran. `key`, `probe_keys`: the API keys (name, key) it sends
-        (sandbox.loadgen.run_load)."""
+        the seconds it ran. `key`, `probe_keys`: the API keys (name, key) it sends; `seed`: the
+        turbo arrivals' (sandbox.loadgen.run_load)."""
         sb = self.sandbox
         argv = [sys.executable, "-m", "sandbox.loadgen", f"http://{sb.server_ip}:{port}"]
         argv += ["--size", str(self.s.size), "--timeout", str(REQUEST_TIMEOUT_S), "--probes", str(probes)]
@@ -387,6 +403,7 @@ class DemoNode(Closing):
         if key:
             argv.append(f"--key={key[0]}={key[1]}")
         argv += [f"--probe-key={name}={k}" for name, k in probe_keys or ()]
+        argv += ["--seed", str(seed)] if seed is not None else []
         t0 = time.monotonic()
         res = subprocess.run(
             self.in_cgroup(self.client_cgroup, sb.cmd(sb.client, *argv)),

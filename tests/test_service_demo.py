@@ -22,6 +22,7 @@ from daemon_harness import daemon_env, start, turboctl_argv
 
 from sandbox import demo, report
 from sandbox.interrupt import checkpoint
+from sandbox.node import DemoNode, SandboxWorker
 from turboctl import demo_cmd as demo_cli
 from turboctl import main
 from turbonode.cgroups import CgroupError, CpuHierarchy
@@ -55,6 +56,24 @@ def test_report_is_side_by_side():
     assert re.search(r"0/0\s+0\s+-\s+-\s+-\s+-\s+0/2\s+2\s+-\s+-\s+-\s+-$", relax), relax
     assert any("highest level critical (cpu_load)" in line and "50% of the time" in line for line in lines)
     assert any("levers engaged: cpu_share 50%, worker_threads 25%" in line for line in lines)
+
+
+def test_a_seed_gives_each_worker_its_own_fixed_arrivals():
+    """bench/node_slo.py's --seed: worker i's turbo arrivals from seed + i (the same in every
+    cell, and not the other workers' bursts); no seed, fresh arrivals."""
+    seen: dict[int, int | None] = {}
+
+    class Node:
+        workers = [SandboxWorker("a", 8000, "", "", ""), SandboxWorker("b", 8001, "", "", "")]
+
+        def load(self, tiers, probes, rate, nodelay, port, seed):
+            seen[port] = seed
+            return [], 0.0
+
+    DemoNode.load_all(Node(), {"a": {}, "b": {}}, 3, 1.0, seed=22)  # type: ignore[arg-type]
+    assert seen == {8000: 22, 8001: 23}
+    DemoNode.load_all(Node(), {"a": {}, "b": {}}, 3, 1.0)  # type: ignore[arg-type]
+    assert seen == {8000: None, 8001: None}
 
 
 def test_preflight_names_what_is_missing(monkeypatch):

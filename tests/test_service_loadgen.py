@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+import random
 import socket
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -117,3 +118,18 @@ def test_keys_and_what_the_answer_said(server):
     )
     assert sorted(o.account for o in outcomes) == ["a", "a", "b", "b"]
     assert sorted(a for *_, a in seen[-4:]) == ["Bearer tn-a", "Bearer tn-a", "Bearer tn-b", "Bearer tn-b"]
+
+
+def test_the_seed_fixes_the_turbo_arrivals(server):
+    """A seed sends the probes at the same times in every run (bench/node_slo.py's cells then
+    differ by their fault only): the schedule random.Random(seed) draws, within the sleeps' jitter."""
+    url, _ = server
+    rng, due, expected = random.Random(9), 0.0, []
+    for _ in range(5):
+        due += rng.expovariate(5.0)
+        expected.append(due)
+    for seed in (9, 9):
+        sent = [o.sent_at for o in loadgen.run_load(url, {}, probes=5, rate=5.0, seed=seed)]
+        assert sent == pytest.approx(expected, abs=0.05)
+    other = [o.sent_at for o in loadgen.run_load(url, {}, probes=5, rate=5.0, seed=10)]
+    assert max(abs(a - b) for a, b in zip(other, expected, strict=True)) > 0.05
