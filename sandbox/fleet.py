@@ -6,9 +6,10 @@ Each node is sandbox/node.py's DemoNode on its own namespace (`NodeLink`): the r
 agent and HTB tree (or the plain FIFO), and its faults. A node's processes run in a cgroup of
 the node's own with a CPU quota, the same for every node (`cpus`), so that nodes compete for
 their own share and not for this machine's CPUs: the worker in `<node>/worker`, best-effort batch
-work in `<node>/batch` (the agent's cpu_share lever lowers it), everything else the node runs (its
-agent, a fault's hog or bulk flows) in `<node>/other`. A worker that exits is started again by
-DemoNode's supervisor, as its unit's Restart=on-failure would; `wait_back` says when it answers.
+work in `<node>/batch` (the agent's cpu_share lever lowers it), the agent in `<node>/agent`,
+everything else the node runs (a fault's hog or bulk flows) in `<node>/other`. A worker that
+exits is started again by DemoNode's supervisor, as its unit's Restart=on-failure would;
+`wait_back` says when it answers.
 
 HAProxy runs the shipped deploy/haproxy/turbonode.cfg with this fleet's addresses substituted
 (`fleet_config`: each backend's first server line is the template of one line per node, and the
@@ -119,6 +120,11 @@ class FleetNode(DemoNode):
         self.name, self.cpus = name, cpus
         self.top_cgroup = f"/{link.server}-node"
         self.other_cgroup = self.node_cgroup("other")
+        # The agent apart from `other`: cpu_share caps the cgroups that share the worker's quota
+        # but never the agent's own, which would spare a hog beside it (bench/capacity.py's fault).
+        del self._roles[self.agent_cgroup]
+        self.agent_cgroup = self.node_cgroup("agent")
+        self._roles[self.agent_cgroup] = "agent"
         # the fleet's nodes share their peer (the front): a client cgroup of each node's own name
         self.client_cgroup = f"/{link.server}-client"
 
@@ -157,9 +163,9 @@ class FleetNode(DemoNode):
         return self
 
     def _make_cgroups(self, cgroups: CpuHierarchy) -> None:
-        """The node's cgroup with its quota and `other` in it, then DemoNode's: the worker's and the
-        batch cgroup (inside the node's here) and the load generator's (beside it)."""
-        for cg in (self.top_cgroup, self.other_cgroup):
+        """The node's cgroup with its quota and `other` and the agent's in it, then DemoNode's: the
+        worker's and the batch cgroup (inside the node's here) and the load generator's (beside it)."""
+        for cg in (self.top_cgroup, self.other_cgroup, self.agent_cgroup):
             cgroups.create(cg)
             self._made.append(cg)
         for path, value in cgroups.quota_writes(self.top_cgroup, self.cpus, NODE_PERIOD_US):
@@ -167,9 +173,10 @@ class FleetNode(DemoNode):
         super()._make_cgroups(cgroups)
 
     def spawn(self, name: str, argv: list[str]) -> subprocess.Popen:
-        """The worker in its cgroup (its argv moves itself there), anything else the node runs in `other`."""
-        worker = name == self.log_name(self.workers[0])
-        return super().spawn(name, argv if worker else self.in_cgroup(self.other_cgroup, argv))
+        """The worker and the agent in their cgroups (DemoNode's spawn and the worker's argv move
+        them there), anything else the node runs in `other`."""
+        own = name in (self.log_name(self.workers[0]), "agent")
+        return super().spawn(name, argv if own else self.in_cgroup(self.other_cgroup, argv))
 
     # ---- a worker's exit -----------------------------------------------------------------
 

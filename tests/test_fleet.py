@@ -18,8 +18,9 @@ import pytest
 from conftest import KERNEL_SKIP
 from daemon_harness import ROOT
 
+from agent.levers.cgroup import quota_neighbours
 from sandbox import faults
-from sandbox.fleet import SHIPPED_CONFIG, FleetSettings, SandboxFleet, fleet_config, plain_config
+from sandbox.fleet import SHIPPED_CONFIG, FleetNet, FleetNode, FleetSettings, SandboxFleet, fleet_config, plain_config
 from sandbox.settings import DemoSettings
 
 needs_haproxy = pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy not installed (scripts/setup.sh)")
@@ -213,6 +214,29 @@ def test_two_nodes_behind_haproxy_unready_refused_and_killed():
 @pytest.mark.slow
 @needs_haproxy
 @pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
+@pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
+def test_a_nodes_agent_runs_apart_from_its_hog():
+    """The agent in `<node>/agent`, a fault's hog in `<node>/other`: cpu_share caps the cgroups
+    sharing the worker's quota but never the agent's own, so the hog must not be in it (when both
+    ran in `other`, bench/capacity.py's fault rungs went uncapped: 30 % of raw p99 8.0 s)."""
+    with FleetNet(1) as net, FleetNode(DemoSettings(keep_logs=False), net.link(0), "node0", 0.5) as node:
+        agent = node.start_agent()
+        hogs = faults.start(node, ("cpu",), 30)
+        try:
+            h = node.cgroups
+            assert h is not None
+            deadline = time.monotonic() + 10  # each moves itself before it execs
+            while (h.of_pid(agent.pid), h.of_pid(hogs[0].pid)) != (node.agent_cgroup, node.other_cgroup):
+                assert time.monotonic() < deadline, (h.of_pid(agent.pid), h.of_pid(hogs[0].pid))
+                time.sleep(0.1)
+            # what the agent's cpu_share would cap, sparing its own cgroup: the hog's and batch work's
+            spared = (h.of_pid(agent.pid),)
+            assert quota_neighbours(h, [node.worker_cgroup], spared) == {node.other_cgroup: 0.5, node.batch_cgroup: 0.5}
+        finally:
+            for proc in hogs:
+                node.release(proc)
+
+
 def test_a_slow_node_is_weighed_down_and_all_slow_all_serve():
     """The agent-check weights (render/weight.py): a node whose steps run slow (a CPU hog in its
     cgroup, under its quota) gets (almost) no turbo while the other runs at its usual pace; when
