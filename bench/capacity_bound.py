@@ -13,8 +13,8 @@ p99 from arrival to the last image out:
   best-rate   one image at a time, each in 1/limit seconds (the best batch's per-image time
               for every image, even alone: faster than any real server, whose lone image runs
               at batch 1's slower rate)
-  batching    everything waiting, up to the largest measured batch size B, run together in
-              B / images_per_s[B] seconds, all finishing at its end (the raw limit's own batches)
+  batching    everything waiting, up to the best batch size (the raw limit's), run together:
+              B images in B / images_per_s[B] seconds, all finishing at its end
 
 plus --floor-ms for what every answer costs beyond compute (e.g. the body's time on the link).
 The capacity of each is the highest rung whose p99 <= --slo; bench/capacity.py's target (idle
@@ -58,9 +58,10 @@ def best_rate(times: list[float], service_s: float) -> list[float]:
 
 
 def batching(times: list[float], images_per_s: dict[int, float]) -> list[float]:
-    """Greedy batches: when the server frees, everything that has arrived (up to the largest
-    batch size) runs together for B / images_per_s[B] seconds."""
-    largest = max(images_per_s)
+    """Greedy batches: when the server frees, everything that has arrived (up to the best batch
+    size: a larger batch would only be slower per image) runs together for B / images_per_s[B]
+    seconds."""
+    largest = max(images_per_s, key=lambda b: images_per_s[b])
     out, i, free = [], 0, 0.0
     while i < len(times):
         start = max(free, times[i])

@@ -16,9 +16,11 @@ def test_best_rate_queues_only_what_overlaps():
     assert cb.best_rate([0.0, 0.0, 2.0], 0.5) == [0.5, 1.0, 0.5]
 
 
-def test_batching_takes_what_waits_up_to_the_largest_batch():
+def test_batching_takes_what_waits_up_to_the_best_batch():
     # three at once, batches of at most 2: two together in 2/4 s, the third alone after them in 1 s
     assert cb.batching([0.0, 0.0, 0.0], {1: 1.0, 2: 4.0}) == [0.5, 0.5, 1.5]
+    # a batch of 3 is slower per image than one of 2: never formed
+    assert cb.batching([0.0, 0.0, 0.0], {1: 1.0, 2: 4.0, 3: 2.0}) == [0.5, 0.5, 1.5]
     # one arriving while a batch runs waits for its end, then runs alone
     assert cb.batching([0.0, 0.1], {1: 2.0, 2: 3.0}) == pytest.approx([0.5, 0.9])
 
