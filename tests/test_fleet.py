@@ -271,7 +271,10 @@ def test_a_slow_node_is_weighed_down_and_all_slow_all_serve():
             answers = turbo(fleet, 20)
             assert {o["status"] for o in answers} == {200}
             on_slow = sum(o["server"] == "node0" for o in answers)
-            assert on_slow <= 1, f"node0, slow, served {on_slow} of 20 turbo requests"
+            # at 1-3 % of the weights node0 still gets a pick now and then: its weight changes with
+            # every agent-check answer (500 ms), and each change places it in HAProxy's round-robin
+            # again (2 of 20 seen once, CI 2026-12-05); an even share would be 10 of 20
+            assert on_slow <= 2, f"node0, slow, served {on_slow} of 20 turbo requests"
 
             hogs += [(node1, p) for p in faults.start(node1, ("cpu",), 300)]  # every node slow: all still serve
             weight, _ = wait_weight(fleet, "node1", lambda w: w <= 3, 20)
