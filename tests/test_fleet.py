@@ -212,8 +212,6 @@ def test_two_nodes_behind_haproxy_unready_refused_and_killed():
 
 
 @pytest.mark.slow
-@needs_haproxy
-@pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
 @pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
 def test_a_nodes_agent_runs_apart_from_its_hog():
     """The agent in `<node>/agent`, a fault's hog in `<node>/other`: cpu_share caps the cgroups
@@ -237,6 +235,9 @@ def test_a_nodes_agent_runs_apart_from_its_hog():
                 node.release(proc)
 
 
+@pytest.mark.slow
+@needs_haproxy
+@pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
 def test_a_slow_node_is_weighed_down_and_all_slow_all_serve():
     """The agent-check weights (render/weight.py): a node whose steps run slow (a CPU hog in its
     cgroup, under its quota) gets (almost) no turbo while the other runs at its usual pace; when
