@@ -120,11 +120,6 @@ class FleetNode(DemoNode):
         self.name, self.cpus = name, cpus
         self.top_cgroup = f"/{link.server}-node"
         self.other_cgroup = self.node_cgroup("other")
-        # The agent apart from `other`: cpu_share caps the cgroups that share the worker's quota
-        # but never the agent's own, which would spare a hog beside it (bench/capacity.py's fault).
-        del self._roles[self.agent_cgroup]
-        self.agent_cgroup = self.node_cgroup("agent")
-        self._roles[self.agent_cgroup] = "agent"
         # the fleet's nodes share their peer (the front): a client cgroup of each node's own name
         self.client_cgroup = f"/{link.server}-client"
 
@@ -163,8 +158,10 @@ class FleetNode(DemoNode):
         return self
 
     def _make_cgroups(self, cgroups: CpuHierarchy) -> None:
-        """The node's cgroup with its quota and `other` and the agent's in it, then DemoNode's: the
-        worker's and the batch cgroup (inside the node's here) and the load generator's (beside it)."""
+        """The node's cgroup with its quota and `other` and the agent's in it (apart from `other`:
+        cpu_share caps the cgroups that share the worker's quota but never the agent's own, which
+        would spare a hog beside it), then DemoNode's: the worker's and the batch cgroup (inside
+        the node's here) and the load generator's (beside it)."""
         for cg in (self.top_cgroup, self.other_cgroup, self.agent_cgroup):
             cgroups.create(cg)
             self._made.append(cg)

@@ -107,7 +107,7 @@ class DemoNode(Closing):
         # top CPU weight, so that the node's CPU use (the worker's, raised by cpu_share) does not
         # slow the client's own reading and its delay is not counted as the node's latency.
         self.client_cgroup = f"/{self.sandbox.client}-client"
-        self.agent_cgroup = f"/{self.sandbox.server}-agent"  # in the node's memory cgroup only
+        self.agent_cgroup = self.node_cgroup("agent")  # here in the node's memory cgroup only
         self._made: list[str] = []
         self.memory = NodeMemory(
             self.sandbox.server,
