@@ -7,6 +7,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from render.cpu_threads import DEFAULT_WAIT_POLICY, WAIT_POLICY_ENV, available_cpus, default_threads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,3 +52,29 @@ def test_passive_wait_is_the_default_and_the_environment_wins():
     env[WAIT_POLICY_ENV] = "ACTIVE"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "ACTIVE"
+
+
+PIN_AFTER_A_THREAD = """
+import os, threading
+from render.cpu_threads import pin_cpus
+started, stop = threading.Event(), threading.Event()
+def early():
+    started.set()
+    stop.wait()
+    print(sorted(os.sched_getaffinity(0)))  # this thread's own, asked from inside it
+threading.Thread(target=early).start()
+started.wait()
+pin_cpus(frozenset({CPU}))
+print(sorted(os.sched_getaffinity(0)))
+stop.set()
+"""
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pinning to one CPU of several needs 2 CPUs")
+def test_pinning_covers_the_threads_the_process_already_has():
+    """A worker's thread started before `cpus` are applied (here one started first, as
+    bench/garbage.py's is) runs on them too, not on the other workers' CPUs."""
+    cpu = max(os.sched_getaffinity(0))
+    code = PIN_AFTER_A_THREAD.replace("CPU", str(cpu))
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == [f"[{cpu}]", f"[{cpu}]"]
