@@ -8,7 +8,8 @@ arrivals down and hide its tail; the closed-loop clients then run until the last
 answered, else for `--duration`. Each request names its tier (body and X-Turbonode-Tier
 header), and its socket carries the tier's DSCP before it connects (the SYN too) and keeps
 TCP_NODELAY, like a real client's. Per request: connect, first byte, last byte, and the
-worker's own queue wait and submit-to-finish time from its answer. The demo and
+worker's own queue wait and submit-to-finish time from its answer. `--cpus` keeps the client on
+the CPUs of the worker it loads (a sandbox node with pinned workers). The demo and
 bench/node_slo.py run it inside the client network namespace (`python -m sandbox.loadgen URL
 --clients fast=1 --probes 100 ...`), which prints the outcomes as JSON.
 """
@@ -26,6 +27,8 @@ import time
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
+from render.cpu_threads import pin_cpus
+from turbonode.cgroups import parse_cpu_list
 from turbonode.stats import percentile
 from turbonode.tier_headers import DOWNGRADED_HEADER, TIER_HEADER
 from turbonode.tiers import PROTECTED_TIER, TIER_NAMES, tos_byte
@@ -263,6 +266,13 @@ def _at_least(lo: float, kind: type = float):
     return convert
 
 
+def _cpus(value: str) -> frozenset[int]:
+    try:
+        return parse_cpu_list(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Send tiered image requests to URL (closed-loop clients, open-loop probes); print every
     outcome as JSON."""
@@ -297,7 +307,15 @@ def main(argv: list[str] | None = None) -> int:
         type=float,
         help="start at this CLOCK_MONOTONIC time (s), so that another process can time its events by the load's",
     )
+    parser.add_argument(
+        "--cpus",
+        type=_cpus,
+        default=frozenset(),
+        metavar="LIST",
+        help="run on these CPUs only, e.g. 1 or 0-3 (default: any)",
+    )
     args = parser.parse_args(argv)
+    pin_cpus(args.cpus)
     outcomes = run_load(
         args.url,
         dict(args.clients),

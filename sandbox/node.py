@@ -124,6 +124,7 @@ class DemoNode(Closing):
         self.worker_exits: list[tuple[float, int]] = []  # (monotonic time, exit status) of each exit
         self._closing = threading.Event()
         self._supervisors: list[threading.Thread] = []
+        self._loads: set[subprocess.Popen] = set()  # load generators running now (load_all ends them)
 
     # ---- lifecycle -------------------------------------------------------------------
 
@@ -375,10 +376,19 @@ class DemoNode(Closing):
                     nodelay,
                     port=by_name[name].port,
                     seed=None if seed is None else seed + index[name],
+                    cpus=by_name[name].cpus,
                 )
                 for name, tiers in clients.items()
             }
-            return {name: f.result() for name, f in futures.items()}
+            try:
+                return {name: f.result() for name, f in futures.items()}
+            except BaseException:
+                # An interrupt (or one load's failure) ends the other loads now: leaving the pool
+                # waits for its threads, and each would run its whole phase first (a Ctrl-C'd
+                # demo took over 60 s to exit, tests/test_service_demo.py).
+                for proc in list(self._loads):
+                    proc.kill()
+                raise
 
     def load(
         self,
@@ -390,10 +400,15 @@ class DemoNode(Closing):
         probe_keys: list[tuple[str, str]] | None = None,
         port: int = WORKER_PORT,
         seed: int | None = None,
+        cpus: str = "",
     ) -> tuple[list[Outcome], float]:
         """sandbox.loadgen from the client namespace to the worker on `port`: every outcome, and
         the seconds it ran. `key`, `probe_keys`: the API keys (name, key) it sends; `seed`: the
-        turbo arrivals' (sandbox.loadgen.run_load)."""
+        turbo arrivals' (sandbox.loadgen.run_load); `cpus`: the worker's own, when it has some.
+        The load stands for clients on other machines; on a node of pinned workers it keeps to
+        its worker's CPUs, so that one worker's saturated CPU does not push its client (and that
+        client's packets' softirq) onto another worker's CPU: each CPU carries one worker and its
+        client in every cell (bench/node_slo.py --workers)."""
         sb = self.sandbox
         argv = [sys.executable, "-m", "sandbox.loadgen", f"http://{sb.server_ip}:{port}"]
         argv += ["--size", str(self.s.size), "--timeout", str(REQUEST_TIMEOUT_S), "--probes", str(probes)]
@@ -404,17 +419,27 @@ class DemoNode(Closing):
             argv.append(f"--key={key[0]}={key[1]}")
         argv += [f"--probe-key={name}={k}" for name, k in probe_keys or ()]
         argv += ["--seed", str(seed)] if seed is not None else []
+        argv += ["--cpus", cpus] if cpus else []
         t0 = time.monotonic()
-        res = subprocess.run(
+        # subprocess.run's steps, with the process known to load_all while it runs
+        with subprocess.Popen(
             self.in_cgroup(self.client_cgroup, sb.cmd(sb.client, *argv)),
             env=self.env,
-            capture_output=True,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
             text=True,
-            timeout=probes / rate * 3 + REQUEST_TIMEOUT_S * 2,
-        )
-        if res.returncode != 0:
-            raise DemoError(f"the load generator failed: {res.stderr.strip()[-2000:]}")
-        return [Outcome(**o) for o in json.loads(res.stdout)], time.monotonic() - t0
+        ) as proc:
+            self._loads.add(proc)
+            try:
+                stdout, stderr = proc.communicate(timeout=probes / rate * 3 + REQUEST_TIMEOUT_S * 2)
+            except BaseException:  # its time is up, or an interrupt here: it ends with this call
+                proc.kill()
+                raise
+            finally:
+                self._loads.discard(proc)
+        if proc.returncode != 0:
+            raise DemoError(f"the load generator failed (exit {proc.returncode}): {stderr.strip()[-2000:]}")
+        return [Outcome(**o) for o in json.loads(stdout)], time.monotonic() - t0
 
 
 # The signals a run reports (p50/p90 of what the agent saw): CPU busy fraction vs PSI stall, and

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import json
 import os
@@ -60,20 +61,21 @@ def test_report_is_side_by_side():
 
 def test_a_seed_gives_each_worker_its_own_fixed_arrivals():
     """bench/node_slo.py's --seed: worker i's turbo arrivals from seed + i (the same in every
-    cell, and not the other workers' bursts); no seed, fresh arrivals."""
-    seen: dict[int, int | None] = {}
+    cell, and not the other workers' bursts); no seed, fresh arrivals. Each load keeps to its
+    worker's CPUs."""
+    seen: dict[int, tuple[int | None, str]] = {}
 
     class Node:
-        workers = [SandboxWorker("a", 8000, "", "", ""), SandboxWorker("b", 8001, "", "", "")]
+        workers = [SandboxWorker("a", 8000, "", "", "0"), SandboxWorker("b", 8001, "", "", "1")]
 
-        def load(self, tiers, probes, rate, nodelay, port, seed):
-            seen[port] = seed
+        def load(self, tiers, probes, rate, nodelay, port, seed, cpus):
+            seen[port] = seed, cpus
             return [], 0.0
 
     DemoNode.load_all(Node(), {"a": {}, "b": {}}, 3, 1.0, seed=22)  # type: ignore[arg-type]
-    assert seen == {8000: 22, 8001: 23}
+    assert seen == {8000: (22, "0"), 8001: (23, "1")}
     DemoNode.load_all(Node(), {"a": {}, "b": {}}, 3, 1.0)  # type: ignore[arg-type]
-    assert seen == {8000: None, 8001: None}
+    assert seen == {8000: (None, "0"), 8001: (None, "1")}
 
 
 def test_preflight_names_what_is_missing(monkeypatch):
@@ -89,6 +91,27 @@ def test_preflight_names_what_is_missing(monkeypatch):
 def _netns() -> set[str]:
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
     return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+# the interrupt lands this long after "phase 1/2": in the phase's load (its faults start first)
+LOAD_UNDER_WAY_S = 6.0
+INTERRUPTED_EXIT_S = 20.0  # the phase has 24 s of its 30 left then
+
+
+def _remove_what_a_killed_demo_left(server: str, client: str, tmp: str) -> None:
+    """A demo SIGKILLed by a failing test leaves its node: its processes (by PID: the worker,
+    the load), namespaces, cgroups and directory; removed so the next tests start clean."""
+    for line in _leftovers(tmp or server or "never-a-match"):
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(int(line.split(":")[0])).kill()
+    for ns in {server, client} & _netns():
+        subprocess.run(["ip", "netns", "delete", ns], check=False)
+    for top in glob.glob(f"/sys/fs/cgroup/*/{server}-*") if server else ():
+        for cgroup, _, _ in os.walk(top, topdown=False):  # the memory one has its roles inside
+            with contextlib.suppress(OSError):
+                os.rmdir(cgroup)
+    if tmp:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def _leftovers(tag: str) -> list[str]:
@@ -178,18 +201,26 @@ def _cgroups(tag: str) -> list[str]:
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM])
 def test_demo_interrupted_removes_everything(sig):
+    """Interrupted while its load runs, the demo ends the load generators at once and removes
+    everything, well before the phase's 30 s are up (it once sat out the whole phase first)."""
     proc, out = start(turboctl_argv("demo", "--seconds", "30"), daemon_env())
+    server = client = tmp = ""
     try:
         assert out.wait_for(r"phase 1/2", 180), out.text
         server, client = re.search(r"netns (\S+) .*netns (\S+)", out.text).groups()
         assert {server, client} <= _netns()
         [tmp] = _demo_dirs(server)
         assert "logs in" not in out.text  # never a path that will not exist
+        time.sleep(LOAD_UNDER_WAY_S)
         proc.send_signal(sig)
+        t0 = time.monotonic()
         assert proc.wait(60) == 1
+        assert time.monotonic() - t0 < INTERRUPTED_EXIT_S, out.text
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.wait()
+            _remove_what_a_killed_demo_left(server, client, tmp)
     assert "interrupted" in out.text
     assert not ({server, client} & _netns()) and not os.path.exists(tmp) and not _leftovers(tmp)
     assert not _cgroups(server)

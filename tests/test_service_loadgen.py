@@ -108,6 +108,20 @@ def test_cli(server, capsys):
     assert exc.value.code == 2 and "TIER=N" in capsys.readouterr().err
 
 
+def test_cli_keeps_to_the_cpus_it_is_given(server, capsys, monkeypatch):
+    """--cpus pins the client before it starts (render/cpu_threads.pin_cpus, tested on its own in
+    tests/test_worker_threads.py); a bad list is refused naming the format."""
+    url, _ = server
+    pinned: list[frozenset[int]] = []
+    monkeypatch.setattr(loadgen, "pin_cpus", pinned.append)
+    assert loadgen.main([url, "--clients", "fast=1", "--duration", "0.3", "--cpus", "0-1,3"]) == 0
+    assert pinned == [frozenset({0, 1, 3})]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exc:
+        loadgen.main([url, "--cpus", "one"])
+    assert exc.value.code == 2 and "expected a CPU list such as '0-3,8'" in capsys.readouterr().err
+
+
 def test_keys_and_what_the_answer_said(server):
     url, seen = server
     out = loadgen.request_image(url, "turbo", key=("spender", "tn-spent"))
