@@ -73,6 +73,7 @@ if str(ROOT) not in sys.path:
 
 from agent.watchers.memory import process_major_faults  # noqa: E402
 from agent.watchers.procfile import process_stat_fields  # noqa: E402
+from agent.worker_unit import WORKER_SIGNALS  # noqa: E402
 from sandbox import faults  # noqa: E402
 from sandbox.cgroup_v2 import CgroupV2Unavailable, cpu_on_v2  # noqa: E402
 from sandbox.demo import preflight  # noqa: E402
@@ -387,7 +388,7 @@ def report_workers(result: dict) -> str:
         + "  p99/ref  agent on this worker",
         f"{'':<12} {'':<7}" + "".join(f"  {head}" for _ in modes),
     ]
-    spill, own_only, nodewide = [], [], []
+    spill, own_only, nodewide, with_own = [], [], [], []
     for cell, by_mode in cells.items():
         for name in names:
             row = f"{cell:<12} {name:<7}"
@@ -417,8 +418,14 @@ def report_workers(result: dict) -> str:
                 if name != names[0]:
                     spill.append((name, ratio))
                 if seen:
-                    own_only.append((name, seen["throttled_share"], "gc_pause_s" in seen["reasons"]))
-            elif not set(COMBINED.get(cell, (cell,))) <= set(OWN_FAULTS):
+                    own_only.append((name, seen["throttled_share"], seen["reasons"]))
+                continue
+            faults_here = set(COMBINED.get(cell, (cell,)))
+            if faults_here <= set(OWN_FAULTS):
+                continue
+            if name == names[0] and faults_here & set(OWN_FAULTS):  # `all`: a's own faults too
+                with_own.append((cell, name, ratio))
+            else:  # the node's faults, and for the others a's too: none of them is theirs
                 nodewide.append((cell, name, ratio))
     if spill:
         met = all(r <= SPILL_RATIO for _, r in spill)
@@ -430,13 +437,23 @@ def report_workers(result: dict) -> str:
     if own_only:
         lines.append(
             "a's own rules act on a only: "
-            + ", ".join(f"{n} throttled {share:.0%}{' (gc_pause_s)' if gc else ''}" for n, share, gc in own_only)
+            + ", ".join(
+                f"{n} throttled {share:.0%} ("
+                + ", ".join(r + (" - its own" if r in WORKER_SIGNALS else "") for r in why)
+                + ")"
+                for n, share, why in own_only
+            )
         )
     if nodewide:
         missed = [f"{c}/{n} {r:.2f}x" for c, n, r in nodewide if r > TARGET_RATIO]
         lines.append(
             f"target node-wide faults: every worker's p99 <= {TARGET_RATIO:g} x its none: met in "
             f"{len(nodewide) - len(missed)}/{len(nodewide)}" + (f"; missed: {', '.join(missed)}" if missed else "")
+        )
+    if with_own:
+        lines.append(
+            f"with {names[0]}'s own faults too (no target: {', '.join(OWN_FAULTS)} are {names[0]}'s, not the node's): "
+            + ", ".join(f"{c}/{n} {r:.2f}x" for c, n, r in with_own)
         )
     lines.append(f"knobs: {result['knobs']}; load average before: {result['loadavg_before']}")
     return "\n".join(lines)
