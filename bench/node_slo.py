@@ -402,7 +402,8 @@ def report_workers(result: dict) -> str:
                 figures = [_ms(t.get(k)) for k in ("p50_s", "p99_s", "max_s")]
                 row += f"  {t.get('ok', 0):>4} {figures[0]:>6} {figures[1]:>6} {figures[2]:>6} {relax:>7.2f}"
             p99 = turbo_p99(by_mode.get("turbonode", {}).get("workers", {}).get(name))
-            ratio = p99 / ref[name] if p99 and ref[name] else None
+            own_ref = ref[name]
+            ratio = p99 / own_ref if p99 and own_ref else None
             row += f"  {ratio:>7.2f}" if ratio is not None else f"  {'-':>7}"
             seen = ((by_mode.get("turbonode") or {}).get("agent") or {}).get("workers", {}).get(name)
             if seen:
