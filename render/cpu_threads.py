@@ -15,13 +15,11 @@ agent may lower the thread count at run time through the throttle (`intra_op_thr
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 from collections.abc import MutableMapping
 
 from turbonode.cgroups import CgroupError, CpuHierarchy
-from turbonode.errors import TurbonodeError
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 DEFAULT_WAIT_POLICY = "PASSIVE"
@@ -31,27 +29,6 @@ def wait_policy_default(env: MutableMapping[str, str] | None = None) -> str:
     """Set OMP_WAIT_POLICY=PASSIVE unless the environment already chose; call before importing torch."""
     target = os.environ if env is None else env
     return target.setdefault(WAIT_POLICY_ENV, DEFAULT_WAIT_POLICY)
-
-
-def pin_cpus(cpus: frozenset[int], procfs: str = "/proc") -> None:
-    """Run this process (and the engine process it starts, which inherits it) on `cpus` only
-    ([workers.<name>] cpus): several workers on one node then never share a CPU, and the
-    default thread count below follows from the pinned set. Empty: leave the affinity alone.
-    Affinity belongs to a thread, and sched_setaffinity(0) sets the caller's only: every thread
-    the process already has is pinned too (one started at import, a plugin's, bench/garbage.py's
-    GC storm), or it would keep running on the other workers' CPUs."""
-    if not cpus:
-        return
-    try:
-        os.sched_setaffinity(0, cpus)
-    except OSError as exc:  # EINVAL: none of them online here
-        here = ",".join(map(str, sorted(os.sched_getaffinity(0))))
-        raise TurbonodeError(
-            f"cannot run on CPUs {sorted(cpus)}: {exc.strerror or exc} (this host's: {here})"
-        ) from None
-    for tid in os.listdir(f"{procfs}/self/task"):
-        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
-            os.sched_setaffinity(int(tid), cpus)
 
 
 def available_cpus(procfs: str = "/proc", cgroup_root: str = "/sys/fs/cgroup", pid: int | str = "self") -> float:

@@ -26,13 +26,14 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from turbonode import sdnotify
+from turbonode.affinity import pin_cpus
 from turbonode.config import DEFAULT_WORKER, WorkerConfig, split_host_port, weight_address
 from turbonode.errors import TurbonodeError
 from turbonode.exposition import daemon_registry
 from turbonode.jsonrpc import SERVER_ERROR, WORKER_LOADING, RpcError
 from turbonode.metric_names import ENGINE_PROCESS
 
-from .cpu_threads import pin_cpus, wait_policy_default
+from .cpu_threads import wait_policy_default
 from .memory_lock import MemoryLock
 from .readiness import ENGINE_STALL_S
 from .remote_engine import RemoteEngine

@@ -27,7 +27,7 @@ import time
 from dataclasses import asdict, dataclass
 from urllib.parse import urlsplit
 
-from render.cpu_threads import pin_cpus
+from turbonode.affinity import pin_cpus
 from turbonode.cgroups import parse_cpu_list
 from turbonode.stats import percentile
 from turbonode.tier_headers import DOWNGRADED_HEADER, TIER_HEADER

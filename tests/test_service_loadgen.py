@@ -109,7 +109,7 @@ def test_cli(server, capsys):
 
 
 def test_cli_keeps_to_the_cpus_it_is_given(server, capsys, monkeypatch):
-    """--cpus pins the client before it starts (render/cpu_threads.pin_cpus, tested on its own in
+    """--cpus pins the client before it starts (turbonode/affinity.pin_cpus, tested on its own in
     tests/test_worker_threads.py); a bad list is refused naming the format."""
     url, _ = server
     pinned: list[frozenset[int]] = []

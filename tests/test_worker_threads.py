@@ -56,7 +56,7 @@ def test_passive_wait_is_the_default_and_the_environment_wins():
 
 PIN_AFTER_A_THREAD = """
 import os, threading
-from render.cpu_threads import pin_cpus
+from turbonode.affinity import pin_cpus
 started, stop = threading.Event(), threading.Event()
 def early():
     started.set()
