@@ -202,6 +202,48 @@ def test_an_unreachable_store_is_not_asked_again_for_a_while(tmp_path):
     assert asyncio.run(run()) == 0
 
 
+class CancelIntoErrorStore:
+    """A store whose client turns a cancellation in mid-call into an error of its own, as a
+    network client may when its connection is torn down under it."""
+
+    where = "a store that turns a cancel into an error"
+
+    def __init__(self):
+        self.written: list[dict[str, int]] = []
+        self.in_call = asyncio.Event()
+
+    async def read(self, keys):
+        return [0] * len(keys)
+
+    async def add(self, batch_id, increments, expires_at):
+        self.in_call.set()
+        try:
+            await asyncio.sleep(0.05)
+        except asyncio.CancelledError:
+            raise ConnectionError("connection reset while cancelled") from None
+        self.written.append(dict(increments))
+
+    async def close(self):
+        pass
+
+
+def test_close_lets_the_call_in_flight_finish_and_ends_the_writer():
+    """close asks the writer to stop rather than cancelling its store call: with a client that
+    turns a cancel into an error, the cancelled writer took it for a store failure, wrote again
+    and waited for charges for good, and close never returned."""
+
+    async def run():
+        store = CancelIntoErrorStore()
+        ledger = Ledger(store, retry_s=0.01)
+        ledger.start()
+        ledger.charge(KEY, 42, LATER)
+        await store.in_call.wait()
+        await asyncio.wait_for(ledger.close(timeout=1.0), 5)
+        return store.written, ledger.unwritten_us, ledger.failures
+
+    assert asyncio.run(run()) == ([{KEY: 42}], 0, 0)
+
+
 def test_a_ledger_that_cannot_be_used_names_the_key(tmp_path):
     from render.ledger_stores import open_store
     from turbonode.errors import ConfigError
