@@ -73,14 +73,27 @@ def test_redis_counters_expire_a_period_after_their_own():
 
 CHARGER = textwrap.dedent(
     """
-    import asyncio, faulthandler, json, random, sys, time
-    faulthandler.dump_traceback_later(90, exit=True)  # a hang (once in CI, 2026-12-05) leaves its stacks
+    import asyncio, faulthandler, json, random, sys, threading, time
+    faulthandler.dump_traceback_later(90, exit=True)  # a hang (twice in CI, 2026-12-05) leaves its stacks
     from render.ledger import Ledger
     from render.ledger_stores import RedisStore, SqliteStore
     kind, where, key, n, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     rng = random.Random(seed)
 
+    def tasks_stacks():  # where each task awaits (the await chain): the threads show only the idle loop
+        for task in asyncio.all_tasks():
+            print(f"task {task.get_name()}:", file=sys.stderr)
+            coro = task.get_coro()
+            while coro is not None:
+                frame = getattr(coro, "cr_frame", None) or getattr(coro, "gi_frame", None)
+                if frame is not None:
+                    print(f"  {frame.f_code.co_filename}:{frame.f_lineno} {frame.f_code.co_name}", file=sys.stderr)
+                coro = getattr(coro, "cr_await", None) or getattr(coro, "gi_yieldfrom", None)
+
     async def main():
+        watchdog = threading.Timer(80, asyncio.get_running_loop().call_soon_threadsafe, (tasks_stacks,))
+        watchdog.daemon = True
+        watchdog.start()
         store = RedisStore(where) if kind == "redis" else SqliteStore(where, time.time)
         ledger = Ledger(store, retry_s=0.01)
         ledger.start()
@@ -115,7 +128,8 @@ def test_two_workers_charging_one_key_lose_no_update(kind, tmp_path, request):
         for seed in (1, 2)
     ]
     done = [p.communicate(timeout=120) for p in procs]
-    assert all(p.returncode == 0 for p in procs), [err[-4000:] for _, err in done]
+    if any(p.returncode != 0 for p in procs):  # whole: an assertion's message is cut short
+        pytest.fail("\n".join(f"charger exit {p.returncode}:\n{err[-8000:]}" for p, (_, err) in zip(procs, done)))
     outs = [json.loads(out) for out, _ in done]
     assert all(o["unwritten"] == 0 for o in outs)
 
