@@ -2,7 +2,7 @@
 
 A job is one request (prompt, n images, tier, steps, seed, guidance) and, once encoded, its
 conditioning (every text encoder's output). Each of its images is a sample whose denoising
-state (render/families/base.py `Denoising`: its own diffusers scheduler, latents and noise
+state (render/engine/families/base.py `Denoising`: its own diffusers scheduler, latents and noise
 generator from seed + index) begins at its first step, so samples batch with any other
 job's samples and the same seed gives the same image.
 """
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from turbonode.errors import TurbonodeError
 
 if TYPE_CHECKING:
-    from .families.base import Conditioning, Denoising
+    from render.engine.families.base import Conditioning, Denoising
 
 
 class JobState(str, enum.Enum):

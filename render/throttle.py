@@ -153,7 +153,7 @@ class ThrottleState:
             return self._live()
 
     def adopt(self, throttle: Throttle | None) -> None:
-        """Take the front's throttle as it is (render/engine_host.py): checked and logged there."""
+        """Take the front's throttle as it is (render/engine/host.py): checked and logged there."""
         with self._lock:
             self._current = throttle
 

@@ -77,7 +77,7 @@ def test_config_defaults_env_and_flags(tmp_path):
         ("[qos]\ndscp = { 64 = 'turbo' }\n", "qos.dscp"),
         ("[agent]\ndry_run = 'yes'\n", "agent.dry_run"),
         ("nonsense = 1\n", "nonsense"),
-        # the weight port (render/weight_agent.py): in range, an int, not an HTTP port, one per worker
+        # the weight port (render/front/weight_agent.py): in range, an int, not an HTTP port, one per worker
         ("[worker]\nweight_port = 70000\n", "worker.weight_port"),
         ('[worker]\nweight_port = "8560"\n', "worker.weight_port"),
         ('[worker]\nlisten = "0.0.0.0:65500"\n', "worker.weight_port"),  # derived: 65600
