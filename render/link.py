@@ -1,5 +1,7 @@
-"""The channel between the worker's front process and its engine process (render/engine/host.py),
-on ZeroMQ as vLLM V1's API server and engine core talk: two sockets, one direction each.
+"""The link between the worker's front process (render/front/) and its engine process
+(render/engine/host.py): the messages between them, in one list (Call, Cast, Event below), and
+the channel they travel on, ZeroMQ as vLLM V1's API server and engine core talk: two sockets,
+one direction each.
 
   calls   front PUSH -> engine PULL   ("call", id, method, args), answered by ("reply", id, ok, value);
                                       ("cast", method, args), not answered (start, throttle, stop ...)
@@ -38,6 +40,51 @@ import zmq.asyncio
 from turbonode.errors import TurbonodeError
 
 log = logging.getLogger(__name__)
+
+# How the front starts the engine process (python -c: `ps` shows what runs), with --calls and --events.
+ENTRY = "import sys; from render.engine.host import main; sys.exit(main())"
+
+
+class Call:
+    """The front's calls, each answered ("reply", id, ok, value): render/engine/host.py's Host runs
+    them, render/front/remote_engine.py makes them."""
+
+    SUBMIT = "submit"  # (request, keep_images) -> the job's id, times and description
+    JOB = "job"  # (job_id, with_images) -> the job's record, or None
+    CANCEL = "cancel"  # (job_id) -> the job's record, or None
+    SNAPSHOT = "snapshot"  # () -> the engine's snapshot (status, pace, backlog)
+    TIERS = "tiers"  # (now) -> each tier's queue
+    HEARTBEAT = "heartbeat"  # () -> (alive, when the loop last came round)
+    CLOSE_INTAKE = "close_intake"  # () -> (queued, running) when intake closed
+    WAIT_IDLE = "wait_idle"  # (timeout) -> whether it went idle; blocks: served in a thread of its own
+    FAIL_ALL = "fail_all"  # (message) -> jobs failed
+
+
+class Cast:
+    """The front's messages that nobody answers."""
+
+    START = "start"  # (WorkerConfig, policy, log levels): always the first
+    THROTTLE = "throttle"  # (Throttle or None): the throttle in force
+    DROP_IMAGES = "drop_images"  # (job_id): delivered, free the pixels
+    STOP = "stop"  # (): leave the serving loop
+
+
+class Event:
+    """What the engine sends the front."""
+
+    REPLY = "reply"  # (id, ok, value): a call's answer
+    DONE = "done"  # (id, state, error, finished, description, images): a job's end
+    METRIC = "metric"  # (name, args): one of METRICS, for the front's WorkerMetrics
+    GC = "gc"  # (generation, pause_s): one of the engine's collections
+    STATUS = "status"  # (stage): a start-up stage, for systemd's STATUS=
+    READY = "ready"  # (info): the model is loaded, the engine runs
+    FAILED = "failed"  # (message): loading failed; the engine waits for stop
+
+
+# The engine's observations (its `metrics`), relayed as ("metric", name, args) to the front's WorkerMetrics.
+METRICS = frozenset({"observe_step", "observe_decode", "observe_stage", "job_finished"})
+# Calls that wait for something: each is served in a thread of its own, so that the others go on.
+BLOCKING = frozenset({Call.WAIT_IDLE})
 
 CALL_TIMEOUT_S = 10.0  # a call the engine process leaves unanswered this long is an error
 LINGER_MS = 2000  # the engine's last messages (a load error, job ends) get this long to leave at its exit
@@ -114,7 +161,7 @@ class FrontLink:
                 self._dir = None
             try:
                 message = unpack(frames)
-                if message[0] == "reply":
+                if message[0] == Event.REPLY:
                     _, call_id, ok, value = message
                     settle(self._pending.pop(call_id, None), ok, value)
                 else:
@@ -235,3 +282,47 @@ class EngineLink:
         self._calls.close()
         if not self._sender.is_alive():  # else it is stuck on a front that does not read: just exit
             self._ctx.term()
+
+
+class Server:
+    """The engine's server: runs the front's calls and casts (its `methods`, by name) in the thread
+    that calls `serve`; each answer goes out by the link's sender thread."""
+
+    def __init__(self, link: EngineLink):
+        self.link = link
+        self.methods: dict[str, Any] = {}
+
+    def serve(self) -> None:
+        """Until the front casts stop."""
+        while True:
+            kind, *message = self.link.recv()
+            if kind == "call":
+                call_id, method, args = message
+                if method in BLOCKING:
+                    threading.Thread(target=self._answer, args=(call_id, method, args), daemon=True).start()
+                else:
+                    self._answer(call_id, method, args)
+            elif kind == "cast":
+                method, args = message
+                if method == Cast.STOP:
+                    return
+                try:
+                    self._run(method, args)
+                except Exception:  # noqa: BLE001 - nobody waits for a cast's answer: logged
+                    log.exception("cast %s failed", method)
+
+    def _run(self, method: str, args: tuple) -> Any:
+        fn = self.methods.get(method)
+        if fn is None:
+            raise RemoteError(f"the engine process has no method {method!r} (yet)")
+        return fn(*args)
+
+    def _answer(self, call_id: int, method: str, args: tuple) -> None:
+        try:
+            reply = (Event.REPLY, call_id, True, self._run(method, args))
+        except TurbonodeError as exc:  # the project's own errors travel by type (Rejected, FamilyError...)
+            reply = (Event.REPLY, call_id, False, exc)
+        except Exception as exc:  # noqa: BLE001 - answered, not raised: the engine keeps serving
+            log.exception("call %s failed", method)
+            reply = (Event.REPLY, call_id, False, RemoteError(f"{method} failed: {type(exc).__name__}: {exc}"))
+        self.link.post(reply)

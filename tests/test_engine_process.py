@@ -21,9 +21,8 @@ import urllib.request
 import psutil
 import pytest
 
-from render.engine.host import Server
 from render.jobs import JobFailed, QueueFull, TierShed
-from render.link import EngineGone, EngineLink, FrontLink, RemoteError, pack, unpack
+from render.link import EngineGone, EngineLink, FrontLink, RemoteError, Server, pack, unpack
 from tests.daemon_harness import daemon_env, start, turboctl_argv
 from turbonode.jsonrpc import ControlClient
 from turbonode.metric_names import ENGINE_CPU, ENGINE_RSS

@@ -346,7 +346,8 @@ def test_build_reports_parser_errors_and_empty_plans(tmp_path):
 def test_sizes_outside_the_engines_are_a_400_before_queueing(tmp_path):
     """The TensorRT backend's size limits reach the HTTP API's validation (no failed job, no 5xx)."""
     from render.engine.backends.tensorrt import TensorRTBackend
-    from render.front.http_api import BadRequest, RequestDefaults, parse_generation
+    from render.front.http_api import BadRequest, parse_generation
+    from render.jobs import RequestDefaults
 
     opts = TensorRTOptions(cache_dir=tmp_path, sizes=((512, 512), (512, 768)))  # (height, width)
     backend = types.SimpleNamespace(options=opts, family=family("tiny"))  # what sizes() reads; no GPU

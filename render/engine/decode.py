@@ -9,10 +9,9 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from render.jobs import Sample
-
 from .backends.base import DiffusionBackend
 from .families.base import Family
+from .job import Sample
 
 
 def decode_images(family: Family, backend: DiffusionBackend, samples: Sequence[Sample]) -> list[np.ndarray]:

@@ -12,10 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from render.jobs import Sample
-
 from .backends.base import DiffusionBackend
 from .families.base import Family
+from .job import Sample
 
 
 def rows(family: Family, sample: Sample) -> int:

@@ -16,9 +16,8 @@ import threading
 
 import torch
 
-from render.jobs import Job
-
 from .families.base import Conditioning, Family
+from .job import Job
 
 
 class PromptEncoder:

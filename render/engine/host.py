@@ -6,14 +6,14 @@ needs. They share no GIL: a garbage-collection storm or a busy thread among the 
 request handlers cannot stall a denoising step here, and every GIL hand-back of the render
 loop (each denoiser call, each boundary) waits only for this process's own few threads.
 
-The front starts it (`ENTRY`, with `--calls` and `--events`: the endpoints of the two sockets,
-render/link.py) and casts start(WorkerConfig, policy, log levels); this process answers
-("ready", info) once the model is loaded, or ("failed", message) and then waits to be stopped.
-Then its main thread answers the front's calls (the methods of Host below) until told to stop,
-and it posts events: ("status", stage) while it loads, ("done", ...) when a job ends, ("metric",
-name, args) for the front's WorkerMetrics, ("gc", generation, pause_s) for each of its own
-collections. SIGINT and SIGTERM are ignored: the front drains and then stops this process (Ctrl-C
-in a terminal signals the whole group); when the front dies, the kernel kills it (PDEATHSIG).
+The front starts it (render/link.py `ENTRY`, with `--calls` and `--events`: the endpoints of
+the two sockets) and casts start(WorkerConfig, policy, log levels); this process answers
+ready once the model is loaded, or failed and then waits to be stopped. Then its main thread
+answers the front's calls (Host below) until told to stop, and it posts events: its stages
+while it loads, each job's end, the metrics for the front's WorkerMetrics, and each of its
+own collections (every message is listed in render/link.py). SIGINT and SIGTERM are ignored:
+the front drains and then stops this process (Ctrl-C in a terminal signals the whole group);
+when the front dies, the kernel kills it (PDEATHSIG).
 """
 
 from __future__ import annotations
@@ -24,22 +24,18 @@ import os
 import pickle
 import signal
 import sys
-import threading
 import time
-from typing import Any
 
 from render.cpu_threads import WAIT_POLICY_ENV, available_cpus, default_threads, wait_policy_default
-from render.jobs import JobState
-from render.link import EngineLink, RemoteError
+from render.gc_telemetry import GcMonitor, freeze_after_load
+from render.jobs import JobState, RequestDefaults
+from render.link import METRICS, Call, Cast, EngineLink, Event, Server
 from render.png import base64_png
 from turbonode import logs
 from turbonode.errors import TurbonodeError
 
 log = logging.getLogger(__name__)
 
-ENTRY = "import sys; from render.engine.host import main; sys.exit(main())"  # python -c: `ps` shows what runs
-# what the engine reports
-METRIC_METHODS = frozenset({"observe_step", "observe_decode", "observe_stage", "job_finished"})
 STOP_TIMEOUT_S = 10.0  # the engine thread's last boundary, at most
 
 
@@ -50,9 +46,9 @@ class MetricsRelay:
         self._post = post
 
     def __getattr__(self, name: str):
-        if name not in METRIC_METHODS:
+        if name not in METRICS:
             raise AttributeError(name)
-        return lambda *args: self._post(("metric", name, args))
+        return lambda *args: self._post((Event.METRIC, name, args))
 
 
 def pixels(job) -> list | None:
@@ -63,7 +59,7 @@ def pixels(job) -> list | None:
 def job_end(job, now: float) -> tuple:
     """What the front needs of a job that has ended: its final description and its pixels
     (PNG-encoded by the sender thread, off the engine loop and off the front's GIL)."""
-    return ("done", job.id, job.state.value, job.error, job.finished, job.describe(now), pixels(job))
+    return (Event.DONE, job.id, job.state.value, job.error, job.finished, job.describe(now), pixels(job))
 
 
 def images(arrays) -> list[pickle.PickleBuffer]:
@@ -73,7 +69,7 @@ def images(arrays) -> list[pickle.PickleBuffer]:
 
 def encode_pixels(message: tuple) -> tuple:
     """A job end with its images encoded (the sender thread's `prepare`)."""
-    if message[0] != "done" or message[-1] is None:
+    if message[0] != Event.DONE or message[-1] is None:
         return message
     return (*message[:-1], images(message[-1]))
 
@@ -104,17 +100,17 @@ class Host:
     def table(self) -> dict:
         e = self.engine
         return {
-            "submit": self.submit,
-            "job": self.job,
-            "cancel": self.cancel,
-            "drop_images": self.drop_images,
-            "snapshot": e.snapshot,
-            "tiers": e.jobs.tiers,
-            "heartbeat": lambda: (e.alive, e.heartbeat),
-            "throttle": self.throttle,
-            "close_intake": e.close_intake,
-            "wait_idle": e.wait_idle,
-            "fail_all": e.fail_all,
+            Call.SUBMIT: self.submit,
+            Call.JOB: self.job,
+            Call.CANCEL: self.cancel,
+            Call.SNAPSHOT: e.snapshot,
+            Call.TIERS: e.jobs.tiers,
+            Call.HEARTBEAT: lambda: (e.alive, e.heartbeat),
+            Call.CLOSE_INTAKE: e.close_intake,
+            Call.WAIT_IDLE: e.wait_idle,
+            Call.FAIL_ALL: e.fail_all,
+            Cast.DROP_IMAGES: self.drop_images,
+            Cast.THROTTLE: self.throttle,
         }
 
     def submit(self, request, keep_images: bool = True) -> dict:
@@ -150,52 +146,6 @@ class Host:
         self.engine.wake()
 
 
-class Server:
-    """Serves the front's calls and casts from the thread that calls `serve`; each answer goes
-    out by the link's sender thread."""
-
-    BLOCKING = frozenset({"wait_idle"})  # calls that wait: each in its own thread, so others go on
-
-    def __init__(self, link: EngineLink):
-        self.link = link
-        self.methods: dict[str, Any] = {}
-
-    def serve(self) -> None:
-        """Until the front casts stop."""
-        while True:
-            kind, *message = self.link.recv()
-            if kind == "call":
-                call_id, method, args = message
-                if method in self.BLOCKING:
-                    threading.Thread(target=self._answer, args=(call_id, method, args), daemon=True).start()
-                else:
-                    self._answer(call_id, method, args)
-            elif kind == "cast":
-                method, args = message
-                if method == "stop":
-                    return
-                try:
-                    self._run(method, args)
-                except Exception:  # noqa: BLE001 - nobody waits for a cast's answer: logged
-                    log.exception("cast %s failed", method)
-
-    def _run(self, method: str, args: tuple) -> Any:
-        fn = self.methods.get(method)
-        if fn is None:
-            raise RemoteError(f"the engine process has no method {method!r} (yet)")
-        return fn(*args)
-
-    def _answer(self, call_id: int, method: str, args: tuple) -> None:
-        try:
-            reply = ("reply", call_id, True, self._run(method, args))
-        except TurbonodeError as exc:  # the project's own errors travel by type (Rejected, FamilyError...)
-            reply = ("reply", call_id, False, exc)
-        except Exception as exc:  # noqa: BLE001 - answered, not raised: the engine keeps serving
-            log.exception("call %s failed", method)
-            reply = ("reply", call_id, False, RemoteError(f"{method} failed: {type(exc).__name__}: {exc}"))
-        self.link.post(reply)
-
-
 def torch_threads(configured: int) -> int:
     """The intra-op threads to run (configured, or the default for the CPUs this worker may use),
     set for the loading thread too; the engine thread sets its own (render/engine/scheduler.py)."""
@@ -209,7 +159,6 @@ def torch_threads(configured: int) -> int:
 def build(cfg, policy, metrics, loading):
     """Load the model and build the engine, as the worker serves it; returns (engine, info).
     `loading(what)` reports each start-up stage (the front shows it in `systemctl status`)."""
-    from render.front.http_api import RequestDefaults
 
     from .backends.select import make_backend
     from .backends.tensorrt import TensorRTOptions
@@ -271,7 +220,7 @@ def build(cfg, policy, metrics, loading):
 
 def stage(link: EngineLink, what: str) -> None:
     log.info("%s", what)
-    link.post(("status", what))
+    link.post((Event.STATUS, what))
 
 
 def serve(calls: str, events: str) -> int:
@@ -282,23 +231,21 @@ def serve(calls: str, events: str) -> int:
     for name, level in levels.items():
         if name:
             logging.getLogger(name).setLevel(level)
-    from render.gc_telemetry import GcMonitor, freeze_after_load
-
     try:
         engine, info = build(cfg, policy, MetricsRelay(link.post), lambda what: stage(link, what))
     except Exception as exc:  # noqa: BLE001 - the front reports it and exits, as a load error in one process did
         if not isinstance(exc, TurbonodeError):
             log.exception("loading the model failed")
         message = str(exc) if isinstance(exc, TurbonodeError) else f"{type(exc).__name__}: {exc}"
-        link.post(("failed", message))
+        link.post((Event.FAILED, message))
         server.serve()  # until the front, having read why, stops this process
         link.close(STOP_TIMEOUT_S)
         return 1
     server.methods = Host(engine, link.post).table()
     freeze_after_load()
-    gc = GcMonitor(observe=lambda generation, pause: link.post(("gc", generation, pause))).install()
+    gc = GcMonitor(observe=lambda generation, pause: link.post((Event.GC, generation, pause))).install()
     engine.start()
-    link.post(("ready", info))
+    link.post((Event.READY, info))
     server.serve()
     engine.stop(STOP_TIMEOUT_S)
     gc.uninstall()

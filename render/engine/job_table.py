@@ -18,10 +18,12 @@ import threading
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
-from render.jobs import Draining, Job, JobCancelled, JobFailed, JobRequest, JobState, QueueFull, TierShed
+from render.jobs import Draining, JobCancelled, JobFailed, JobRequest, JobState, QueueFull, TierShed
 from render.throttle import ThrottleState
 from turbonode.stats import percentile
 from turbonode.tiers import PRIORITY_ORDER
+
+from .job import Job
 
 RECENT = 512  # queue waits (and the engine's step times) kept for p50/p99 figures
 KEEP_FINISHED = 1024  # terminal jobs kept for GET /v1/jobs/{id}

@@ -13,9 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from render.jobs import Sample
-
 from .families.base import Family
+from .job import Sample
 
 
 @dataclass(frozen=True)

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from render import batching
-from render.jobs import Job, JobRequest, JobState, Sample
+from render.jobs import JobRequest, JobState
 from render.memory_lock import MemoryLock
 from render.throttle import ThrottleState
 from render.weight import StepPace
@@ -46,6 +46,7 @@ from .denoise import denoise_step, rows
 from .encode_prompt import PromptEncoder
 from .families.base import Family, FamilyError, TierDefaults
 from .heap import HeapTrim
+from .job import Job, Sample
 from .job_table import RECENT, JobTable
 from .prepare_latents import LatentPreparer
 

@@ -23,9 +23,15 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from aiohttp import web
+from prometheus_client import ProcessCollector
+
+from render.accounts import Accounts
 from render.cpu_threads import wait_policy_default
+from render.gc_telemetry import GcMonitor, freeze_after_load
+from render.jobs import RequestDefaults
 from render.memory_lock import MemoryLock
 from render.weight import FULL_PCT
 from turbonode import sdnotify
@@ -36,15 +42,13 @@ from turbonode.exposition import daemon_registry
 from turbonode.jsonrpc import SERVER_ERROR, WORKER_LOADING, RpcError
 from turbonode.metric_names import ENGINE_PROCESS
 
+from .control_server import ControlHandlers, ControlServer
+from .http_api import Api, listening_socket
+from .http_log import MalformedRequestLog
+from .metrics import WorkerMetrics
 from .readiness import ENGINE_STALL_S
 from .remote_engine import RemoteEngine
 from .weight_agent import WeightAgent
-
-if TYPE_CHECKING:
-    from render.gc_telemetry import GcMonitor
-
-    from .control_server import ControlServer
-    from .http_api import RequestDefaults
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +84,6 @@ class Worker:
     """Everything a running worker owns: `serve` binds, loads (`load`) and runs until a signal."""
 
     def __init__(self, cfg: WorkerConfig, policy=None, node: str = "", name: str = DEFAULT_WORKER):
-        from render.accounts import Accounts
-
-        from .http_api import Api
-        from .http_log import MalformedRequestLog
-        from .metrics import WorkerMetrics
-
         self.cfg, self.policy, self.name = cfg, policy, name
         self.backend_info: dict[str, Any] = {}
         registry, served = daemon_registry("worker", node, self._build_labels, worker=name)
@@ -131,12 +129,6 @@ class Worker:
     def load(self, engine: RemoteEngine) -> None:
         """Have the engine process load the model and build the engine (minutes for a first
         TensorRT build); then wire what the front serves to it."""
-        from prometheus_client import ProcessCollector
-
-        from render.gc_telemetry import GcMonitor, freeze_after_load
-
-        from .http_api import RequestDefaults
-
         engine.metrics = self.metrics
         info = engine.load(self.cfg, self.policy)
         d = info["defaults"]
@@ -165,11 +157,6 @@ class Worker:
         return True
 
     async def serve(self, on_ready: Callable[[str], None] | None = None) -> int:
-        from aiohttp import web
-
-        from .control_server import ControlHandlers, ControlServer
-        from .http_api import listening_socket
-
         started = time.monotonic()
         loop = asyncio.get_running_loop()
         stop = asyncio.Event()

@@ -38,10 +38,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from render.accounts import Accounts, Admission, UnknownTier
 from render.accounts.keys import AuthError
 from render.accounts.trust import TrustedProxies
-from render.jobs import JobCancelled, JobFailed, JobRequest, Rejected
+from render.jobs import JobCancelled, JobFailed, JobRequest, Rejected, RequestDefaults
 from render.png import encode_png
 from turbonode.config import MAX_GUIDANCE, MAX_PIXELS, MIN_PIXELS
-from turbonode.errors import ConfigError
 from turbonode.metric_names import CLIENT_CLOSED, UNKNOWN_TIER
 from turbonode.text import parse_decimal, quote
 from turbonode.throttle_params import MAX_STEPS
@@ -91,26 +90,6 @@ class BadRequest(Exception):
     def __init__(self, message: str, param: str | None = None, status: int = 400):
         super().__init__(message)
         self.message, self.param, self.status = message, param, status
-
-
-@dataclass(frozen=True)
-class RequestDefaults:
-    size: int
-    size_multiple: int
-    steps: Mapping[str, int]
-    guidance: Mapping[str, float]
-    size_check: Callable[[int, int], str | None] | None = None  # Backend.unsupported_size(height, width)
-
-    def __post_init__(self) -> None:
-        # worker.size is every request's default: one the model cannot render stops the worker at
-        # start, instead of every request without a size being refused (or silently resized)
-        if self.size % self.size_multiple:
-            raise ConfigError(
-                "worker.size", f"{self.size} is not a multiple of {self.size_multiple}, the model's size step"
-            )
-        reason = self.size_check(self.size, self.size) if self.size_check else None
-        if reason:
-            raise ConfigError("worker.size", f"{self.size}: {reason}")
 
 
 def _int(body: dict, key: str, default, lo: int, hi: int) -> int:

@@ -27,9 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from render.engine.host import ENTRY, METRIC_METHODS
 from render.jobs import JobCancelled, JobFailed, JobRequest, JobState
-from render.link import EngineGone, FrontLink, settle
+from render.link import ENTRY, METRICS, Call, Cast, EngineGone, Event, FrontLink, settle
 from render.memory_lock import MemoryLock
 from render.throttle import ThrottleState
 from turbonode import sdnotify
@@ -146,7 +145,7 @@ class RemoteJob:
         self.images_dropped = True
         if self.kept:
             with contextlib.suppress(EngineGone):  # gone: so are its pixels
-                self.engine.link.cast("drop_images", self.id)
+                self.engine.link.cast(Cast.DROP_IMAGES, self.id)
 
 
 class JobsView:
@@ -156,7 +155,7 @@ class JobsView:
         self._link = link
 
     def tiers(self, now: float) -> dict:
-        return self._link.call_sync("tiers", now)
+        return self._link.call_sync(Call.TIERS, now)
 
 
 class BackendView:
@@ -211,7 +210,7 @@ class RemoteEngine:
     def load(self, cfg, policy=None) -> dict:
         """Have the engine process load `cfg.model` (blocks for the whole load, in a thread); what it serves."""
         levels = {name: logging.getLogger(name).level for name in LOG_LEVELS}
-        self.link.cast("start", cfg, policy, levels)
+        self.link.cast(Cast.START, cfg, policy, levels)
         self.info = self._loaded.result()
         self.backend = BackendView(self.info["backend"])
         self.sizes = self.info["sizes"]
@@ -227,7 +226,7 @@ class RemoteEngine:
 
     def _on_message(self, message: tuple) -> None:
         kind = message[0]
-        if kind == "done":
+        if kind == Event.DONE:
             job_id = message[1]
             job = self._jobs.pop(job_id, None)
             if job is not None:
@@ -236,18 +235,18 @@ class RemoteEngine:
                 self._unclaimed[job_id] = message
                 while len(self._unclaimed) > UNCLAIMED_KEPT:
                     self._unclaimed.popitem(last=False)
-        elif kind == "metric":
+        elif kind == Event.METRIC:
             _, name, args = message
-            if self.metrics is not None and name in METRIC_METHODS:
+            if self.metrics is not None and name in METRICS:
                 getattr(self.metrics, name)(*args)
-        elif kind == "gc":
+        elif kind == Event.GC:
             if self.gc is not None:
                 self.gc.record(message[1], message[2])
-        elif kind == "status":
+        elif kind == Event.STATUS:
             sdnotify.notify(f"STATUS={message[1]}")
-        elif kind == "ready":
+        elif kind == Event.READY:
             self._loaded.set_result(message[1])
-        elif kind == "failed":
+        elif kind == Event.FAILED:
             self._loaded.set_exception(EngineLoadError(message[1]))
 
     def _exit(self) -> None:
@@ -274,7 +273,7 @@ class RemoteEngine:
         """Queue a job; raises Draining, TierShed or QueueFull (all Rejected) when it cannot.
         keep_images=False: the answer waits for it (a sync request), so the engine drops the
         pixels once it has sent them, and delivering them needs no further message."""
-        made = await self.link.call("submit", request, keep_images)
+        made = await self.link.call(Call.SUBMIT, request, keep_images)
         job = RemoteJob(self, request, made["id"], made["submitted"], made["created"], made["describe"], keep_images)
         ended = self._unclaimed.pop(job.id, None)
         if ended is not None:
@@ -288,12 +287,12 @@ class RemoteEngine:
     def get(self, job_id: str) -> RemoteJob | None:
         """The job as the engine has it now (in a thread): a live one's description is refreshed."""
         live = self._jobs.get(job_id)
-        record = self.link.call_sync("job", job_id, live is None)
+        record = self.link.call_sync(Call.JOB, job_id, live is None)
         return self._found(live, record)
 
     def cancel(self, job_id: str) -> RemoteJob | None:
         live = self._jobs.get(job_id)
-        return self._found(live, self.link.call_sync("cancel", job_id))
+        return self._found(live, self.link.call_sync(Call.CANCEL, job_id))
 
     def _found(self, live: RemoteJob | None, record: dict | None) -> RemoteJob | None:
         if record is None:
@@ -306,7 +305,7 @@ class RemoteEngine:
     # ---- status -----------------------------------------------------------------------
 
     def snapshot(self) -> dict:
-        return self.link.call_sync("snapshot")
+        return self.link.call_sync(Call.SNAPSHOT)
 
     @property
     def alive(self) -> bool:
@@ -317,7 +316,7 @@ class RemoteEngine:
     def heartbeat(self) -> float:
         """When the engine loop last came round; never, once its thread has died or the process gone."""
         try:
-            turning, at = self.link.call_sync("heartbeat")
+            turning, at = self.link.call_sync(Call.HEARTBEAT)
         except TurbonodeError:
             return float("-inf")
         return at if turning else float("-inf")
@@ -325,7 +324,7 @@ class RemoteEngine:
     def wake(self) -> None:
         """The throttle changed: the engine process takes the new one and re-plans."""
         with self._push_lock:  # read and sent together: two changes at once arrive in order
-            self.link.cast("throttle", self.throttle.current())
+            self.link.cast(Cast.THROTTLE, self.throttle.current())
         self.keep_memory_lock()
 
     def keep_memory_lock(self) -> None:
@@ -338,13 +337,13 @@ class RemoteEngine:
 
     async def close_intake(self) -> tuple[int, int]:
         self.accepting = False
-        return await self.link.call("close_intake")
+        return await self.link.call(Call.CLOSE_INTAKE)
 
     async def wait_idle(self, timeout: float) -> bool:
-        return await self.link.call("wait_idle", timeout, timeout=timeout + 5)
+        return await self.link.call(Call.WAIT_IDLE, timeout, timeout=timeout + 5)
 
     async def fail_all(self, message: str) -> int:
-        return await self.link.call("fail_all", message)
+        return await self.link.call(Call.FAIL_ALL, message)
 
     async def stop(self, timeout: float = STOP_GRACE_S) -> None:
         """Let the engine loop finish its boundary and exit; kill it after `timeout`, or at once
@@ -355,7 +354,7 @@ class RemoteEngine:
                 self.process.kill()
             else:
                 with contextlib.suppress(EngineGone):
-                    self.link.cast("stop")
+                    self.link.cast(Cast.STOP)
                 try:
                     await asyncio.wait_for(asyncio.shield(self.exited), timeout)
                 except TimeoutError:
