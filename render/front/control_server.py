@@ -178,32 +178,10 @@ class ControlHandlers:
             "tiers": self.engine.jobs.tiers(self.engine.clock()),
         }
 
-    def throttle(
-        self,
-        max_batch=None,
-        paused_tiers=(),
-        step_caps=None,
-        shed_tiers=(),
-        unready_tiers=(),
-        intra_op_threads=None,
-        lock_memory=False,
-        reason=None,
-        ttl_s=None,
-        hold=False,
-    ) -> dict:
+    def throttle(self, reason=None, ttl_s=None, hold=False, **limits) -> dict:
+        """`limits`: turbonode.throttle_params.ThrottleLimits' fields (another name: invalid params)."""
         try:
-            t = self.engine.throttle.set(
-                max_batch=max_batch,
-                paused_tiers=paused_tiers,
-                step_caps=step_caps,
-                shed_tiers=shed_tiers,
-                unready_tiers=unready_tiers,
-                intra_op_threads=intra_op_threads,
-                lock_memory=lock_memory,
-                reason=reason if reason is not None else "",
-                ttl_s=ttl_s,
-                hold=hold,
-            )
+            t = self.engine.throttle.set(reason=reason if reason is not None else "", ttl_s=ttl_s, hold=hold, **limits)
         except ValueError as exc:
             raise jsonrpc.RpcError(
                 jsonrpc.INVALID_PARAMS, str(exc), {"protected_tier": PROTECTED_TIER, "tiers": list(TIER_NAMES)}
