@@ -102,17 +102,25 @@ AGENT_SIDE = [
 ]
 
 
-def test_importing_the_agent_side_never_imports_torch():
+def _loads_none_of(modules: list[str], never: list[str], timeout: float) -> None:
+    """Import `modules` in a fresh interpreter: none of `never` (or a module inside one) is loaded."""
     code = (
         "import importlib, sys\n"
-        f"for name in {AGENT_SIDE!r}:\n"
+        f"for name in {modules!r}:\n"
         "    importlib.import_module(name)\n"
-        "heavy = sorted({'torch', 'diffusers', 'render'} & set(sys.modules))\n"
-        "sys.exit(f'imported {heavy}' if heavy else 0)\n"
+        f"never = {never!r}\n"
+        "bad = sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') for f in never))\n"
+        "sys.exit(f'imported {bad}' if bad else 0)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr or proc.stdout
+
+
+def test_importing_the_agent_side_never_imports_torch():
+    _loads_none_of(AGENT_SIDE, ["diffusers", "render", "torch"], timeout=120)
 
 
 def test_the_distribution_and_the_image_ship_every_package():
@@ -230,17 +238,7 @@ def test_each_worker_process_imports_nothing_of_the_other_in_its_source(process)
 
 @pytest.mark.parametrize("process", sorted(PROCESSES))
 def test_importing_each_worker_process_loads_nothing_of_the_other(process):
-    code = (
-        "import importlib, sys\n"
-        f"for name in {sorted(_process_modules(process))!r}:\n"
-        "    importlib.import_module(name)\n"
-        f"never = {sorted(PROCESSES[process][1])!r}\n"
-        "bad = sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') for f in never))\n"
-        "sys.exit(f'imported {bad}' if bad else 0)\n"
-    )
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr or proc.stdout
+    _loads_none_of(sorted(_process_modules(process)), sorted(PROCESSES[process][1]), timeout=300)
 
 
 def test_the_process_rules_see_real_imports():
