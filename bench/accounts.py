@@ -50,10 +50,10 @@ if str(ROOT) not in sys.path:
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 
 from render.accounts import Accounts  # noqa: E402
-from render.keys import KeyRing  # noqa: E402
-from render.ledger import Ledger, counter  # noqa: E402
-from render.ledger_stores import RedisStore, SqliteStore  # noqa: E402
-from render.trust import TrustedProxies  # noqa: E402
+from render.accounts.keys import KeyRing  # noqa: E402
+from render.accounts.ledger import Ledger, counter  # noqa: E402
+from render.accounts.ledger_stores import RedisStore, SqliteStore  # noqa: E402
+from render.accounts.trust import TrustedProxies  # noqa: E402
 from sandbox.node import DemoNode  # noqa: E402
 from sandbox.redis_server import RedisServer, free_port  # noqa: E402
 from sandbox.settings import DemoSettings  # noqa: E402

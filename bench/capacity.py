@@ -17,7 +17,7 @@ is the highest rung that held, for each condition:
   fault        the demo's fault (stress-ng on every CPU in the node's cgroup + 4 bulk flows), turbonode
   fault-plain  the same fault on the plain node (one FIFO shaped to the link, no agent)
 
-The raw compute limit: the worker's own engine (render/engine_host.py `build`, from the node's
+The raw compute limit: the worker's own engine (render/engine/host.py `build`, from the node's
 configuration) run in a process of its own in the node's worker cgroup: B turbo jobs submitted
 at once and run to the end, again and again, for B = 1 .. worker.max_batch; images/s of the best
 B. No HTTP, no PNG, no queueing: what the denoiser and the VAE give at best. It runs as the
@@ -77,7 +77,7 @@ import json, os, sys, time
 from render.cpu_threads import wait_policy_default
 wait_policy_default()  # as the engine process does: before torch loads
 from turbonode.config import load_config
-from render.engine_host import build
+from render.engine.host import build
 from render.jobs import JobRequest
 cfg = load_config(sys.argv[1]).worker
 seconds = float(sys.argv[2])

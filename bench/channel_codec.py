@@ -1,5 +1,5 @@
 """What the front <-> engine channel's serializer costs per message: pickle (what
-render/engine_link.py sends) against msgspec's msgpack (what vLLM V1 sends), side by side.
+render/link.py sends) against msgspec's msgpack (what vLLM V1 sends), side by side.
 
     .venv/bin/python bench/channel_codec.py [--n 20000]
 
@@ -24,8 +24,8 @@ import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from render.engine_link import pack, unpack  # noqa: E402
 from render.jobs import JobRequest  # noqa: E402
+from render.link import pack, unpack  # noqa: E402
 
 REQUEST = JobRequest("a watercolor of a lighthouse, variation 3", "turbo", 4, 123, 0.0, 256, 256)
 DESCRIBED = {

@@ -68,7 +68,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 import torch, diffusers
 print(f"python ok: torch {torch.__version__} (CUDA {torch.version.cuda}, GPU {torch.cuda.is_available()}), "
       f"diffusers {diffusers.__version__}")
-from render.backends.tensorrt import tensorrt_unavailable_reason
+from render.engine.backends.tensorrt import tensorrt_unavailable_reason
 print("tensorrt:", tensorrt_unavailable_reason() or "available")
 raise SystemExit(0 if torch.cuda.is_available() else 3)
 EOF

@@ -1,6 +1,6 @@
 """End-to-end turbo latency through the worker's engine on one GPU, per backend.
 
-The worker's real engine (render.engine: text encoder + cache, per-job schedulers, batched
+The worker's real engine (render.engine.scheduler: text encoder + cache, per-job schedulers, batched
 UNet steps, VAE decode to uint8 pixels) on SD-1.5-sized components with random weights
 (bench/sd15.py), 512 px, turbo = 4 steps without guidance. Two figures per backend:
 
@@ -59,14 +59,14 @@ def latencies(engine, n: int, background: int, size: int) -> list[float]:
 def run(args) -> dict:
     import torch
 
-    from render.backends.select import make_backend
-    from render.backends.tensorrt import TensorRTOptions
-    from render.encode_prompt import PromptEncoder
-    from render.engine import Engine, EngineSettings
+    from render.engine.backends.select import make_backend
+    from render.engine.backends.tensorrt import TensorRTOptions
+    from render.engine.encode_prompt import PromptEncoder
+    from render.engine.scheduler import Engine, EngineSettings
     from turbonode.stats import percentile
 
     if args.model == "tiny":  # the embedded model: checks this script anywhere, CPU included
-        from render.model import load_model
+        from render.engine.model import load_model
 
         family = load_model("tiny")
     else:

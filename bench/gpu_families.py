@@ -4,7 +4,7 @@ The denoisers are the real architectures built from their configs with seeded ra
 (nothing can be downloaded on a lent GPU machine; the architecture sets the speed): SDXL's
 UNet (fp16, with its added text_embeds/time_ids) and FLUX.1-schnell's transformer (bf16, 12 B
 parameters, 2x2-packed latents, 256 text tokens). Each call is one batched step of rows at
-mixed per-row timesteps, built as the worker builds them (render/families: `Denoiser`,
+mixed per-row timesteps, built as the worker builds them (render/engine/families: `Denoiser`,
 `input_shapes`), eager torch. One family per process (`--family`), one JSON each; `--report`
 prints them side by side:
 
@@ -62,15 +62,15 @@ FULL = {
     "sdxl": ("tiny-sdxl", "unet", SDXL_UNET, "float16"),
     "flux": ("tiny-flux", "transformer", FLUX_TRANSFORMER, "bfloat16"),
 }
-FLUX_TEXT_LEN = 512  # the tokenizer's length; FLUX.1-schnell then takes 256 (render/families/flux.py)
+FLUX_TEXT_LEN = 512  # the tokenizer's length; FLUX.1-schnell then takes 256 (render/engine/families/flux.py)
 
 
 def build_family(name: str, device, dry_run: bool):
     """The family with a full-size random denoiser (tiny text encoders and VAE: they only size the inputs)."""
     import torch
 
-    from render.families import family_for
-    from render.tiny import BUILDERS
+    from render.engine.families import family_for
+    from render.engine.tiny import BUILDERS
 
     tiny_name, denoiser, config, dtype = FULL[name]
     parts = BUILDERS[tiny_name]()
@@ -110,7 +110,7 @@ def timer(device):
 def run(args) -> dict:
     import torch
 
-    from render.backends.onnx_export import example_inputs
+    from render.engine.backends.onnx_export import example_inputs
     from turbonode.stats import percentile
 
     device = torch.device("cpu" if args.dry_run else "cuda")
@@ -187,7 +187,9 @@ def report(loaded: list[dict]) -> str:
                 f"{r['p99_ms']:8.1f}"
             )
     devices = sorted({r["device"] for r in loaded})
-    return "\n".join([f"random-weight denoisers through render/families, eager torch, {', '.join(devices)}", *lines])
+    return "\n".join(
+        [f"random-weight denoisers through render/engine/families, eager torch, {', '.join(devices)}", *lines]
+    )
 
 
 def main(argv=None) -> int:

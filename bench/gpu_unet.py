@@ -77,9 +77,9 @@ def make_step(mode: str, unet, args, device):
 
         return step, 0.0, {"compile_mode": args.compile_mode}  # compiling happens in each batch's first call
     if mode == "tensorrt":
-        from render.backends.tensorrt import EngineFactory, TensorRTOptions
-        from render.families import PREDICTION, StableDiffusion
-        from render.tiny import variants as tiny
+        from render.engine.backends.tensorrt import EngineFactory, TensorRTOptions
+        from render.engine.families import PREDICTION, StableDiffusion
+        from render.engine.tiny import variants as tiny
 
         parts = tiny.sd()  # the tiny VAE and text encoder only size the inputs; the UNet is SD-1.5's
         parts.modules["unet"], parts.fingerprint = unet, sd15.FINGERPRINT

@@ -3,7 +3,7 @@
 The GC storm is bench/garbage.py's thread inside this process, as node_slo.py puts it into the
 worker: full collections over a rolling window of cyclic garbage, each holding the GIL for tens
 of milliseconds. An eager forward gives the GIL up and takes it back at every op, so each op can
-wait behind a collection; a traced graph (render/backends/graphs.py) takes it back once per call.
+wait behind a collection; a traced graph (render/engine/backends/graphs.py) takes it back once per call.
 Tiny model (SD 1.x), 256 px, 2 rows (one turbo image with classifier-free guidance), the
 worker's default threads and wait policy, the loaded heap frozen as the worker freezes it:
 
@@ -28,9 +28,9 @@ WAIT_POLICY = wait_policy_default()  # as the worker daemon does, before torch (
 import torch  # noqa: E402
 
 from bench.garbage import Garbage  # noqa: E402
-from render.backends.select import make_backend  # noqa: E402
+from render.engine.backends.select import make_backend  # noqa: E402
+from render.engine.model import load_model  # noqa: E402
 from render.gc_telemetry import freeze_after_load  # noqa: E402
-from render.model import load_model  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
 
 STORM_SETTLE_S = 0.5  # the garbage window fills before timing starts

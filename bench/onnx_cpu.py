@@ -37,7 +37,7 @@ def sd15_check() -> int:
     import onnxruntime as ort
     import torch
 
-    from render.backends import onnx_export
+    from render.engine.backends import onnx_export
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import sd15
@@ -80,9 +80,9 @@ def main(argv=None) -> int:
     import onnxruntime as ort
     import torch
 
-    from render.backends import onnx_export
-    from render.backends.torch_backend import TorchBackend
-    from render.model import load_model
+    from render.engine.backends import onnx_export
+    from render.engine.backends.torch_backend import TorchBackend
+    from render.engine.model import load_model
     from turbonode.stats import percentile
 
     family = load_model("tiny")

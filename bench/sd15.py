@@ -1,7 +1,7 @@
 """Stable Diffusion 1.5-sized components from configs, random weights (for GPU benchmarks).
 
 A lent GPU machine cannot download a checkpoint; the architecture, not the weights, sets
-the speed. The tokenizer is the embedded tiny one (render/tiny/components.py): it only sizes the text
+the speed. The tokenizer is the embedded tiny one (render/engine/tiny/components.py): it only sizes the text
 encoder's embedding table, which does not change the encoder's cost.
 """
 
@@ -58,12 +58,12 @@ def build_unet(device):
 
 
 def model(device):
-    """The SD 1.x family (render/families/sd.py) with SD-1.5-sized UNet, VAE and CLIP text encoder."""
+    """The SD 1.x family (render/engine/families/sd.py) with SD-1.5-sized UNet, VAE and CLIP text encoder."""
     from diffusers import AutoencoderKL
     from transformers import CLIPTextConfig, CLIPTextModel
 
-    from render.families import ModelParts, StableDiffusion
-    from render.tiny import components as tiny
+    from render.engine.families import ModelParts, StableDiffusion
+    from render.engine.tiny import components as tiny
 
     tokenizer = tiny.build_tokenizer()
     n = len(tokenizer)

@@ -24,6 +24,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from bench.worker_turbo import SIZE, Worker  # noqa: E402
+from render.link import ENTRY  # noqa: E402
 from sandbox.loadgen import request_image  # noqa: E402
 
 SAMPLE_S = 10.0
@@ -31,11 +32,11 @@ CLIENTS = ("turbo", "fast", "relax", "relax")
 
 
 def engine_rss_mib(worker: Worker) -> int:
-    """The engine process's RSS (the front's child running render.engine_host)."""
+    """The engine process's RSS (the front's child running render.engine.host)."""
     for child in Path(f"/proc/{worker.proc.pid}/task").glob("*/children"):
         for pid in child.read_text().split():
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
-            if b"engine_host" in cmdline:
+            if ENTRY.encode() in cmdline:
                 return int(Path(f"/proc/{pid}/statm").read_text().split()[1]) * 4096 // 2**20
     raise SystemExit(f"no engine process under the worker of {worker.tree}")
 

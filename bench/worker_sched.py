@@ -44,14 +44,14 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from render.backends.onnx_export import example_inputs  # noqa: E402
-from render.backends.select import make_backend  # noqa: E402
 from render.batching import BatchPolicy  # noqa: E402
-from render.encode_prompt import PromptEncoder  # noqa: E402
-from render.engine import Engine, EngineSettings  # noqa: E402
+from render.engine.backends.onnx_export import example_inputs  # noqa: E402
+from render.engine.backends.select import make_backend  # noqa: E402
+from render.engine.encode_prompt import PromptEncoder  # noqa: E402
+from render.engine.model import load_model  # noqa: E402
+from render.engine.scheduler import Engine, EngineSettings  # noqa: E402
 from render.gc_telemetry import GcMonitor, freeze_after_load  # noqa: E402
 from render.jobs import JobRequest  # noqa: E402
-from render.model import load_model  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
 
 PROMPTS = [f"a watercolor of a lighthouse, variation {i}" for i in range(6)]

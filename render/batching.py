@@ -287,7 +287,7 @@ def plan_boundary(
     step_budget_s: float | None,
     decode_s_per_image: float | None,
 ) -> Boundary:
-    """The engine's next boundary (render/engine.py runs it; render/admission.py replays it to
+    """The engine's next boundary (render/engine/scheduler.py runs it; render/front/admission.py replays it to
     predict when a new job would finish): a decode when should_decode says so, else a step.
 
     `deferred` counts the boundaries finished images have waited, whatever ran meanwhile: a

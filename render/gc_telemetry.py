@@ -5,7 +5,7 @@ milliseconds; the agent reads these pauses from `status`, and waits for them wit
 tell GC stalls from network stalls. The callback runs inside the collector, in whatever thread
 allocated, so it allocates little and takes no lock the interrupted code could hold: it appends
 to a bounded deque (atomic in CPython), bumps counters, wakes waiters through queue.SimpleQueue,
-whose put() is reentrant, and calls `observe` (render/metrics.py makes every series of its
+whose put() is reentrant, and calls `observe` (render/front/metrics.py makes every series of its
 histogram up front, so an observation only takes a lock around a float add, under which
 nothing allocates and so no collection starts).
 """

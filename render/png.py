@@ -1,5 +1,5 @@
 """An image as the API answers it: 8-bit RGB pixels to a base64 PNG. The engine process
-encodes its jobs' images (render/engine_host.py); the HTTP API encodes those of an engine it
+encodes its jobs' images (render/engine/host.py); the HTTP API encodes those of an engine it
 drives in its own process (the tests' and benches' in-process engine)."""
 
 from __future__ import annotations

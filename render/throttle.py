@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from turbonode.throttle_params import MAX_THROTTLE_TTL_S, THROTTLE_KEYS, ThrottleLimits, check_throttle, check_ttl
+from turbonode.throttle_params import MAX_THROTTLE_TTL_S, ThrottleLimits, check_throttle, check_ttl
 
 log = logging.getLogger(__name__)
 
@@ -46,13 +46,7 @@ class Throttle(ThrottleLimits):
 
     def describe(self, now: float) -> dict:
         return {
-            "max_batch": self.max_batch,
-            "paused_tiers": sorted(self.paused_tiers),
-            "step_caps": dict(self.step_caps),
-            "shed_tiers": sorted(self.shed_tiers),
-            "unready_tiers": sorted(self.unready_tiers),
-            "intra_op_threads": self.intra_op_threads,
-            "lock_memory": self.lock_memory,
+            **self.describe_limits(),
             "reason": self.reason,
             "ttl_s": self.ttl_s,
             "expires_at": self.set_at_wall + self.ttl_s,
@@ -61,25 +55,10 @@ class Throttle(ThrottleLimits):
         }
 
 
-def make_throttle(
-    *,
-    max_batch=None,
-    paused_tiers=(),
-    step_caps=None,
-    shed_tiers=(),
-    unready_tiers=(),
-    intra_op_threads=None,
-    lock_memory=False,
-    reason="",
-    ttl_s=None,
-    hold=False,
-    now: float,
-    now_wall: float,
-) -> Throttle:
-    """Validate the `throttle` call's parameters; ValueError names the bad one."""
-    limits = check_throttle(
-        max_batch, paused_tiers, step_caps, shed_tiers, unready_tiers, intra_op_threads, lock_memory
-    )
+def make_throttle(*, reason="", ttl_s=None, hold=False, now: float, now_wall: float, **limits) -> Throttle:
+    """Validate the `throttle` call's parameters (`limits`: ThrottleLimits' fields); ValueError
+    names the bad one, TypeError an unknown one."""
+    checked = check_throttle(**limits)
     if not isinstance(reason, str) or not reason.strip():
         raise ValueError("reason must be a non-empty string (it is logged and shown in status)")
     if not isinstance(hold, bool):
@@ -88,24 +67,7 @@ def make_throttle(
         ttl_s = check_ttl(ttl_s, MAX_HOLD_TTL_S if hold else MAX_THROTTLE_TTL_S)
     except ValueError as exc:
         raise ValueError(f"ttl_s {exc}") from None
-    return Throttle(
-        limits.max_batch,
-        limits.paused_tiers,
-        limits.step_caps,
-        limits.shed_tiers,
-        limits.unready_tiers,
-        limits.intra_op_threads,
-        limits.lock_memory,
-        reason.strip(),
-        ttl_s,
-        now,
-        now_wall,
-        hold,
-    )
-
-
-def _limits(t: Throttle) -> tuple:
-    return tuple(getattr(t, key) for key in THROTTLE_KEYS)
+    return Throttle(**checked.limits(), reason=reason.strip(), ttl_s=ttl_s, set_at=now, set_at_wall=now_wall, hold=hold)
 
 
 class ThrottleState:
@@ -125,7 +87,7 @@ class ThrottleState:
         with self._lock:
             previous = self._check_hold(throttle.hold)
             self._current = throttle
-        renewed = previous is not None and _limits(previous) == _limits(throttle) and previous.hold == throttle.hold
+        renewed = previous is not None and previous.limits() == throttle.limits() and previous.hold == throttle.hold
         log.log(
             logging.DEBUG if renewed else logging.INFO,
             "%s %s: %s",
@@ -153,7 +115,7 @@ class ThrottleState:
             return self._live()
 
     def adopt(self, throttle: Throttle | None) -> None:
-        """Take the front's throttle as it is (render/engine_host.py): checked and logged there."""
+        """Take the front's throttle as it is (render/engine/host.py): checked and logged there."""
         with self._lock:
             self._current = throttle
 

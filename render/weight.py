@@ -1,6 +1,6 @@
 """The worker's weight for a balancer: how much slower its denoising steps run now than its own usual pace.
 
-Readiness (render/readiness.py) says whether a worker can meet a tier's objective; a worker that
+Readiness (render/front/readiness.py) says whether a worker can meet a tier's objective; a worker that
 still meets it at twice its usual step time stays ready, and a balancer that only knows "ready"
 keeps sending it its share of turbo, which then makes the fleet's tail. The weight says how
 well: HAProxy's agent-check (deploy/haproxy/turbonode.cfg) asks each worker for it every

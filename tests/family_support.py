@@ -6,9 +6,9 @@ import functools
 
 import torch
 
-from render.families.base import Denoising, Family
-from render.model import load_model
-from render.tiny import variants as tiny
+from render.engine.families.base import Denoising, Family
+from render.engine.model import load_model
+from render.engine.tiny import variants as tiny
 
 SIZE = 64  # pixels: a 8x8 latent keeps each denoiser call a few ms on CPU
 # what each family's tests render: the SD 1.x tiny, the three new tiny variants, and the
@@ -21,7 +21,7 @@ EXTRA = {"tiny-sd3-no-t5": lambda: tiny.sd3(t5=False), "tiny-flux-dev": lambda: 
 def family(name: str) -> Family:
     torch.set_num_threads(2)
     if name in EXTRA:
-        from render.families import family_for
+        from render.engine.families import family_for
 
         parts = EXTRA[name]()
         return family_for(parts.pipeline_class)(parts)

@@ -14,7 +14,7 @@ import redis
 from daemon_harness import daemon_env, start, stop, turboctl_argv
 from prometheus_harness import free_port
 
-from render.ledger import counter
+from render.accounts.ledger import counter
 from sandbox.redis_server import REDIS_SKIP, RedisServer
 from tests.test_operator_worker import metric, readyz, scrape
 from tests.test_worker_accounts import call

@@ -15,8 +15,8 @@ import time
 import pytest
 import redis
 
-from render.ledger import Ledger, counter
-from render.ledger_stores import RedisStore, SqliteStore
+from render.accounts.ledger import Ledger, counter
+from render.accounts.ledger_stores import RedisStore, SqliteStore
 from sandbox.redis_server import REDIS_SKIP, RedisServer
 from tests.daemon_harness import ROOT
 
@@ -75,8 +75,8 @@ CHARGER = textwrap.dedent(
     """
     import asyncio, faulthandler, json, random, sys, threading, time
     faulthandler.dump_traceback_later(90, exit=True)  # a hang (twice in CI, 2026-12-05) leaves its stacks
-    from render.ledger import Ledger
-    from render.ledger_stores import RedisStore, SqliteStore
+    from render.accounts.ledger import Ledger
+    from render.accounts.ledger_stores import RedisStore, SqliteStore
     kind, where, key, n, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])
     rng = random.Random(seed)
 
@@ -259,7 +259,7 @@ def test_close_lets_the_call_in_flight_finish_and_ends_the_writer():
 
 
 def test_a_ledger_that_cannot_be_used_names_the_key(tmp_path):
-    from render.ledger_stores import open_store
+    from render.accounts.ledger_stores import open_store
     from turbonode.errors import ConfigError
 
     blocker = tmp_path / "a-file"

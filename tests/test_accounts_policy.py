@@ -1,5 +1,5 @@
 """Accounts, the pure parts: the keys file, budget periods, which tier a request gets and why,
-whose headers are obeyed (turbonode/accounts.py, render/tier_grant.py, render/trust.py)."""
+whose headers are obeyed (turbonode/accounts.py, render/accounts/tier_grant.py, render/accounts/trust.py)."""
 
 from __future__ import annotations
 
@@ -8,9 +8,9 @@ import logging
 
 import pytest
 
-from render.keys import MISSING, REVOKED, UNKNOWN, AuthError, KeyRing, bearer
-from render.tier_grant import grant
-from render.trust import TrustedProxies
+from render.accounts.keys import MISSING, REVOKED, UNKNOWN, AuthError, KeyRing, bearer
+from render.accounts.tier_grant import grant
+from render.accounts.trust import TrustedProxies
 from turbonode.accounts import Period, entry, hash_key, load_keys, new_key, parse_keys, parse_period
 from turbonode.config import load_config
 from turbonode.errors import ConfigError
@@ -163,7 +163,7 @@ def test_keyring_reloads_changes_and_keeps_the_last_good_version(tmp_path, caplo
     assert ring.current().by_name["alice"].tiers == ("relax",) and ring.reloads == 1
     path.write_text('[keys.alice]\nsha256 = "broken"\n')
     now[0] = 2.0
-    with caplog.at_level(logging.ERROR, logger="render.keys"):
+    with caplog.at_level(logging.ERROR, logger="render.accounts.keys"):
         assert ring.current().by_name["alice"].tiers == ("relax",)
     assert ring.failed_reloads == 1 and "keys.alice.sha256" in caplog.text
     now[0] = 3.0
@@ -209,7 +209,7 @@ def test_trusted_proxies_match_addresses_and_networks(caplog):
     assert t.trusts("10.0.0.7") and t.trusts("127.0.0.2") and t.trusts("fd00::1") and t.trusts("::ffff:10.0.0.9")
     assert not t.trusts("10.0.1.1") and not t.trusts("127.0.0.1") and not t.trusts(None) and not t.trusts("x")
     assert not TrustedProxies([]).trusts("127.0.0.1")
-    with caplog.at_level(logging.WARNING, logger="render.trust"):
+    with caplog.at_level(logging.WARNING, logger="render.accounts.trust"):
         for _ in range(3):
             t.ignored("10.9.9.9", ["X-Turbonode-Tier"])
         t.ignored("10.9.9.8", ["X-Turbonode-Account"])

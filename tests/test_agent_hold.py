@@ -10,7 +10,7 @@ from click.testing import CliRunner
 from daemon_harness import daemon_env, start, stop, turboctl_argv
 
 from bench.node import wait_for
-from render.control_server import ControlHandlers, ControlServer
+from render.front.control_server import ControlHandlers, ControlServer
 from render.gc_telemetry import GcMonitor
 from tests.worker_support import make_engine
 from turboctl import main

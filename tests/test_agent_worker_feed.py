@@ -22,7 +22,7 @@ from agent.watchers.cpu import CpuWatcher
 from agent.watchers.worker import WorkerWatcher
 from agent.watchers.worker_feed import WorkerFeed
 from bench.node import wait_for
-from render.control_server import ControlHandlers, ControlServer
+from render.front.control_server import ControlHandlers, ControlServer
 from render.gc_telemetry import GcMonitor
 from tests.agent_helpers import MiniWorker, agent_unit
 from tests.agent_helpers import mini_worker as worker  # noqa: F401  (fixture)

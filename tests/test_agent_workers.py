@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 from bench.node import free_port, wait_for
-from render.control_server import ControlServer
-from render.daemon import loading_handlers
+from render.front.control_server import ControlServer
+from render.front.daemon import loading_handlers
 from tests.agent_helpers import MiniWorker
 from tests.test_agent_daemon import FakeProc, stop
 from turbonode.jsonrpc import ControlClient
@@ -127,7 +127,7 @@ def test_dead_loading_and_absent_workers_never_hold_the_others(tmp_path, fake_pr
     try:
         for name in ("live", "killed"):  # real tiny workers, each its instance of the node's file
             procs.append(spawn(tmp_path, name, "worker", "run", "--config", str(cfg), "--instance", name))
-        # what a worker answers while its model loads (render/daemon.py's own handlers), held there
+        # what a worker answers while its model loads (render/front/daemon.py's own handlers), held there
         loading = ControlServer(sockets["loading"], loading_handlers()).start()
         for name, proc in zip(("live", "killed"), procs):
             assert wait_for(lambda p=sockets[name]: answer(p, "ping"), 180, 0.2), proc.log_path.read_text()[-2000:]

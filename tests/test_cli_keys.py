@@ -8,9 +8,9 @@ import time
 
 from click.testing import CliRunner
 
-from render.keys import KeyRing
-from render.ledger import counter
-from render.ledger_stores import SqliteStore
+from render.accounts.keys import KeyRing
+from render.accounts.ledger import counter
+from render.accounts.ledger_stores import SqliteStore
 from sandbox.redis_server import free_port
 from turboctl import main
 from turboctl.doctor import FAIL, OK, WARN, check_keys

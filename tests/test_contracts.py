@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import re
+from pathlib import Path
 
 import pytest
 
@@ -11,6 +13,7 @@ from turbonode import jsonrpc
 from turbonode.config import load_config
 from turbonode.errors import ConfigError, RateError
 from turbonode.rates import format_rate, parse_rate
+from turbonode.throttle_params import THROTTLE_KEYS
 from turbonode.tiers import BY_NAME, PRIORITY_ORDER, full_dscp_map, tos_byte
 
 
@@ -77,7 +80,7 @@ def test_config_defaults_env_and_flags(tmp_path):
         ("[qos]\ndscp = { 64 = 'turbo' }\n", "qos.dscp"),
         ("[agent]\ndry_run = 'yes'\n", "agent.dry_run"),
         ("nonsense = 1\n", "nonsense"),
-        # the weight port (render/weight_agent.py): in range, an int, not an HTTP port, one per worker
+        # the weight port (render/front/weight_agent.py): in range, an int, not an HTTP port, one per worker
         ("[worker]\nweight_port = 70000\n", "worker.weight_port"),
         ('[worker]\nweight_port = "8560"\n', "worker.weight_port"),
         ('[worker]\nlisten = "0.0.0.0:65500"\n', "worker.weight_port"),  # derived: 65600
@@ -137,3 +140,14 @@ def test_split_host_port():
     assert split_host_port("127.0.0.1:8460") == ("127.0.0.1", 8460)
     assert split_host_port("[::1]:9465") == ("::1", 9465)
     assert split_host_port(":0") == ("0.0.0.0", 0)
+
+
+def test_the_docs_name_every_throttle_field():
+    """The throttle's fields are defined once (turbonode.throttle_params.ThrottleLimits); the docs
+    that list them by hand must follow."""
+    docs = Path(__file__).resolve().parents[1] / "docs"
+    design = re.search(r"^\| `throttle` \|.*$", (docs / "design.md").read_text(), re.M)
+    worker = re.search(r"^\* `throttle\(.*?\)`", (docs / "worker.md").read_text(), re.M | re.S)
+    assert design and worker
+    for listed in (design.group(0), worker.group(0)):
+        assert [k for k in THROTTLE_KEYS if not re.search(rf"\b{k}\b", listed)] == []

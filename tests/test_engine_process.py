@@ -1,5 +1,5 @@
 """The worker's two processes: the channel between front and engine, and what each does when the
-other dies (render/engine_link.py, render/engine_host.py, render/remote_engine.py)."""
+other dies (render/link.py, render/engine/host.py, render/front/remote_engine.py)."""
 
 from __future__ import annotations
 
@@ -21,9 +21,8 @@ import urllib.request
 import psutil
 import pytest
 
-from render.engine_host import Server
-from render.engine_link import EngineGone, EngineLink, FrontLink, RemoteError, pack, unpack
 from render.jobs import JobFailed, QueueFull, TierShed
+from render.link import EngineGone, EngineLink, FrontLink, RemoteError, Server, pack, unpack
 from tests.daemon_harness import daemon_env, start, turboctl_argv
 from turbonode.jsonrpc import ControlClient
 from turbonode.metric_names import ENGINE_CPU, ENGINE_RSS
@@ -165,7 +164,7 @@ def test_the_engines_gc_pauses_are_recorded_while_a_collection_of_the_front_star
         "import gc\n"
         "from prometheus_client import CollectorRegistry\n"
         "from render.gc_telemetry import GcMonitor\n"
-        "from render.metrics import WorkerMetrics\n"
+        "from render.front.metrics import WorkerMetrics\n"
         "metrics = WorkerMetrics(CollectorRegistry())\n"
         "front = GcMonitor(observe=metrics.observe_gc).install()\n"
         "gc.set_threshold(1)  # a collection at every allocation of a container, under a lock too\n"
@@ -255,8 +254,8 @@ def test_front_killed_takes_the_engine_with_it(tmp_path):
 
 
 def test_a_job_lost_with_the_engine_fails_and_says_why():
+    from render.front.remote_engine import RemoteJob
     from render.jobs import JobRequest
-    from render.remote_engine import RemoteJob
 
     request = JobRequest("p", "turbo", 4, 1, 0.0, 64, 64)
     job = RemoteJob(None, request, "job-x", 1.0, 2.0, {"id": "job-x", "state": "queued"})  # type: ignore[arg-type]

@@ -8,9 +8,9 @@ import dataclasses
 import pytest
 import torch
 
-from render.families import family_for
-from render.families.base import FamilyError
-from render.families.flux import image_ids, pack, unpack
+from render.engine.families import family_for
+from render.engine.families.base import FamilyError
+from render.engine.families.flux import image_ids, pack, unpack
 from tests.family_support import SIZE, family, start
 
 

@@ -57,7 +57,7 @@ def _bench():
 def test_full_size_configs_fit_the_family_interface(name, params_b, shapes):
     from diffusers import FluxTransformer2DModel, UNet2DConditionModel
 
-    from render.backends.onnx_export import example_inputs
+    from render.engine.backends.onnx_export import example_inputs
 
     bench = _bench()
     _, denoiser, config, _ = bench.FULL[name]

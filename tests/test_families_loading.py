@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from render.model import ModelError, load_model
+from render.engine.model import ModelError, load_model
 from tests.family_support import family
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,7 +132,7 @@ def test_loading_a_directory_prints_no_warning_nor_progress_bar(saved):
     bench/model_load.py measured no gain from it (docs/benchmarks.md), so the worker says it.
     In a process of its own, as the worker's log sees it (diffusers' handler keeps the stderr it
     found at import)."""
-    code = f"from render.model import load_model; load_model({str(saved['tiny-sdxl'])!r})"
+    code = f"from render.engine.model import load_model; load_model({str(saved['tiny-sdxl'])!r})"
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "accelerate" not in out.stdout + out.stderr

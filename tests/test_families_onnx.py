@@ -18,8 +18,8 @@ from tests.family_support import SIZE, family, guidance_for, start
 onnx = pytest.importorskip("onnx")
 ort = pytest.importorskip("onnxruntime")
 
-from render.backends import onnx_export  # noqa: E402
-from render.backends.torch_backend import TorchBackend  # noqa: E402
+from render.engine.backends import onnx_export  # noqa: E402
+from render.engine.backends.torch_backend import TorchBackend  # noqa: E402
 
 ATOL = 1e-4
 NAMES = ("tiny", "tiny-sdxl", "tiny-sd3", "tiny-flux", "tiny-flux-dev")

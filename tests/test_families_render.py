@@ -1,6 +1,6 @@
 """Every family, rendered standalone with its tiny variant: determinism, batching, parity with diffusers.
 
-The step loop is the family's (render/families): per-image schedulers and noise, one batched
+The step loop is the family's (render/engine/families): per-image schedulers and noise, one batched
 denoiser call per step for images of any prompt, steps, progress and guidance. Its images must
 equal what diffusers' own pipeline (StableDiffusion(XL|3)Pipeline, FluxPipeline) renders from
 the same modules, seed and scheduler.

@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from render.control_server import ControlHandlers
+from render.front.control_server import ControlHandlers
 from render.gc_telemetry import GcMonitor
 from tests.family_support import family, guidance_for
 from tests.worker_support import SIZE, drain, make_engine, req, serve

@@ -1,6 +1,6 @@
 """A connection's first packet from the worker leaves in the handshake tier's class: the SYN-ACK's
 TOS byte as it crosses the wire of a sandbox (two network namespaces joined by veth), with the
-worker's listening socket (render.http_api.listening_socket) and, for comparison, without."""
+worker's listening socket (render.front.http_api.listening_socket) and, for comparison, without."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ PORT = 8461
 
 LISTEN = """
 import sys
-from render.http_api import listening_socket
+from render.front.http_api import listening_socket
 sock = listening_socket(sys.argv[1], int(sys.argv[2]), sys.argv[3])
 sock.setblocking(True)  # made for asyncio; this one waits
 print("ready", flush=True)

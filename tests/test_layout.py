@@ -1,6 +1,7 @@
 """The import rules of the layout (README, "Where things are"), checked on the source and in a
-fresh interpreter: which project packages each package may import, click only in the CLI, and
-the agent's side never loading torch."""
+fresh interpreter: which project packages each package may import, click only in the CLI, the
+agent's side never loading torch, and the worker's two processes (render/front and
+render/accounts, render/engine, and what both share at the top of render/) apart."""
 
 from __future__ import annotations
 
@@ -101,17 +102,25 @@ AGENT_SIDE = [
 ]
 
 
-def test_importing_the_agent_side_never_imports_torch():
+def _loads_none_of(modules: list[str], never: list[str], timeout: float) -> None:
+    """Import `modules` in a fresh interpreter: none of `never` (or a module inside one) is loaded."""
     code = (
         "import importlib, sys\n"
-        f"for name in {AGENT_SIDE!r}:\n"
+        f"for name in {modules!r}:\n"
         "    importlib.import_module(name)\n"
-        "heavy = sorted({'torch', 'diffusers', 'render'} & set(sys.modules))\n"
-        "sys.exit(f'imported {heavy}' if heavy else 0)\n"
+        f"never = {never!r}\n"
+        "bad = sorted(m for m in sys.modules if any(m == f or m.startswith(f + '.') for f in never))\n"
+        "sys.exit(f'imported {bad}' if bad else 0)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout
+    )
     assert proc.returncode == 0, proc.stderr or proc.stdout
+
+
+def test_importing_the_agent_side_never_imports_torch():
+    _loads_none_of(AGENT_SIDE, ["diffusers", "render", "torch"], timeout=120)
 
 
 def test_the_distribution_and_the_image_ship_every_package():
@@ -171,3 +180,72 @@ def test_no_module_imports_itself_round_a_cycle():
                 elif nxt not in trail and nxt > start:  # each cycle once, from its smallest module
                     stack.append((nxt, (*trail, nxt)))
     assert not cycles, f"import cycles: {sorted(cycles)}"
+
+
+# The worker's two processes (docs/worker.md, "Two processes"): the packages that run in each, and
+# what neither they nor the modules both share (render/*.py) may import, even lazily.
+PROCESSES: dict[str, tuple[tuple[str, ...], frozenset[str]]] = {
+    "front": (("render.front", "render.accounts"), frozenset({"torch", "diffusers", "transformers", "render.engine"})),
+    "engine": (
+        ("render.engine",),
+        frozenset({"aiohttp", "prometheus_client", "redis", "render.front", "render.accounts"}),
+    ),
+}
+SHARED = sorted(f"render.{p.stem}" for p in (ROOT / "render").glob("[a-z]*.py"))
+
+
+def _process_modules(process: str) -> dict[str, Path]:
+    """The modules that run in `process`: its packages' and the shared ones."""
+    packages = PROCESSES[process][0]
+    return {
+        name: path
+        for name, path in _module_names().items()
+        if name in SHARED or any(name == p or name.startswith(p + ".") for p in packages)
+    }
+
+
+def _dotted_imports(name: str, path: Path) -> set[str]:
+    """Every module name `name` imports, in full (`from a import b` gives a and a.b), relative
+    imports resolved, lazy and TYPE_CHECKING ones included."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom):
+            base = ".".join(package.split(".")[: len(package.split(".")) - node.level + 1]) if node.level else ""
+            source = ".".join(p for p in (base, node.module or "") if p)
+            found |= {source, *(f"{source}.{a.name}" for a in node.names)}
+    return found
+
+
+def _forbidden(names, process: str) -> list[str]:
+    never = PROCESSES[process][1]
+    return sorted({n for n in names if any(n == f or n.startswith(f + ".") for f in never)})
+
+
+@pytest.mark.parametrize("process", sorted(PROCESSES))
+def test_each_worker_process_imports_nothing_of_the_other_in_its_source(process):
+    modules = _process_modules(process)
+    assert {"render.link", "render.jobs"} <= modules.keys() and len(modules) > len(SHARED)
+    wrong = {}
+    for name, path in modules.items():
+        bad = _forbidden(_dotted_imports(name, path), process)
+        if bad:
+            wrong[name] = bad
+    assert not wrong, f"the {process} process never imports {sorted(PROCESSES[process][1])}: {wrong}"
+
+
+@pytest.mark.parametrize("process", sorted(PROCESSES))
+def test_importing_each_worker_process_loads_nothing_of_the_other(process):
+    _loads_none_of(sorted(_process_modules(process)), sorted(PROCESSES[process][1]), timeout=300)
+
+
+def test_the_process_rules_see_real_imports():
+    """The checker itself: a lazy import and a relative one across packages are seen in full."""
+    host = _dotted_imports("render.engine.host", ROOT / "render" / "engine" / "host.py")
+    assert {"torch", "render.engine.scheduler", "render.link"} <= host  # lazy, relative, absolute
+    assert _forbidden({"render.engine.scheduler", "torch.cuda", "render.jobs"}, "front") == [
+        "render.engine.scheduler",
+        "torch.cuda",
+    ]

@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 from conftest import needs_bcc
 
-from render.control_server import ControlHandlers, ControlServer
+from render.front.control_server import ControlHandlers, ControlServer
 from render.gc_telemetry import GcMonitor
 from tests.worker_support import serve
 from turboctl import main
@@ -131,7 +131,7 @@ def test_rates_follow_tc(text, bits):
 
 
 def test_status_says_loading_while_the_worker_loads(tmp_path):
-    from render.daemon import loading_handlers
+    from render.front.daemon import loading_handlers
 
     worker = UnixRpcServer(str(tmp_path / "w.sock"), loading_handlers()).start()
     try:

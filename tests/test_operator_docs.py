@@ -10,8 +10,8 @@ from pathlib import Path
 
 import click
 
-from render.control_server import ControlHandlers
-from render.http_api import Api
+from render.front.control_server import ControlHandlers
+from render.front.http_api import Api
 from turboctl import main
 
 ROOT = Path(__file__).resolve().parent.parent

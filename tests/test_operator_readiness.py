@@ -1,8 +1,8 @@
-"""The readiness policy (render/readiness.py): every state, and what a 503 would say."""
+"""The readiness policy (render/front/readiness.py): every state, and what a 503 would say."""
 
 from __future__ import annotations
 
-from render.readiness import Phase, Readiness, TierView, readiness
+from render.front.readiness import Phase, Readiness, TierView, readiness
 
 
 def test_phases_other_than_serving_are_not_ready_for_any_tier():

@@ -20,8 +20,8 @@ import pytest
 from daemon_harness import NotifyListener, daemon_env, start, stop, turboctl_argv
 from prometheus_harness import free_port
 
-from render.http_api import Api
-from render.metrics import RecentRate, WorkerMetrics
+from render.front.http_api import Api
+from render.front.metrics import RecentRate, WorkerMetrics
 from tests.test_worker_http import get, post
 from tests.worker_support import serve
 from turbonode.errors import ControlError
@@ -155,7 +155,7 @@ def test_turbo_unready_while_its_own_queue_waits_too_long():
         ]
         for t in threads:
             t.start()
-        reasons = []  # the prediction (render/admission.py) says so first, the queue's wait once it is long
+        reasons = []  # the prediction (render/front/admission.py) says so first, the queue's wait once it is long
         deadline = time.monotonic() + 20
         while time.monotonic() < deadline and not any("half of its 0.1 s objective" in r for r in reasons):
             status, body, _ = readyz(s.url, "turbo")

@@ -14,15 +14,15 @@ import types
 import pytest
 import torch
 
-from render.backends.select import make_backend
-from render.backends.tensorrt import (
+from render.engine.backends.select import make_backend
+from render.engine.backends.tensorrt import (
     TensorRTOptions,
     decoder_profile,
     denoiser_profile,
     size_profile,
     tensorrt_unavailable_reason,
 )
-from render.backends.torch_backend import TorchBackend
+from render.engine.backends.torch_backend import TorchBackend
 from tests.family_support import family, guidance_for, start
 from turbonode.config import BACKEND_NAMES, WorkerConfig
 from turbonode.errors import BackendUnavailable, TurbonodeError
@@ -119,7 +119,7 @@ def test_tensorrt_without_gpu_is_a_clear_error(components):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU path")
 def test_auto_without_gpu_falls_back_to_torch_and_says_why(components, caplog):
-    with caplog.at_level(logging.WARNING, logger="render.backends.select"):
+    with caplog.at_level(logging.WARNING, logger="render.engine.backends.select"):
         backend = make_backend("auto", components, "auto")
     assert isinstance(backend, TorchBackend) and backend.device.type == "cpu"
     assert any("backend auto: using torch on cpu" in r.message and "no CUDA GPU" in r.message for r in caplog.records)
@@ -127,7 +127,7 @@ def test_auto_without_gpu_falls_back_to_torch_and_says_why(components, caplog):
 
 def test_auto_with_tensorrt_but_a_cpu_device_falls_back(components, gpu_claimed, caplog):
     gpu_claimed.setitem(sys.modules, "tensorrt", types.SimpleNamespace(__version__="11.4.0.106"))
-    with caplog.at_level(logging.WARNING, logger="render.backends.select"):
+    with caplog.at_level(logging.WARNING, logger="render.engine.backends.select"):
         backend = make_backend("auto", components, "cpu")
     assert isinstance(backend, TorchBackend)
     assert any("device cpu is not a CUDA GPU" in r.message for r in caplog.records)
@@ -136,7 +136,7 @@ def test_auto_with_tensorrt_but_a_cpu_device_falls_back(components, gpu_claimed,
 
 
 def test_engine_build_failure_is_clear_and_auto_falls_back(components, monkeypatch, caplog):
-    import render.backends.tensorrt as trt_backend
+    import render.engine.backends.tensorrt as trt_backend
 
     def broken(*args, **kwargs):
         raise RuntimeError("CUDA error: out of memory during ONNX export")
@@ -144,7 +144,7 @@ def test_engine_build_failure_is_clear_and_auto_falls_back(components, monkeypat
     monkeypatch.setattr(trt_backend, "TensorRTBackend", broken)
     with pytest.raises(BackendUnavailable, match="failed to start: RuntimeError: CUDA error: out of memory"):
         make_backend("tensorrt", components, "cpu")
-    with caplog.at_level(logging.WARNING, logger="render.backends.select"):
+    with caplog.at_level(logging.WARNING, logger="render.engine.backends.select"):
         assert isinstance(make_backend("auto", components, "cpu"), TorchBackend)
     assert any("out of memory during ONNX export" in r.message for r in caplog.records)
 
@@ -163,8 +163,8 @@ GPU_SIZES = ((256, 256), (192, 320))
 
 @pytest.fixture(scope="module", params=["tiny", "tiny-sdxl", "tiny-sd3", "tiny-flux"])
 def engines(request, tmp_path_factory):
-    from render.backends.tensorrt import TensorRTBackend
-    from render.model import load_model
+    from render.engine.backends.tensorrt import TensorRTBackend
+    from render.engine.model import load_model
 
     fam = load_model(request.param)  # its own copy: the backends move modules to the GPU in place
     opts = TensorRTOptions(cache_dir=tmp_path_factory.mktemp("engines"), max_batch=4, sizes=GPU_SIZES)
@@ -214,10 +214,10 @@ def test_gpu_size_outside_profile_is_a_clear_error(engines):
 
 @needs_tensorrt
 def test_gpu_second_start_loads_from_cache_and_corrupt_engine_is_rebuilt(engines, caplog):
-    from render.backends.tensorrt import TensorRTBackend
+    from render.engine.backends.tensorrt import TensorRTBackend
 
     fam, opts, first, _ = engines
-    with caplog.at_level(logging.INFO, logger="render.backends.engine_cache"):
+    with caplog.at_level(logging.INFO, logger="render.engine.backends.engine_cache"):
         TensorRTBackend(fam, torch.device("cuda"), opts)
     assert sum("engine cache hit" in r.message for r in caplog.records) == 2
     caplog.clear()
@@ -225,7 +225,7 @@ def test_gpu_second_start_loads_from_cache_and_corrupt_engine_is_rebuilt(engines
     denoiser_engine = opts.cache_dir / first.engines.key("denoiser", fam, precision).filename()
     assert denoiser_engine.name.startswith(f"{fam.name}-denoiser-")  # the family is part of the key
     denoiser_engine.write_bytes(b"\0" * 64)
-    with caplog.at_level(logging.INFO, logger="render.backends.engine_cache"):
+    with caplog.at_level(logging.INFO, logger="render.engine.backends.engine_cache"):
         again = TensorRTBackend(fam, torch.device("cuda"), opts)
     assert any("rebuilding" in r.message for r in caplog.records)
     assert denoiser_engine.stat().st_size > 64 and again.describe()["name"] == "tensorrt"
@@ -317,12 +317,12 @@ class FakeTRT:
 
 
 def test_build_uses_a_strongly_typed_network_and_the_profile(tmp_path, caplog):
-    from render.backends.tensorrt import build_serialized_engine
+    from render.engine.backends.tensorrt import build_serialized_engine
 
     fake = FakeTRT()
     opts = TensorRTOptions(cache_dir=tmp_path, max_batch=8, optimization_level=2)
     profile = denoiser_profile(opts, family("tiny-sdxl"))
-    with caplog.at_level(logging.INFO, logger="render.backends.tensorrt"):
+    with caplog.at_level(logging.INFO, logger="render.engine.backends.tensorrt"):
         assert build_serialized_engine(fake, tmp_path / "unet.onnx", profile, opts, None) == b"PLAN"
     assert fake.seen["flags"] == 1 << 5
     assert fake.seen["shapes"] == profile and len(fake.seen["profiles"]) == 1
@@ -335,7 +335,7 @@ def test_build_uses_a_strongly_typed_network_and_the_profile(tmp_path, caplog):
 
 
 def test_build_reports_parser_errors_and_empty_plans(tmp_path):
-    from render.backends.tensorrt import build_serialized_engine
+    from render.engine.backends.tensorrt import build_serialized_engine
 
     opts = TensorRTOptions(cache_dir=tmp_path)
     with pytest.raises(BackendUnavailable, match="cannot parse unet.onnx: node 0: unsupported operator; node 1"):
@@ -345,8 +345,9 @@ def test_build_reports_parser_errors_and_empty_plans(tmp_path):
 
 def test_sizes_outside_the_engines_are_a_400_before_queueing(tmp_path):
     """The TensorRT backend's size limits reach the HTTP API's validation (no failed job, no 5xx)."""
-    from render.backends.tensorrt import TensorRTBackend
-    from render.http_api import BadRequest, RequestDefaults, parse_generation
+    from render.engine.backends.tensorrt import TensorRTBackend
+    from render.front.http_api import BadRequest, parse_generation
+    from render.jobs import RequestDefaults
 
     opts = TensorRTOptions(cache_dir=tmp_path, sizes=((512, 512), (512, 768)))  # (height, width)
     backend = types.SimpleNamespace(options=opts, family=family("tiny"))  # what sizes() reads; no GPU

@@ -11,7 +11,7 @@ import logging
 
 import pytest
 
-from render.backends.engine_cache import EngineCache, EngineKey
+from render.engine.backends.engine_cache import EngineCache, EngineKey
 from turbonode.errors import BackendUnavailable
 
 BASE = EngineKey(
@@ -87,7 +87,7 @@ class Builder:
 
 def test_miss_builds_stores_and_then_hits(tmp_path, caplog):
     cache, build = EngineCache(tmp_path / "engines"), Builder()
-    with caplog.at_level(logging.INFO, logger="render.backends.engine_cache"):
+    with caplog.at_level(logging.INFO, logger="render.engine.backends.engine_cache"):
         engine = cache.load_or_build(BASE, build, deserialize)
     assert engine.blob == b"PLAN:unet" and build.calls == 1
     path = cache.path_for(BASE)
@@ -112,7 +112,7 @@ def test_corrupt_engine_is_rebuilt_not_fatal(tmp_path, caplog, damage):
     cache, build = EngineCache(tmp_path), Builder()
     cache.load_or_build(BASE, build, deserialize)
     cache.path_for(BASE).write_bytes(damage)
-    with caplog.at_level(logging.WARNING, logger="render.backends.engine_cache"):
+    with caplog.at_level(logging.WARNING, logger="render.engine.backends.engine_cache"):
         engine = cache.load_or_build(BASE, build, deserialize)
     assert engine.blob == b"PLAN:unet" and build.calls == 2
     assert cache.path_for(BASE).read_bytes() == b"PLAN:unet"

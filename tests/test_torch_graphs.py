@@ -1,4 +1,5 @@
-"""The torch backend's traced graphs (render/backends/graphs.py): same images as eager, one graph per prepared size."""
+"""The torch backend's traced graphs (render/engine/backends/graphs.py): same images as eager, one graph per
+prepared size."""
 
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from render.backends.graphs import GraphCache  # noqa: E402
-from render.backends.select import make_backend  # noqa: E402
-from render.model import load_model  # noqa: E402
+from render.engine.backends.graphs import GraphCache  # noqa: E402
+from render.engine.backends.select import make_backend  # noqa: E402
+from render.engine.model import load_model  # noqa: E402
 from turbonode.config import TINY_MODELS  # noqa: E402
 
 SIZE = 64
@@ -70,7 +71,7 @@ def test_a_prepared_signature_runs_its_graph_any_other_the_module():
 
 def test_an_untraceable_module_runs_eagerly_and_says_so(caplog):
     cache = GraphCache(_DictOut(), [True], "dict-out")
-    with caplog.at_level(logging.WARNING, logger="render.backends.graphs"):
+    with caplog.at_level(logging.WARNING, logger="render.engine.backends.graphs"):
         assert not cache.prepare(torch.zeros(1, 2))
     assert torch.equal(cache(torch.zeros(3, 2))["x"], torch.ones(3, 2)) and len(cache) == 0
     warnings = [r.getMessage() for r in caplog.records]

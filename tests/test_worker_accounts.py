@@ -13,10 +13,10 @@ import time
 import pytest
 
 from render.accounts import Accounts
-from render.keys import KeyRing
-from render.ledger import Ledger, counter
-from render.ledger_stores import SqliteStore
-from render.trust import TrustedProxies
+from render.accounts.keys import KeyRing
+from render.accounts.ledger import Ledger, counter
+from render.accounts.ledger_stores import SqliteStore
+from render.accounts.trust import TrustedProxies
 from tests.worker_support import serve
 from turbonode.accounts import entry, hash_key, parse_period
 from turbonode.tier_headers import (
@@ -286,7 +286,7 @@ def test_the_balancer_may_name_the_tier_and_the_account(server):
 def test_spoofed_tier_header_on_an_open_worker(caplog):
     """No keys and no trusted proxies: any client may ask for a tier in its body, but a tier header
     is a balancer's word, and nobody here is one: ignored, counted, logged once per address."""
-    with serve() as s, caplog.at_level(logging.WARNING, logger="render.trust"):
+    with serve() as s, caplog.at_level(logging.WARNING, logger="render.accounts.trust"):
         for _ in range(3):
             status, headers, body = render(s.url, headers={TIER_HEADER: "turbo"})
             assert status == 200

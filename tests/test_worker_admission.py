@@ -1,4 +1,4 @@
-"""Deadline-aware admission (render/admission.py): the replay of the engine's policy over its
+"""Deadline-aware admission (render/front/admission.py): the replay of the engine's policy over its
 backlog, checked against the real engine step for step; and a real worker that answers a turbo
 request it would serve too late 503 + Retry-After at once (worker.refuse_unready)."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import time
 
-from render.admission import NewJob, Prediction, predict
-from render.readiness import Phase, TierView, readiness
+from render.front.admission import NewJob, Prediction, predict
+from render.front.readiness import Phase, TierView, readiness
 from tests.family_support import SIZE
 from tests.test_operator_worker import metric, readyz, scrape
 from tests.test_worker_http import post

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 from PIL import Image
 
-from render.control_server import ControlHandlers, ControlServer
+from render.front.control_server import ControlHandlers, ControlServer
 from render.gc_telemetry import GcMonitor
 from tests.worker_support import make_engine, serve
 from turboctl import main

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from render.control_server import ControlHandlers, ControlServer
+from render.front.control_server import ControlHandlers, ControlServer
 from render.gc_telemetry import GcMonitor
 from tests.worker_support import make_engine, req
 from turbonode import jsonrpc

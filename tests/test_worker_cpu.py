@@ -8,7 +8,7 @@ import time
 
 from prometheus_client import generate_latest
 
-from render.metrics import WorkerMetrics
+from render.front.metrics import WorkerMetrics
 from sandbox.worker_cpu import Reading, engine_counters, split, thread_cpu
 
 

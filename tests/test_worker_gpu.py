@@ -13,12 +13,12 @@ pytestmark = [
 
 
 def test_engine_on_cuda_fp16_renders_and_reports_gpu_memory():
-    from render.backends.select import make_backend
-    from render.control_server import ControlHandlers
-    from render.encode_prompt import PromptEncoder
-    from render.engine import Engine
+    from render.engine.backends.select import make_backend
+    from render.engine.encode_prompt import PromptEncoder
+    from render.engine.model import load_model
+    from render.engine.scheduler import Engine
+    from render.front.control_server import ControlHandlers
     from render.gc_telemetry import GcMonitor
-    from render.model import load_model
     from tests.worker_support import drain, req
 
     family = load_model("tiny")  # its own copy: the backend moves modules to the GPU in place
@@ -38,8 +38,8 @@ def test_engine_on_cuda_fp16_renders_and_reports_gpu_memory():
 
 
 def test_traced_graphs_on_cuda_render_what_eager_renders():
-    from render.backends.select import make_backend
-    from render.model import load_model
+    from render.engine.backends.select import make_backend
+    from render.engine.model import load_model
 
     family = load_model("tiny")
     eager = make_backend("torch", family, "cuda", torch_graphs=False)

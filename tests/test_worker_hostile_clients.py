@@ -13,9 +13,9 @@ import urllib.request
 
 import pytest
 
-from render.control_server import ControlHandlers, ControlServer
+from render.front.control_server import ControlHandlers, ControlServer
+from render.front.http_api import BadRequest, parse_json_body
 from render.gc_telemetry import GcMonitor
-from render.http_api import BadRequest, parse_json_body
 from render.jobs import JobState
 from tests.worker_support import drain, make_engine, req, serve
 from turbonode import jsonrpc, rpc_server

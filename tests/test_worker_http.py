@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from render.http_api import SEND_BUFFER_BYTES, listening_socket, mark_socket
+from render.front.http_api import SEND_BUFFER_BYTES, listening_socket, mark_socket
 from tests.worker_support import serve
 from turbonode.tiers import tos_byte
 

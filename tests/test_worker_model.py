@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from render.backends.select import BackendUnavailable, make_backend
-from render.tiny import components as tiny
+from render.engine.backends.select import BackendUnavailable, make_backend
+from render.engine.tiny import components as tiny
 from tests.family_support import family
 
 

@@ -6,11 +6,11 @@ import dataclasses
 
 import pytest
 
-from render.engine import EngineSettings
-from render.families.base import FamilyError
-from render.samplers import SAMPLERS, make_scheduler
-from render.tiny import BUILDERS
-from render.tiny.components import SCHEDULER_CONFIG
+from render.engine.families.base import FamilyError
+from render.engine.samplers import SAMPLERS, make_scheduler
+from render.engine.scheduler import EngineSettings
+from render.engine.tiny import BUILDERS
+from render.engine.tiny.components import SCHEDULER_CONFIG
 from tests.family_support import family
 from turbonode.config import SAMPLER_NAMES, TINY_MODELS, load_config
 

@@ -1,4 +1,4 @@
-"""The worker's weight for HAProxy's agent-check (render/weight.py, render/weight_agent.py): the
+"""The worker's weight for HAProxy's agent-check (render/weight.py, render/front/weight_agent.py): the
 policy on a fake clock, the agent's reply on a real socket, and the configuration of its port."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from render.front.weight_agent import WeightAgent
 from render.weight import (
     FLOOR_PCT,
     FULL_PCT,
@@ -18,7 +19,6 @@ from render.weight import (
     StepPace,
     weight_percent,
 )
-from render.weight_agent import WeightAgent
 from turbonode.config import WEIGHT_PORT_OFFSET, load_config, node_workers, weight_address
 
 SMALL, BIG = ((64, 64), 1), ((64, 64), 4)  # step keys: image shape, batch rows

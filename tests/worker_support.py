@@ -7,12 +7,12 @@ import contextlib
 import functools
 import threading
 
-from render.backends.select import make_backend
-from render.encode_prompt import PromptEncoder
-from render.engine import Engine, EngineSettings
-from render.http_api import Api, RequestDefaults, listening_socket
-from render.jobs import JobRequest
-from render.metrics import WorkerMetrics
+from render.engine.backends.select import make_backend
+from render.engine.encode_prompt import PromptEncoder
+from render.engine.scheduler import Engine, EngineSettings
+from render.front.http_api import Api, listening_socket
+from render.front.metrics import WorkerMetrics
+from render.jobs import JobRequest, RequestDefaults
 from tests.family_support import SIZE, family
 
 

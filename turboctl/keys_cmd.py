@@ -100,8 +100,8 @@ def add(name, tiers, budgets, period, file, config_file, as_json):
 
 def _spent(cfg: WorkerConfig, names: list[str], keys: Keys, now: float) -> dict[str, dict[str, float]] | None:
     """Engine seconds per key and tier this period, from the worker's ledger; None if it cannot be read."""
-    from render.ledger import counter
-    from render.ledger_stores import open_store
+    from render.accounts.ledger import counter
+    from render.accounts.ledger_stores import open_store
 
     wanted = [(n, t, counter(n, t, keys.by_name[n].period.window(now).id)) for n in names for t in TIER_NAMES]
     if cfg.ledger == "embedded" and not os.path.exists(cfg.ledger_file):

@@ -26,7 +26,7 @@ from .params import TIER, json_option
 
 DEFAULT_URL = f"http://127.0.0.1:{split_host_port(WorkerConfig().listen)[1]}"
 POLL_S = 0.2
-MAX_WAIT_S = 600.0  # the worker's limit for GET /v1/jobs/ID?wait= (render/http_api.py)
+MAX_WAIT_S = 600.0  # the worker's limit for GET /v1/jobs/ID?wait= (render/front/http_api.py)
 RETRY_CODES = (429, 503)  # queue full or tier shed; loading, draining or not ready for the tier
 
 

@@ -1,7 +1,7 @@
 """`turboctl worker run|status|ping`, `turboctl throttle`, `turboctl release`.
 
 `worker run` serves the worker's front, which never loads torch; its engine process does
-(render/engine_host.py). The control commands talk to the worker's socket through a ControlClient
+(render/engine/host.py). The control commands talk to the worker's socket through a ControlClient
 kept in the click context object (`--socket` or a caller-provided obj chooses it).
 """
 
@@ -100,7 +100,7 @@ def run(instance, model, listen, control, config_file, backend, device):
     except ConfigError as exc:
         raise click.ClickException(f"{exc} (--instance NAME picks one)") from None
     cfg = dataclasses.replace(cfg, **{k: v for k, v in flags.items() if v is not None})  # over the instance's
-    from render import daemon
+    from render.front import daemon
 
     logs.show_lifecycle("render", "turbonode")  # model load, engine builds, serving, drain, throttles
     try:

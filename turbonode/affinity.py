@@ -10,7 +10,7 @@ from .errors import TurbonodeError
 
 def pin_cpus(cpus: frozenset[int], procfs: str = "/proc") -> None:
     """Run this process (and the processes it starts, which inherit it) on `cpus` only: a worker
-    of `[workers.<name>] cpus` (render/daemon.py: several workers on one node then never share a
+    of `[workers.<name>] cpus` (render/front/daemon.py: several workers on one node then never share a
     CPU, and its default threads follow from the pinned set, render/cpu_threads.py), a sandbox
     node's client beside its worker (sandbox/loadgen.py). Empty: leave the affinity alone.
     Affinity belongs to a thread, and sched_setaffinity(0) sets the caller's only: every thread

@@ -33,11 +33,11 @@ from .tiers import TIER_NAMES
 from .toml_file import read_toml
 
 DEFAULT_PATH = "/etc/turbonode/turbonode.toml"
-# Samplers the worker can build per job (render/samplers.py maps them to diffusers classes).
+# Samplers the worker can build per job (render/engine/samplers.py maps them to diffusers classes).
 SAMPLER_NAMES = ("euler_a", "euler", "dpmpp_2m", "ddim", "lcm")
-# The embedded test models `worker.model` takes besides a directory (render/tiny/ builds them).
+# The embedded test models `worker.model` takes besides a directory (render/engine/tiny/ builds them).
 TINY_MODELS = ("tiny", "tiny-sdxl", "tiny-sd3", "tiny-flux")
-# UNet/VAE backends (render/backends/select.py builds them; `auto` picks one).
+# UNet/VAE backends (render/engine/backends/select.py builds them; `auto` picks one).
 BACKEND_NAMES = ("auto", "torch", "tensorrt")
 ENV_PREFIX = "TURBONODE_"
 # turboctl's own options read these (`render --url`, `--socket` of the worker commands): they
@@ -166,7 +166,7 @@ def one_of(*choices: object) -> Check:
 
 
 def torch_device(v: Any) -> None:
-    """auto, cpu, cuda or cuda:N: the devices the worker's backends run on (render/backends)."""
+    """auto, cpu, cuda or cuda:N: the devices the worker's backends run on (render/engine/backends)."""
     if not re.fullmatch(r"auto|cpu|cuda(:[0-9]{1,4})?", v):
         raise ValueError(f"must be auto, cpu, cuda or cuda:N, got {quote(v)}")
 

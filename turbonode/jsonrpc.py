@@ -2,7 +2,7 @@
 
 One JSON object per line; a line longer than MAX_REQUEST_BYTES is refused without being
 read into memory whole. This module holds the wire contract both sides share: the server
-(render.control_server) and the client (ControlClient) use it.
+(render.front.control_server) and the client (ControlClient) use it.
 """
 
 from __future__ import annotations

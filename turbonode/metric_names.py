@@ -18,7 +18,7 @@ WORKER_LABEL = "worker"
 # worker backend (torch|tensorrt), device and model_family.
 BUILD_INFO = "turbonode_build_info"
 
-# The worker's engine process (render/engine_host.py) has prometheus_client's process_* metrics
+# The worker's engine process (render/engine/host.py) has prometheus_client's process_* metrics
 # under this prefix (turbonode_worker_engine_process_resident_memory_bytes, ..._cpu_seconds_total);
 # the unprefixed process_* of the worker are its front's.
 ENGINE_PROCESS = "turbonode_worker_engine"

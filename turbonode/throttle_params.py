@@ -14,20 +14,11 @@ agent's memory_protect lever, render/memory_lock.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from .tiers import PROTECTED_TIER, TIER_NAMES
 
-THROTTLE_KEYS: tuple[str, ...] = (
-    "max_batch",
-    "paused_tiers",
-    "step_caps",
-    "shed_tiers",
-    "unready_tiers",
-    "intra_op_threads",
-    "lock_memory",
-)
 # JSON-RPC error code (implementation-defined server error range) of a `throttle` or `release`
 # refused because an operator hold is in force; the error's data carries {"hold": the throttle}.
 THROTTLE_HELD = -32001
@@ -44,6 +35,11 @@ MAX_INTRA_OP_THREADS = 1024
 
 @dataclass(frozen=True)
 class ThrottleLimits:
+    """What a throttle limits: the one list of its fields, in the order the worker describes them.
+    THROTTLE_KEYS, the agent's `[policy.actions.<level>]` keys (turbonode.config), the worker's
+    `throttle` call (render/front/control_server.py), its check (check_throttle) and the throttle's
+    description (render/throttle.py) all follow it."""
+
     max_batch: int | None = None
     paused_tiers: frozenset[str] = frozenset()
     step_caps: dict[str, int] = field(default_factory=dict)
@@ -52,13 +48,32 @@ class ThrottleLimits:
     intra_op_threads: int | None = None
     lock_memory: bool = False
 
+    def limits(self) -> dict[str, Any]:
+        """The limits alone, by name (for a subclass too)."""
+        return {key: getattr(self, key) for key in THROTTLE_KEYS}
+
+    def describe_limits(self) -> dict[str, Any]:
+        """The limits as JSON answers them: tier sets sorted, in field order."""
+        return {key: _plain(value) for key, value in self.limits().items()}
+
+
+THROTTLE_KEYS: tuple[str, ...] = tuple(f.name for f in fields(ThrottleLimits))
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, frozenset):
+        return sorted(value)
+    if isinstance(value, dict):
+        return dict(value)
+    return value
+
 
 def _count(v: Any, most: int) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and 1 <= v <= most
 
 
 def _tiers(name: str, value: Any, protected_allowed: bool = False) -> frozenset[str]:
-    if not isinstance(value, (list, tuple)) or not all(isinstance(t, str) for t in value):
+    if not isinstance(value, (list, tuple, frozenset)) or not all(isinstance(t, str) for t in value):
         raise ValueError(f"{name} must be a list of tier names")
     for t in value:
         if t not in TIER_NAMES:
@@ -75,16 +90,16 @@ def check_ttl(ttl_s: Any, limit: float = MAX_THROTTLE_TTL_S) -> float:
     return float(ttl_s)
 
 
-def check_throttle(
-    max_batch: Any = None,
-    paused_tiers: Any = (),
-    step_caps: Any = None,
-    shed_tiers: Any = (),
-    unready_tiers: Any = (),
-    intra_op_threads: Any = None,
-    lock_memory: Any = False,
-) -> ThrottleLimits:
-    """Validate the throttle's limits; ValueError names the bad parameter first."""
+def check_throttle(**params: Any) -> ThrottleLimits:
+    """Validate the throttle's limits (ThrottleLimits' fields, by name; the others keep their
+    defaults); ValueError names the bad parameter first, TypeError a name that is none of them."""
+    given = ThrottleLimits(**params)  # not checked yet: only named
+    max_batch, step_caps, intra_op_threads, lock_memory = (
+        given.max_batch,
+        given.step_caps,
+        given.intra_op_threads,
+        given.lock_memory,
+    )
     if max_batch is not None and not _count(max_batch, MAX_BATCH):
         raise ValueError(f"max_batch must be an integer 1..{MAX_BATCH} or null, got {max_batch!r}")
     if intra_op_threads is not None and not _count(intra_op_threads, MAX_INTRA_OP_THREADS):
@@ -101,11 +116,11 @@ def check_throttle(
         if not _count(cap, MAX_STEPS):
             raise ValueError(f"step_caps.{t} must be an integer 1..{MAX_STEPS}, got {cap!r}")
     return ThrottleLimits(
-        max_batch,
-        _tiers("paused_tiers", paused_tiers),
-        dict(step_caps),
-        _tiers("shed_tiers", shed_tiers),
-        _tiers("unready_tiers", unready_tiers, protected_allowed=True),
-        intra_op_threads,
-        lock_memory,
+        max_batch=max_batch,
+        paused_tiers=_tiers("paused_tiers", given.paused_tiers),
+        step_caps=dict(step_caps),
+        shed_tiers=_tiers("shed_tiers", given.shed_tiers),
+        unready_tiers=_tiers("unready_tiers", given.unready_tiers, protected_allowed=True),
+        intra_op_threads=intra_op_threads,
+        lock_memory=lock_memory,
     )
