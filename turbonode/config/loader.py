@@ -19,20 +19,18 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from .accounts import parse_period
-from .cgroups import V2_WEIGHT_MAX, V2_WEIGHT_MIN, parse_cpu_list
-from .errors import ConfigError
-from .levels import ACTION_LEVELS, LEVELS
-from .memory_cgroups import IO_WEIGHT_MAX, IO_WEIGHT_MIN
-from .qos_params import ShareError, check_leaf_limit, check_link_rate, check_percent, check_shares
-from .rates import parse_rate
-from .text import parse_decimal, quote
-from .throttle_params import MAX_BATCH, MAX_INTRA_OP_THREADS, MAX_STEPS, THROTTLE_KEYS, check_throttle, check_ttl
-from .tier_headers import ACCOUNT_HEADER, TIER_HEADER
-from .tiers import TIER_NAMES
-from .toml_file import read_toml
+from ..accounts import parse_period
+from ..cgroups import V2_WEIGHT_MAX, V2_WEIGHT_MIN, parse_cpu_list
+from ..errors import ConfigError
+from ..levels import ACTION_LEVELS, LEVELS
+from ..memory_cgroups import IO_WEIGHT_MAX, IO_WEIGHT_MIN
+from ..qos_params import ShareError, check_leaf_limit, check_link_rate, check_percent, check_shares
+from ..rates import parse_rate
+from ..text import parse_decimal, quote
+from ..throttle_params import MAX_BATCH, MAX_INTRA_OP_THREADS, MAX_STEPS, THROTTLE_KEYS, check_throttle, check_ttl
+from ..tier_headers import ACCOUNT_HEADER, TIER_HEADER
+from ..tiers import TIER_NAMES
 
-DEFAULT_PATH = "/etc/turbonode/turbonode.toml"
 # Samplers the worker can build per job (render/samplers.py maps them to diffusers classes).
 SAMPLER_NAMES = ("euler_a", "euler", "dpmpp_2m", "ddim", "lcm")
 # The embedded test models `worker.model` takes besides a directory (render/tiny/ builds them).
@@ -1029,20 +1027,12 @@ def _env_overrides(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def config_path(path: str | None) -> str | None:
-    """The file load_config reads: `path`, else DEFAULT_PATH if it exists, else None (defaults)."""
-    if path is not None:
-        return path
-    return DEFAULT_PATH if os.path.lexists(DEFAULT_PATH) else None
-
-
-def load_config(
-    path: str | None = None, env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+def build_config(
+    data: dict[str, Any], source: str | None, env: Mapping[str, str], overrides: Mapping[str, Any] | None
 ) -> Config:
-    """Load and validate. `path=None` reads DEFAULT_PATH if it exists; an explicit path must exist."""
-    source = config_path(path)
-    data = read_toml(source) if source is not None else {}
-    data = _merge(data, _env_overrides(os.environ if env is None else env))
+    """The file's tables (`data`, read from `source`; None: no file) with the environment's and
+    the flags' values over them, built and validated."""
+    data = _merge(data, _env_overrides(env))
     data = _merge(data, {k: v for k, v in (overrides or {}).items() if v is not None})
     try:
         cfg = _build(Config, data, "")

@@ -1,0 +1,102 @@
+"""One TOML configuration file (docs/design.md, configuration): every key optional, every bad key named.
+
+Precedence: defaults < file < environment (TURBONODE_<SECTION>_<KEY>) < flags.
+Where the file is and load_config live here; the rest is in the loader (turbonode/config/loader.py).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import ConfigError
+from ..toml_file import read_toml
+from .loader import (
+    BACKEND_NAMES,
+    CLI_ENV_API_KEY,
+    CLI_ENV_WORKER_SOCKET,
+    CLI_ENV_WORKER_URL,
+    DEFAULT_WORKER,
+    LEVER_NAMES,
+    MAX_GUIDANCE,
+    MAX_PIXELS,
+    MEMORY_EXIT_S,
+    MIN_PIXELS,
+    POLICY_RULES,
+    PSI_WINDOW_US,
+    SAMPLER_NAMES,
+    TINY_MODELS,
+    WEIGHT_PORT_OFFSET,
+    AgentConfig,
+    Config,
+    LeversConfig,
+    PolicyConfig,
+    QosConfig,
+    WorkerConfig,
+    WorkerSpec,
+    as_dict,
+    build_config,
+    instance_socket,
+    instance_worker,
+    node_workers,
+    policy_rules,
+    split_host_port,
+    table_of,
+    weight_address,
+)
+
+__all__ = [
+    "BACKEND_NAMES",
+    "CLI_ENV_API_KEY",
+    "CLI_ENV_WORKER_SOCKET",
+    "CLI_ENV_WORKER_URL",
+    "DEFAULT_PATH",
+    "DEFAULT_WORKER",
+    "LEVER_NAMES",
+    "MAX_GUIDANCE",
+    "MAX_PIXELS",
+    "MEMORY_EXIT_S",
+    "MIN_PIXELS",
+    "POLICY_RULES",
+    "PSI_WINDOW_US",
+    "SAMPLER_NAMES",
+    "TINY_MODELS",
+    "WEIGHT_PORT_OFFSET",
+    "AgentConfig",
+    "Config",
+    "ConfigError",
+    "LeversConfig",
+    "PolicyConfig",
+    "QosConfig",
+    "WorkerConfig",
+    "WorkerSpec",
+    "as_dict",
+    "config_path",
+    "instance_socket",
+    "instance_worker",
+    "load_config",
+    "node_workers",
+    "policy_rules",
+    "split_host_port",
+    "table_of",
+    "weight_address",
+]
+
+DEFAULT_PATH = "/etc/turbonode/turbonode.toml"
+
+
+def config_path(path: str | None) -> str | None:
+    """The file load_config reads: `path`, else DEFAULT_PATH if it exists, else None (defaults)."""
+    if path is not None:
+        return path
+    return DEFAULT_PATH if os.path.lexists(DEFAULT_PATH) else None
+
+
+def load_config(
+    path: str | None = None, env: Mapping[str, str] | None = None, overrides: Mapping[str, Any] | None = None
+) -> Config:
+    """Load and validate. `path=None` reads DEFAULT_PATH if it exists; an explicit path must exist."""
+    source = config_path(path)
+    data = read_toml(source) if source is not None else {}
+    return build_config(data, source, os.environ if env is None else env, overrides)
