@@ -1,7 +1,9 @@
 """One TOML configuration file (docs/design.md, configuration): every key optional, every bad key named.
 
 Precedence: defaults < file < environment (TURBONODE_<SECTION>_<KEY>) < flags.
-Where the file is and load_config live here; the rest is in the loader (turbonode/config/loader.py).
+One module per section (node, qos, worker, agent, policy, levers, workers), the check library
+(checks), the policy's rules (rules), the node's workers (topology), Config (file) and the rest of
+loading (loader). Where the file is and load_config are here: the CLI reads them from the package.
 """
 
 from __future__ import annotations
@@ -12,38 +14,24 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..toml_file import read_toml
-from .loader import (
+from .agent import AgentConfig
+from .checks import split_host_port
+from .file import Config
+from .levers import LEVER_NAMES, LeversConfig
+from .loader import CLI_ENV_API_KEY, CLI_ENV_WORKER_SOCKET, CLI_ENV_WORKER_URL, as_dict, build_config, table_of
+from .policy import PSI_WINDOW_US, PolicyConfig
+from .qos import QosConfig
+from .rules import MEMORY_EXIT_S, POLICY_RULES, policy_rules
+from .topology import DEFAULT_WORKER, WorkerSpec, instance_socket, instance_worker, node_workers, weight_address
+from .worker import (
     BACKEND_NAMES,
-    CLI_ENV_API_KEY,
-    CLI_ENV_WORKER_SOCKET,
-    CLI_ENV_WORKER_URL,
-    DEFAULT_WORKER,
-    LEVER_NAMES,
     MAX_GUIDANCE,
     MAX_PIXELS,
-    MEMORY_EXIT_S,
     MIN_PIXELS,
-    POLICY_RULES,
-    PSI_WINDOW_US,
     SAMPLER_NAMES,
     TINY_MODELS,
     WEIGHT_PORT_OFFSET,
-    AgentConfig,
-    Config,
-    LeversConfig,
-    PolicyConfig,
-    QosConfig,
     WorkerConfig,
-    WorkerSpec,
-    as_dict,
-    build_config,
-    instance_socket,
-    instance_worker,
-    node_workers,
-    policy_rules,
-    split_host_port,
-    table_of,
-    weight_address,
 )
 
 __all__ = [
