@@ -17,12 +17,12 @@ from ..toml_file import read_toml
 from .agent import AgentConfig
 from .checks import split_host_port
 from .file import Config
-from .levers import LEVER_NAMES, LeversConfig
-from .loader import CLI_ENV_API_KEY, CLI_ENV_WORKER_SOCKET, CLI_ENV_WORKER_URL, as_dict, build_config, table_of
-from .policy import PSI_WINDOW_US, PolicyConfig
+from .levers import LeversConfig
+from .loader import build_config
+from .policy import PolicyConfig
 from .qos import QosConfig
-from .rules import MEMORY_EXIT_S, POLICY_RULES, policy_rules
-from .topology import DEFAULT_WORKER, WorkerSpec, instance_socket, instance_worker, node_workers, weight_address
+from .rules import MEMORY_EXIT_S, POLICY_RULES
+from .topology import DEFAULT_WORKER, WorkerSpec, instance_worker, node_workers, weight_address
 from .worker import (
     BACKEND_NAMES,
     MAX_GUIDANCE,
@@ -36,18 +36,13 @@ from .worker import (
 
 __all__ = [
     "BACKEND_NAMES",
-    "CLI_ENV_API_KEY",
-    "CLI_ENV_WORKER_SOCKET",
-    "CLI_ENV_WORKER_URL",
     "DEFAULT_PATH",
     "DEFAULT_WORKER",
-    "LEVER_NAMES",
     "MAX_GUIDANCE",
     "MAX_PIXELS",
     "MEMORY_EXIT_S",
     "MIN_PIXELS",
     "POLICY_RULES",
-    "PSI_WINDOW_US",
     "SAMPLER_NAMES",
     "TINY_MODELS",
     "WEIGHT_PORT_OFFSET",
@@ -59,15 +54,11 @@ __all__ = [
     "QosConfig",
     "WorkerConfig",
     "WorkerSpec",
-    "as_dict",
     "config_path",
-    "instance_socket",
     "instance_worker",
     "load_config",
     "node_workers",
-    "policy_rules",
     "split_host_port",
-    "table_of",
     "weight_address",
 ]
 
