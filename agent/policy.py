@@ -31,7 +31,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from turbonode.config import PolicyConfig, policy_rules
+from turbonode.config.policy import PolicyConfig
+from turbonode.config.rules import policy_rules
 from turbonode.errors import ConfigError
 from turbonode.levels import ACTION_LEVELS, LEVELS, NORMAL
 
@@ -252,7 +253,7 @@ class DegradationPolicy:
 
 
 def rules_from_config(cfg: PolicyConfig, scope: Callable[[str], bool] = lambda signal: True) -> tuple[Rule, ...]:
-    """One rule per `[policy.rules.<signal>]` table (turbonode.config.POLICY_RULES), less the disabled,
+    """One rule per `[policy.rules.<signal>]` table (turbonode.config.rules.POLICY_RULES), less the disabled,
     for the signals `scope` takes (the node's or a worker's: agent/worker_unit.py)."""
     try:  # loading checked it; a PolicyConfig built in code is checked here
         policy_rules(cfg.rules)

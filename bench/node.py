@@ -24,7 +24,7 @@ if str(ROOT) not in sys.path:
 from sandbox.demo import preflight  # noqa: E402
 from sandbox.interrupt import exit_on_signals  # noqa: E402
 from sandbox.netns import Sandbox  # noqa: E402
-from turbonode.config import DEFAULT_WORKER, instance_socket  # noqa: E402
+from turbonode.config.topology import DEFAULT_WORKER, instance_socket  # noqa: E402
 from turbonode.errors import ControlError, TurbonodeError  # noqa: E402
 from turbonode.jsonrpc import ControlClient  # noqa: E402
 

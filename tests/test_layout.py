@@ -98,7 +98,7 @@ AGENT_SIDE = [
     "sandbox.traffic",
     "sandbox.loadgen",
     "turboctl",
-    *[f"turbonode.{p.stem}" for p in sorted((ROOT / "turbonode").glob("[a-z]*.py"))],
+    *[".".join(p.relative_to(ROOT).with_suffix("").parts) for p in sorted((ROOT / "turbonode").rglob("[a-z]*.py"))],
 ]
 
 

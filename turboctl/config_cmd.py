@@ -9,7 +9,8 @@ import click
 
 from turbonode import config
 from turbonode.accounts import load_keys, parse_period
-from turbonode.config import as_dict, load_config, node_workers
+from turbonode.config import load_config, node_workers
+from turbonode.config.loader import as_dict
 from turbonode.config_example import render_example
 from turbonode.errors import ConfigError
 

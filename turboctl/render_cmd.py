@@ -20,7 +20,8 @@ import urllib.request
 
 import click
 
-from turbonode.config import CLI_ENV_API_KEY, CLI_ENV_WORKER_URL, WorkerConfig, split_host_port
+from turbonode.config import WorkerConfig, split_host_port
+from turbonode.config.loader import CLI_ENV_API_KEY, CLI_ENV_WORKER_URL
 
 from .params import TIER, json_option
 

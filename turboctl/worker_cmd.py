@@ -15,7 +15,8 @@ import sys
 import click
 
 from turbonode import logs
-from turbonode.config import BACKEND_NAMES, CLI_ENV_WORKER_SOCKET, TINY_MODELS, instance_worker, load_config
+from turbonode.config import BACKEND_NAMES, TINY_MODELS, instance_worker, load_config
+from turbonode.config.loader import CLI_ENV_WORKER_SOCKET
 from turbonode.errors import ConfigError, ControlError, TurbonodeError
 from turbonode.jsonrpc import DEFAULT_SOCKET, ControlClient
 

@@ -13,7 +13,8 @@ import re
 import typing
 from typing import Any
 
-from .config import DEFAULT_PATH, Config, table_of
+from .config import DEFAULT_PATH, Config
+from .config.loader import table_of
 
 _BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
 

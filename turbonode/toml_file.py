@@ -1,4 +1,4 @@
-"""A small TOML file read whole and safely: the configuration (turbonode/config.py) and the
+"""A small TOML file read whole and safely: the configuration (turbonode/config/) and the
 worker's keys file (turbonode/accounts.py)."""
 
 from __future__ import annotations

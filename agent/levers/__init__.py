@@ -1,7 +1,7 @@
 """Levers: reversible actions the policy engages per rule, beside the per-level throttle.
 
 A rule of `[policy.rules.<signal>]` lists the levers it engages while it is active
-(turbonode.config.LEVER_NAMES, agent/policy.py). A lever acts on the node or on one worker:
+(turbonode.config.levers.LEVER_NAMES, agent/policy.py). A lever acts on the node or on one worker:
 
   cpu_share       (node) favour every worker's cgroup over best-effort cgroups: CPU weight up for
                   the workers, down (optionally capped) for them (agent/levers/cgroup.py)
@@ -34,7 +34,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from turbonode.config import LEVER_NAMES, LeversConfig
+from turbonode.config.levers import LEVER_NAMES, LeversConfig
 from turbonode.errors import TurbonodeError
 
 from .cgroup import CpuShare, WorkerCgroup

@@ -23,7 +23,7 @@ import select
 from typing import Any
 
 from turbonode import caps
-from turbonode.config import PSI_WINDOW_US
+from turbonode.config.policy import PSI_WINDOW_US
 from turbonode.errors import TurbonodeError
 
 from .base import MIN_RATE_WINDOW_S, Rate, Watcher

@@ -5,7 +5,7 @@ of the tier gets a fast 503 with Retry-After instead of a place in the queue.
 Pure: the caller passes what the worker knows. A tier is not ready when
 - the worker is loading its model, draining or stopped (every tier);
 - the agent says so: its throttle lease names the tier in `unready_tiers` (by default at
-  level critical for turbo, see turbonode/config.py) or sheds it. A lease expires unless
+  level critical for turbo, see turbonode/config/rules.py) or sheds it. A lease expires unless
   renewed, so a dead agent never leaves the node unready;
 - the worker's own queue says so: a job of the tier has waited longer than half of the
   tier's objective (worker.slo), so a new one would queue behind it and miss the objective.
