@@ -488,7 +488,7 @@ def verdicts(r: dict) -> list[dict]:
 
 
 def main() -> int:
-    from bench.record import flat, record, variant_of
+    from bench.record import flat, judged, record, variant_of
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
@@ -535,9 +535,7 @@ def main() -> int:
         n_per="requests to each worker (latency part)" if "latency" in parts else None,
         headline="; ".join(f"{v['target']}: {v['value']}" for v in found),
         figures=flat(result, skip=("parts", "started_utc", "finished_utc")),
-        target="; ".join(v["target"] for v in found) or None,
-        met=all(v["met"] for v in found) if found else None,
-        verdicts=found,
+        **judged(found),
     )
     return 0
 

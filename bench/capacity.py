@@ -49,7 +49,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.node import bench_start  # noqa: E402
-from bench.record import ms_int, record, variant_of  # noqa: E402
+from bench.record import judged, ms_int, record, variant_of  # noqa: E402
 from bench.slo import OBJECTIVE_S  # noqa: E402
 from sandbox import faults  # noqa: E402
 from sandbox.fleet import FleetNet, FleetNode  # noqa: E402
@@ -312,9 +312,8 @@ def result_record(result: dict) -> dict:
                 for f, x in r["rungs"].items()
             ],
         },
+        **judged(found),
         "target": f"idle capacity >= {IDLE_TARGET:.0%} of raw; fault (turbonode) >= {FAULT_TARGET:.0%} of idle",
-        "met": all(v["met"] for v in found) if found else None,
-        "verdicts": found,
     }
 
 

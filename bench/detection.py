@@ -42,7 +42,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.node import Node, call, wait_for  # noqa: E402
-from bench.record import record, variant_of  # noqa: E402
+from bench.record import judged, record, variant_of  # noqa: E402
 from turbonode.config import AgentConfig, PolicyConfig  # noqa: E402
 
 FAULT_S = 4  # every fault stops by itself after this long
@@ -295,9 +295,7 @@ def result_record(results: list[dict], calm: dict | None) -> dict:
             "agent RSS MiB": round(calm["agent_rss_mib"]) if calm else None,
         },
         "table": {"columns": ["fault", "worker", "detected", "runs", "p50", "max", "recovery p50"], "rows": rows},
-        "target": "; ".join(v["target"] for v in found),
-        "met": all(v["met"] for v in found),
-        "verdicts": found,
+        **judged(found),
     }
 
 

@@ -58,7 +58,7 @@ if str(ROOT) not in sys.path:
 from bench import slo  # noqa: E402
 from bench.node import bench_start  # noqa: E402
 from bench.node_slo import GC_REARM_S, WORKER_PY  # noqa: E402
-from bench.record import ms_int, record, variant_of  # noqa: E402
+from bench.record import judged, ms_int, record, variant_of  # noqa: E402
 from sandbox import faults  # noqa: E402
 from sandbox.fleet import FleetNode, FleetSettings, SandboxFleet  # noqa: E402
 from sandbox.loadgen import Outcome, summarize  # noqa: E402
@@ -359,7 +359,7 @@ def result_record(result: dict) -> dict:
     ref, rolled = (tn.get("none") or {}).get("p99_s"), (tn.get("rolling") or {}).get("p99_s")
     ratio = round(rolled / ref, 2) if ref and rolled else None
     errors = (tn.get("rolling") or {}).get("errors")
-    judged = slo.verdict(attained)
+    per_tier = slo.verdict(attained)
     verdicts = [
         {
             "target": f"turbonode rolling turbo p99 <= {TARGET_RATIO:g}x none",
@@ -377,9 +377,8 @@ def result_record(result: dict) -> dict:
             "value": "no requests" if v["met"] is None else f"met in {v['cells'] - len(v['missed'])}/{v['cells']}",
             "met": v["met"],
         }
-        for tier, v in judged.items()
+        for tier, v in per_tier.items()
     ]
-    mets = [v["met"] for v in verdicts if v["met"] is not None]
     shown = {f"{tier} SLO {cell}": slo.pct(a[tier]) for cell, a in attained.items() for tier in slo.TIERS}
     return {
         "n": result["requests"],
@@ -397,9 +396,7 @@ def result_record(result: dict) -> dict:
             "columns": ["cell", "mode", "turbo n", "errors", "p50 ms", "p99 ms", "max ms", "turbo SLO", "fast SLO"],
             "rows": rows,
         },
-        "target": "; ".join(v["target"] for v in verdicts),
-        "met": all(mets) if mets else None,
-        "verdicts": verdicts,
+        **judged(verdicts),
     }
 
 

@@ -75,7 +75,7 @@ from agent.watchers.memory import process_major_faults  # noqa: E402
 from agent.watchers.procfile import process_stat_fields  # noqa: E402
 from agent.worker_unit import WORKER_SIGNALS  # noqa: E402
 from bench import slo  # noqa: E402
-from bench.record import ms_int, record, variant_of  # noqa: E402
+from bench.record import judged, ms_int, record, variant_of  # noqa: E402
 from sandbox import faults  # noqa: E402
 from sandbox.cgroup_v2 import CgroupV2Unavailable, cpu_on_v2  # noqa: E402
 from sandbox.demo import preflight  # noqa: E402
@@ -543,7 +543,7 @@ def result_record(result: dict) -> dict:
                     + [ms_int(t.get(k)) for k in ("p50_s", "p99_s", "max_s")]
                     + [slo.pct(att.get(PROTECTED_TIER)), slo.pct(att.get("fast")), ratio]
                 )
-    judged = slo.verdict(attained)
+    per_tier = slo.verdict(attained)
     missed = [f"{c} {r:.2f}x" for c, r, limit in ratios if r > limit]
     verdicts = [
         {
@@ -559,7 +559,7 @@ def result_record(result: dict) -> dict:
             "value": "no requests" if v["met"] is None else f"met in {v['cells'] - len(v['missed'])}/{v['cells']}",
             "met": v["met"],
         }
-        for tier, v in judged.items()
+        for tier, v in per_tier.items()
     ]
     worst = max(ratios, key=lambda x: x[1], default=None)
     lowest = {
@@ -569,7 +569,6 @@ def result_record(result: dict) -> dict:
         )
         for tier in slo.TIERS
     }
-    mets = [v["met"] for v in verdicts if v["met"] is not None]
     return {
         "n": result["requests"],
         "n_per": "turbo requests per cell and mode" + (" and worker" if multi else ""),
@@ -594,9 +593,7 @@ def result_record(result: dict) -> dict:
             + ["turbo SLO", "fast SLO", "p99/ref"],
             "rows": rows,
         },
-        "target": "; ".join(v["target"] for v in verdicts),
-        "met": all(mets) if mets else None,
-        "verdicts": verdicts,
+        **judged(verdicts),
     }
 
 

@@ -24,7 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.record import flat, record, variant_of  # noqa: E402
+from bench.record import flat, judged, record, variant_of  # noqa: E402
 from bpf import source  # noqa: E402
 from sandbox.netns import Sandbox  # noqa: E402
 from tc import bpfobj  # noqa: E402
@@ -453,9 +453,7 @@ def main(argv=None) -> int:
         n_per="256 KiB EF transfers under load per setup",
         headline="turbonode: " + "; ".join(f"{v['target']}: {v['value']}" for v in found),
         figures=flat({"setups": results, "classifier": cost}),
-        target="; ".join(v["target"] for v in found) or None,
-        met=all(v["met"] for v in found) if found else None,
-        verdicts=found,
+        **judged(found),
         notes="the EF ping and classifier targets are read from the table (not judged by the script)",
     )
     return 0

@@ -163,6 +163,17 @@ def ms_int(seconds: float | None) -> int | None:
     return None if seconds is None else round(seconds * 1000)
 
 
+def judged(verdicts: list[dict[str, Any]]) -> dict[str, Any]:
+    """`target`, `met` and `verdicts` of a result from its verdicts: the targets joined, met when every
+    judged one is (None when none is judged)."""
+    mets = [v["met"] for v in verdicts if v["met"] is not None]
+    return {
+        "target": "; ".join(v["target"] for v in verdicts) or None,
+        "met": all(mets) if mets else None,
+        "verdicts": verdicts,
+    }
+
+
 def flat(obj: Any, prefix: str = "", skip: tuple[str, ...] = ()) -> dict[str, Any]:
     """A nested result's scalars as {"outer inner": value}; lists (samples, outcomes) and `skip`ped keys left out."""
     if isinstance(obj, dict):

@@ -445,7 +445,7 @@ def main(argv=None) -> int:
                 indent=2,
             )
         )
-    from bench.record import flat, record, variant_of
+    from bench.record import flat, judged, record, variant_of
 
     found = verdicts(results)
     record(
@@ -458,9 +458,7 @@ def main(argv=None) -> int:
         n_per="turbo probes per family, idle and under the flood",
         headline="; ".join(f"{v['target']}: {v['value']}" for v in found),
         figures=flat(results),
-        target="; ".join(v["target"] for v in found),
-        met=all(v["met"] for v in found),
-        verdicts=found,
+        **judged(found),
     )
     return 0
 
