@@ -456,7 +456,40 @@ def report(r: dict) -> str:
     return "\n".join(lines)
 
 
+def verdicts(r: dict) -> list[dict]:
+    """One per target of the parts that ran."""
+    out: list[dict] = []
+    if "latency" in r:
+        added, off = r["latency"]["added_p99_s"], r["accuracy"]["charged_vs_engine"]
+        out.append({"target": f"<= {ms(ADDED_P99_TARGET_S)} ms added at p99", "value": f"{ms(added)} ms"})
+        out[-1]["met"] = added <= ADDED_P99_TARGET_S
+        out.append({"target": f"ledger within {ACCURACY_TARGET:.0%} of the engine", "value": f"{off:+.5%}"})
+        out[-1]["met"] = abs(off) <= ACCURACY_TARGET
+    if "fleet" in r:
+        lost = r["fleet"]["lost_us"]
+        out.append({"target": "no update lost between workers", "value": f"{lost} us lost", "met": lost == 0})
+    if "slo" in r:
+        ratio, said = r["slo"]["steady_p99_ratio"], r["slo"]["exhaust"]["spender"]["after_first_downgrade_all_said_so"]
+        out.append(
+            {
+                "target": f"the other keys' turbo p99 <= {SLO_TARGET_RATIO}x",
+                "value": "-" if ratio is None else f"{ratio:.2f}x",
+            }
+        )
+        out[-1]["met"] = bool(ratio) and ratio <= SLO_TARGET_RATIO
+        out.append(
+            {
+                "target": "a key out of budget: its turbo runs as relax and says so",
+                "value": str(said),
+                "met": bool(said),
+            }
+        )
+    return out
+
+
 def main() -> int:
+    from bench.record import flat, judged, record, variant_of
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
     ap.add_argument("--requests", type=int, default=1000, help="latency part: requests to each worker")
@@ -494,6 +527,16 @@ def main() -> int:
             Path(args.json).write_text(json.dumps(result, indent=1))
         shutil.rmtree(tmp, ignore_errors=True)
     print(report(result))
+    found = verdicts(result)
+    record(
+        "accounts",
+        variant=variant_of(ap, args),
+        n=args.requests if "latency" in parts else None,
+        n_per="requests to each worker (latency part)" if "latency" in parts else None,
+        headline="; ".join(f"{v['target']}: {v['value']}" for v in found),
+        figures=flat(result, skip=("parts", "started_utc", "finished_utc")),
+        **judged(found),
+    )
     return 0
 
 

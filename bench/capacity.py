@@ -49,6 +49,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.node import bench_start  # noqa: E402
+from bench.record import judged, ms_int, record, variant_of  # noqa: E402
+from bench.slo import OBJECTIVE_S  # noqa: E402
 from sandbox import faults  # noqa: E402
 from sandbox.fleet import FleetNet, FleetNode  # noqa: E402
 from sandbox.loadgen import Outcome  # noqa: E402
@@ -56,7 +58,6 @@ from sandbox.node import REQUEST_TIMEOUT_S, AgentWatch  # noqa: E402
 from sandbox.report import describe_agent  # noqa: E402
 from sandbox.settings import DemoSettings  # noqa: E402
 from sandbox.worker_cpu import Reading, engine_counters, split, thread_cpu, throttled  # noqa: E402
-from turbonode.config import WorkerConfig  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
 from turbonode.tiers import PROTECTED_TIER  # noqa: E402
 
@@ -68,7 +69,7 @@ RUNGS = (0.5, 0.6, 0.7, 0.8, 0.9, 1.0)  # fractions of the raw limit, up from th
 LOWER_RUNGS = (0.3, 0.2, 0.1)
 IDLE_TARGET, FAULT_TARGET = 0.9, 0.8
 RAW_SECONDS = 8.0  # per batch size, after a warm-up round
-SLO_S = WorkerConfig().slo[PROTECTED_TIER]
+SLO_S = OBJECTIVE_S[PROTECTED_TIER]
 WARMUP_S = 3.0  # the fault runs this long before the first request
 
 # Runs in the node's worker cgroup: the worker's engine as `build` makes it, driven in-process.
@@ -265,23 +266,55 @@ def report(result: dict) -> str:
         "capacity (highest rate with turbo p99 <= "
         f"{SLO_S:g} s): " + ", ".join(f"{c} {v:.2f}/s" if v else f"{c} below the lowest rung" for c, v in cap.items())
     )
-    if cap.get("idle"):
-        ok = cap["idle"] >= IDLE_TARGET * raw["limit"]
+    for i, v in enumerate(verdicts(result)):
         lines.append(
-            f"target idle >= {IDLE_TARGET:.0%} of raw: {cap['idle'] / raw['limit']:.0%} ({'met' if ok else 'missed'})"
-        )
-        if "fault" in cap:
-            share = (cap["fault"] or 0) / cap["idle"]
-            lines.append(
-                f"target fault (turbonode) >= {FAULT_TARGET:.0%} of idle: {share:.0%} "
-                f"({'met' if share >= FAULT_TARGET else 'missed'})"
-                + (
-                    f"; fault-plain {(cap.get('fault-plain') or 0) / cap['idle']:.0%} of idle"
-                    if "fault-plain" in cap
-                    else ""
-                )
+            f"target {v['target']}: {v['value']} ({'met' if v['met'] else 'missed'})"
+            + (
+                f"; fault-plain {(cap.get('fault-plain') or 0) / cap['idle']:.0%} of idle"
+                if i == 1 and "fault-plain" in cap
+                else ""
             )
+        )
     return "\n".join(lines)
+
+
+def verdicts(result: dict) -> list[dict]:
+    """The targets: idle capacity against the raw limit, then the fault's against idle."""
+    cap, limit = {c: r["capacity"] for c, r in result["conditions"].items()}, result["raw"]["limit"]
+    if not cap.get("idle"):
+        return []
+    out = [{"target": f"idle >= {IDLE_TARGET:.0%} of raw", "value": f"{cap['idle'] / limit:.0%}"}]
+    out[0]["met"] = cap["idle"] >= IDLE_TARGET * limit
+    if "fault" in cap:
+        share = (cap["fault"] or 0) / cap["idle"]
+        out.append({"target": f"fault (turbonode) >= {FAULT_TARGET:.0%} of idle", "value": f"{share:.0%}"})
+        out[1]["met"] = share >= FAULT_TARGET
+    return out
+
+
+def result_record(result: dict) -> dict:
+    """What bench/record.py keeps of a run: the raw limit, each condition's capacity, every rung."""
+    limit = result["raw"]["limit"]
+    found = verdicts(result)
+    cap = {c: r["capacity"] for c, r in result["conditions"].items()}
+    return {
+        "n": result["requests"],
+        "n_per": "turbo requests per rung",
+        "headline": f"raw {limit:.2f} images/s; "
+        + ", ".join(f"{c} {'-' if v is None else f'{v / limit:.0%} of raw'}" for c, v in cap.items()),
+        "figures": {"raw limit images/s": limit, **{f"{c} capacity /s": v for c, v in cap.items()}},
+        "table": {
+            "columns": ["condition", "rate/s", "of raw", "n", "ok", "p50 ms", "p99 ms", "in SLO"],
+            "rows": [
+                [c, round(x["rate"], 2), f"{float(f):.0%}", x["n"], x["ok"], ms_int(x["p50_s"]), ms_int(x["p99_s"])]
+                + ["-" if x["within_slo"] is None else f"{x['within_slo']:.1%}"]
+                for c, r in result["conditions"].items()
+                for f, x in r["rungs"].items()
+            ],
+        },
+        **judged(found),
+        "target": f"idle capacity >= {IDLE_TARGET:.0%} of raw; fault (turbonode) >= {FAULT_TARGET:.0%} of idle",
+    }
 
 
 def _fractions(text: str) -> tuple[float, ...]:
@@ -359,6 +392,7 @@ def main() -> int:
                 if args.json:
                     Path(args.json).write_text(json.dumps(result, indent=1))
     print(report(result))
+    record("capacity", variant=variant_of(ap, args), **result_record(result))
     return 0
 
 

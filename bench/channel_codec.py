@@ -89,17 +89,31 @@ def microseconds(fn, n: int) -> float:
 
 
 def main() -> int:
+    from bench.record import record, variant_of
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=20000, help="round trips per timing")
     args = ap.parse_args()
     print(f"encode + decode, us per message (median of 7 x n={args.n}); bytes besides the image frames")
     print(f"{'message':18} {'pickle':>8} {'msgspec':>8} {'ratio':>6} {'bytes':>12}")
+    rows = []
     for name, message in messages().items():
         encode, decode = msgspec_codec(name, message)
         p = microseconds(lambda m=message: unpack(pack(m)), args.n)
         m = microseconds(lambda e=encode, d=decode: d(e()), args.n)
         size = f"{len(pack(message)[0])}/{len(encode()[0])}"
         print(f"{name:18} {p:8.2f} {m:8.2f} {p / m:5.1f}x {size:>12}")
+        rows.append([name, round(p, 2), round(m, 2), round(p / m, 1), size])
+    record(
+        "channel_codec",
+        variant=variant_of(ap, args),
+        n=args.n,
+        n_per="round trips per timing (median of 7 timings)",
+        headline="pickle / msgspec per message: " + ", ".join(f"{r[0]} {r[1]}/{r[2]} us" for r in rows),
+        figures={f"{r[0]} {codec} us": r[i] for r in rows for i, codec in ((1, "pickle"), (2, "msgspec"))},
+        table={"columns": ["message", "pickle us", "msgspec us", "ratio", "bytes pickle/msgspec"], "rows": rows},
+        notes="no target: it backs pickle on the front <-> engine channel (docs/worker.md, 'Why pickle')",
+    )
     return 0
 
 

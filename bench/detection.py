@@ -42,6 +42,7 @@ import psutil
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.node import Node, call, wait_for  # noqa: E402
+from bench.record import judged, record, variant_of  # noqa: E402
 from turbonode.config import AgentConfig, PolicyConfig  # noqa: E402
 
 FAULT_S = 4  # every fault stops by itself after this long
@@ -253,6 +254,51 @@ def fmt(v, unit="s"):
     return "-" if v is None else f"{v * 1000:.0f} ms" if unit == "s" else f"{v:.2f}"
 
 
+def result_record(results: list[dict], calm: dict | None) -> dict:
+    """What bench/record.py keeps: per fault and worker detection p50/max, the healthy load's level
+    changes and the agent's CPU; the targets' verdicts."""
+    rows = [
+        [r["fault"], w, d["detected"], r["runs"], fmt(d["p50_s"]), fmt(d["max_s"]), fmt(r["recovery_p50_s"])]
+        for r in results
+        for w, d in r["workers"].items()
+    ]
+    detected = [d for r in results for d in r["workers"].values()]
+    p50s = [d["p50_s"] for d in detected if d["p50_s"] is not None]
+    maxes = [d["max_s"] for d in detected if d["max_s"] is not None]
+    found: list[dict] = [
+        {
+            "target": "detection p50 <= 500 ms and max <= 1 s per fault and worker",
+            "value": f"p50 <= {fmt(max(p50s, default=None))}, max {fmt(max(maxes, default=None))}",
+            "met": bool(detected)
+            and all(d["p50_s"] is not None and d["p50_s"] <= 0.5 for d in detected)
+            and all(d["max_s"] is not None and d["max_s"] <= 1.0 for d in detected),
+        }
+    ]
+    if calm:
+        found.append(
+            {
+                "target": "0 level changes under healthy load",
+                "value": str(calm["level_changes"]),
+                "met": not calm["level_changes"],
+            }
+        )
+        cpu = calm["agent_cpu_pct_of_core"]
+        found.append({"target": "the agent <= 2 % of one core", "value": f"{cpu:.2f} %", "met": cpu <= 2.0})
+    return {
+        "headline": "; ".join(f"{v['target']}: {v['value']}" for v in found),
+        "figures": {
+            "detection p50 worst ms": round(max(p50s) * 1000) if p50s else None,
+            "detection max ms": round(max(maxes) * 1000) if maxes else None,
+            "level changes (healthy)": calm["level_changes"] if calm else None,
+            "healthy minutes": calm["minutes"] if calm else None,
+            "agent CPU % of a core": calm["agent_cpu_pct_of_core"] if calm else None,
+            "agent RSS MiB": round(calm["agent_rss_mib"]) if calm else None,
+        },
+        "table": {"columns": ["fault", "worker", "detected", "runs", "p50", "max", "recovery p50"], "rows": rows},
+        **judged(found),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--faults", default="netrx,cpu,gc")
@@ -313,6 +359,13 @@ def main() -> int:
             f"agent CPU {calm['agent_cpu_pct_of_core']:.2f} % of one core (target <= 2 %), "
             f"RSS {calm['agent_rss_mib']:.0f} MiB"
         )
+    record(
+        "detection",
+        variant=variant_of(ap, args, ("repeats", "healthy_minutes")),
+        n=args.repeats,
+        n_per="runs per fault",
+        **result_record(results, calm),
+    )
     triggers = watchers.get("psi", {}).get("triggers") or {}
     print(
         f"PSI triggers: armed on {triggers.get('armed')}, window {triggers.get('window')}, "

@@ -32,6 +32,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 from daemon_harness import daemon_env, start, stop, turboctl_argv  # noqa: E402
 from prometheus_harness import Prometheus, free_port  # noqa: E402
 
+from bench.record import flat, record, variant_of  # noqa: E402
 from sandbox.loadgen import run_load  # noqa: E402
 from sandbox.netns import Sandbox  # noqa: E402
 
@@ -120,6 +121,13 @@ def main() -> None:
         print(json.dumps({"phases": phases, "alerts": alerts}, indent=2))
         for title in dict.fromkeys(t for t, _, _ in panel_queries()):
             print(f"{title}:\n" + "".join(f"  {p:<7} {phases[p].get(title, {})}\n" for p in phases), end="")
+        record(
+            "fault_panels",
+            variant=variant_of(ap, args),
+            headline="alerts: " + (", ".join(f"{name} {state}" for name, state in alerts) or "none"),
+            figures=flat(phases),
+            notes="no target: what the dashboard's panels say before, during and after a CPU fault (docs/service.md)",
+        )
     finally:
         for proc in reversed(procs):
             stop(proc, 60)

@@ -27,15 +27,16 @@ Modes, side by side in one run:
   turbonode  the shipped file (per-tier /readyz checks, retry and redispatch of a refused or
              unanswered request, turbo weighted by each worker's agent-check), each node's agent,
              workers with worker.refuse_unready and so deadline-aware admission (worker.slo:
-             turbo 2 s, fast FAST_SLO_S)
+             bench/slo.py's objectives, turbo 2 s, fast 10 s)
 
 Per cell and mode: fleet turbo n, p50/p99/max of the answered, turbo errors (any client-visible
-answer but 200: a 5xx, a reset), SLO attainment (the share of turbo and of fast requests answered
-within their objective), the share of turbo each node served during its own fault window and (in
-turbonode mode) its HAProxy turbo weight there (the agent-check's, sampled every 0.5 s: median,
-and when it first fell to WEIGHED_DOWN_PCT), fast and relax images/s, the requests HAProxy
-retried and the worker restarts.
-Targets: turbonode's turbo p99 in `rolling` <= 1.2 x its p99 in `none`; 0 client-visible turbo errors.
+answer but 200: a 5xx, a reset), SLO attainment (bench/slo.py: the share of turbo and of fast
+requests answered within their objective, refused and failed ones counted as misses), the share
+of turbo each node served during its own fault window and (in turbonode mode) its HAProxy turbo
+weight there (the agent-check's, sampled every 0.5 s: median, and when it first fell to
+WEIGHED_DOWN_PCT), fast and relax images/s, the requests HAProxy retried and the worker restarts.
+Targets: turbonode's turbo p99 in `rolling` <= 1.2 x its p99 in `none`; 0 client-visible turbo errors;
+turbonode's SLO attainment in every cell: turbo >= 99.9 %, fast >= 99 %.
 """
 
 from __future__ import annotations
@@ -54,8 +55,10 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from bench import slo  # noqa: E402
 from bench.node import bench_start  # noqa: E402
 from bench.node_slo import GC_REARM_S, WORKER_PY  # noqa: E402
+from bench.record import judged, ms_int, record, variant_of  # noqa: E402
 from sandbox import faults  # noqa: E402
 from sandbox.fleet import FleetNode, FleetSettings, SandboxFleet  # noqa: E402
 from sandbox.loadgen import Outcome, summarize  # noqa: E402
@@ -68,7 +71,6 @@ from turbonode.tiers import PROTECTED_TIER  # noqa: E402
 CELLS = ("none", "rolling")
 MODES = ("plain", "turbonode")
 ROLLING = ("gc", "cpu+bulk", "kill")  # node i's fault in window i
-TURBO_SLO_S, FAST_SLO_S = 2.0, 10.0
 TARGET_RATIO = 1.2
 WEIGHED_DOWN_PCT = 3  # a node's weight at or below this: (almost) out of the turbo rotation
 LEAD_S = 3.0  # the load generator starts (python, in the client namespace) before the first request
@@ -155,8 +157,7 @@ class Rolling:
 
 
 def node_settings(mode: str, link: str) -> DemoSettings:
-    slo = {"turbo": TURBO_SLO_S, "fast": FAST_SLO_S}
-    worker = {"slo": slo, "refuse_unready": mode == "turbonode"}
+    worker = {"slo": dict(slo.OBJECTIVE_S), "refuse_unready": mode == "turbonode"}
     return DemoSettings(rate=link, worker_config=worker)
 
 
@@ -231,6 +232,7 @@ def figures(outcomes: list[Outcome], wall: float, windows: list[dict], weights: 
     fast = [o for o in outcomes if o.tier == "fast"]
     latency = [o.latency for o in ok]
     tiers = summarize(outcomes, wall)
+    attained = slo.attainments(outcomes)
     shares = []
     for w in windows:
         sent = [o for o in turbo if w["start_s"] <= o.sent_at < w.get("end_s", float("inf"))]
@@ -257,15 +259,16 @@ def figures(outcomes: list[Outcome], wall: float, windows: list[dict], weights: 
             "p50_s": percentile(latency, 50),
             "p99_s": percentile(latency, 99),
             "max_s": max(latency, default=None),
-            "attainment": sum(o.latency <= TURBO_SLO_S for o in ok) / len(turbo) if turbo else None,
+            "attainment": attained[PROTECTED_TIER]["attainment"],
             "by_server": {s: sum(o.server == s for o in ok) for s in sorted({o.server for o in ok})},
         },
         "fast": {
             "n": len(fast),
-            "attainment": sum(o.status == 200 and o.latency <= FAST_SLO_S for o in fast) / len(fast) if fast else None,
+            "attainment": attained["fast"]["attainment"],
             "images_per_s": (tiers.get("fast") or {}).get("images_per_s"),
         },
         "relax_images_per_s": (tiers.get("relax") or {}).get("images_per_s"),
+        "slo": attained,
         "windows": shares,
         "weights": weights,
         "wall_s": wall,
@@ -278,6 +281,15 @@ def _ms(v) -> str:
 
 def _pct(v) -> str:
     return "-" if v is None else f"{v:.1%}"
+
+
+def cell_slo(r: dict) -> dict:
+    """A cell's attainment per tier; runs saved before it was kept give the two shares alone."""
+    if "slo" in r:
+        return r["slo"]
+    return {
+        tier: {"attainment": r[key].get("attainment")} for tier, key in ((PROTECTED_TIER, "turbo"), ("fast", "fast"))
+    }
 
 
 def report(result: dict) -> str:
@@ -301,7 +313,7 @@ def report(result: dict) -> str:
             )
             lines.append(
                 f"{cell:<8} {mode:<10} {t['n']:>4} {_ms(t['p50_s']):>6} {_ms(t['p99_s']):>6} {_ms(t['max_s']):>6} "
-                f"{t['errors']:>6} {_pct(t['attainment']):>9} {_pct(r['fast']['attainment']):>8} "
+                f"{t['errors']:>6} {slo.pct(cell_slo(r)[PROTECTED_TIER]):>9} {slo.pct(cell_slo(r)['fast']):>8} "
                 f"{r['fast']['images_per_s'] or 0:>6.2f} {r['relax_images_per_s'] or 0:>7.2f} "
                 f"{len(r['retried']):>7}  {shares}"
             )
@@ -321,8 +333,71 @@ def report(result: dict) -> str:
             f"({'met' if ratio <= TARGET_RATIO else 'missed'}); turbo errors {errors} "
             f"({'met' if errors == 0 else 'missed'})"
         )
+    attained = {
+        cell: cell_slo(by_mode["turbonode"]) for cell, by_mode in result["cells"].items() if "turbonode" in by_mode
+    }
+    if attained:
+        lines.append(slo.verdict_line(slo.verdict(attained)) + " (turbonode)")
     lines.append(f"load average before: {result['loadavg_before']}, after: {result.get('loadavg_after')}")
     return "\n".join(lines)
+
+
+def result_record(result: dict) -> dict:
+    """What bench/record.py keeps of a run: per cell and mode turbo n, errors, p50/p99/max and the
+    SLO attainment of turbo and fast; the targets' verdicts (turbonode)."""
+    rows, attained = [], {}
+    for cell, by_mode in result["cells"].items():
+        for mode, r in by_mode.items():
+            t, att = r["turbo"], cell_slo(r)
+            if mode == "turbonode":
+                attained[cell] = att
+            rows.append(
+                [cell, mode, t["n"], t["errors"], ms_int(t["p50_s"]), ms_int(t["p99_s"]), ms_int(t["max_s"])]
+                + [slo.pct(att[PROTECTED_TIER]), slo.pct(att["fast"])]
+            )
+    tn = {cell: by_mode["turbonode"]["turbo"] for cell, by_mode in result["cells"].items() if "turbonode" in by_mode}
+    ref, rolled = (tn.get("none") or {}).get("p99_s"), (tn.get("rolling") or {}).get("p99_s")
+    ratio = round(rolled / ref, 2) if ref and rolled else None
+    errors = (tn.get("rolling") or {}).get("errors")
+    per_tier = slo.verdict(attained)
+    verdicts = [
+        {
+            "target": f"turbonode rolling turbo p99 <= {TARGET_RATIO:g}x none",
+            "value": "-" if ratio is None else f"{ratio:.2f}x",
+            "met": None if ratio is None else ratio <= TARGET_RATIO,
+        },
+        {
+            "target": "0 client-visible turbo errors (turbonode, rolling)",
+            "value": "-" if errors is None else str(errors),
+            "met": None if errors is None else errors == 0,
+        },
+    ] + [
+        {
+            "target": f"{tier} SLO attainment >= {v['target']:.1%} within {slo.OBJECTIVE_S[tier]:g} s, every cell",
+            "value": "no requests" if v["met"] is None else f"met in {v['cells'] - len(v['missed'])}/{v['cells']}",
+            "met": v["met"],
+        }
+        for tier, v in per_tier.items()
+    ]
+    shown = {f"{tier} SLO {cell}": slo.pct(a[tier]) for cell, a in attained.items() for tier in slo.TIERS}
+    return {
+        "n": result["requests"],
+        "n_per": "turbo requests per cell and mode",
+        "seed": result.get("seed"),
+        "headline": "turbonode "
+        + ", ".join(f"{k} {v}" for k, v in shown.items())
+        + (f"; rolling p99 {ratio:.2f}x none, {errors} turbo errors" if ratio is not None else ""),
+        "figures": {
+            **shown,
+            "rolling p99 / none p99 (turbonode)": ratio,
+            "turbo errors in rolling (turbonode)": errors,
+        },
+        "table": {
+            "columns": ["cell", "mode", "turbo n", "errors", "p50 ms", "p99 ms", "max ms", "turbo SLO", "fast SLO"],
+            "rows": rows,
+        },
+        **judged(verdicts),
+    }
 
 
 def main() -> int:
@@ -366,6 +441,7 @@ def main() -> int:
         "requests": args.requests,
         "link": args.link,
         "clients": {"fast": args.fast_clients, "relax": args.relax_clients},
+        "seed": args.seed,
         "loadavg_before": os.getloadavg(),
     }
     try:
@@ -384,6 +460,7 @@ def main() -> int:
         if args.json:  # also what a failed or interrupted run measured so far
             Path(args.json).write_text(json.dumps(result, indent=1))
     print(report(result))
+    record("fleet_slo", variant=variant_of(ap, args), **result_record(result))
     return 0
 
 

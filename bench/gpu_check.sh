@@ -7,7 +7,9 @@
 #      weights, 1024 px, through the worker's family interface (bench/gpu_families.py), eager,
 #   4. the worker engine's end-to-end turbo latency (bench/gpu_e2e.py), torch and TensorRT,
 #   5. the GPU tests (real engines from the tiny model vs torch) with the time left,
-#   6. prints the side-by-side table. Files go to $OUT (the device tool's) or bench/out/gpu.
+#   6. prints the side-by-side table. Files go to $OUT (the device tool's) or bench/out/gpu;
+#      each stage's result (bench/record.py) to bench/results/, and a copy to $OUT/bench/results/
+#      (what comes back from a device machine: copy it into the checkout's bench/results/).
 # Stages run most important first, each in its own process under a time limit, so one that
 # fails or runs long costs only itself.
 # Knobs: GPU_CHECK_BUDGET_S (460), TRT_OPT_LEVEL (3; 2 builds the engine faster if it times out),
@@ -21,6 +23,13 @@ PY=${PYTHON:-python3}
 mkdir -p "$OUT"
 LOG="$OUT/gpu_check.log"
 : >"$LOG"
+STARTED="$OUT/.started"
+: >"$STARTED"
+# the results this run wrote, copied where they come back (a device machine returns $OUT alone)
+keep_results() {
+    find bench/results -name '*.json' -newer "$STARTED" -exec cp --parents {} "$OUT" \; 2>/dev/null
+}
+trap keep_results EXIT
 export PYTHONUNBUFFERED=1
 say() { printf '[gpu_check %3ds] %s\n' "$SECONDS" "$*" | tee -a "$LOG"; }
 
@@ -31,6 +40,8 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 DRY=${GPU_CHECK_DRY_RUN:-0}
+# a dry run's figures are meaningless: its results stay beside its other files
+[ "$DRY" = 1 ] && export BENCH_RESULTS=${BENCH_RESULTS:-$OUT/results}
 
 # stage NAME MAX_SECONDS COMMAND...: run within min(MAX, what is left of the budget).
 stage() {

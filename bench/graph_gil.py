@@ -52,6 +52,8 @@ def _ms(samples: list[float], q: float) -> float:
 
 
 def main() -> int:
+    from bench.record import record, variant_of
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="tiny")
     ap.add_argument("--size", type=int, default=0, help="pixels (0: the model's native size)")
@@ -93,9 +95,24 @@ def main() -> int:
         f"n={args.n} per cell (ms)"
     )
     print(f"{'':7}{'':6}{'quiet p50':>10}{'p99':>8}{'storm p50':>11}{'p99':>8}{'max':>8}{'p99 storm/quiet':>17}")
+    table = []
     for what, mode, quiet, storm in rows:
         q50, q99, s50, s99 = (_ms(xs, p) for xs in (quiet, storm) for p in (50, 99))
         print(f"{what:7}{mode:6}{q50:10.1f}{q99:8.1f}{s50:11.1f}{s99:8.1f}{1e3 * max(storm):8.1f}{s99 / q99:16.2f}x")
+        table.append([what, mode, *(round(x, 1) for x in (q50, q99, s50, s99, 1e3 * max(storm))), round(s99 / q99, 2)])
+    record(
+        "graph_gil",
+        variant=variant_of(ap, args),
+        n=args.n,
+        n_per="timed calls per cell",
+        headline="step p99 under the storm: " + ", ".join(f"{r[1]} {r[5]} ms" for r in table if r[0] == "step"),
+        figures={f"{r[0]} {r[1]} storm p99 ms": r[5] for r in table},
+        table={
+            "columns": ["call", "mode", "quiet p50 ms", "p99", "storm p50 ms", "p99", "max", "p99 storm/quiet"],
+            "rows": table,
+        },
+        notes="no target: it backs worker.torch_graphs",
+    )
     return 0
 
 

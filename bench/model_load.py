@@ -59,6 +59,9 @@ def load(root: Path, name: str, low: bool) -> tuple[float, int]:
 
 
 def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    from bench.record import record, variant_of
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--runs", type=int, default=5, help="loads per component and mode")
     a = ap.parse_args()
@@ -70,6 +73,7 @@ def main() -> None:
         for name in COMPONENTS:
             load(root, name, True)  # warm the page cache: both modes then read from memory
         print(f"{'component':<10} {'mode':<11} {'median s':>9} {'max s':>7} {'peak RSS MiB':>13}   (n={a.runs} each)")
+        table = []
         for name in COMPONENTS:
             runs: dict[str, list[tuple[float, int]]] = {m: [] for m in MODES}
             for _ in range(a.runs):
@@ -79,10 +83,21 @@ def main() -> None:
             peak = {m: max(p for _, p in v) / 2**20 for m, v in runs.items()}
             for mode, v in runs.items():
                 print(f"{name:<10} {mode:<11} {med[mode]:>9.2f} {max(s for s, _ in v):>7.2f} {peak[mode]:>13.0f}")
+                table.append([name, mode, round(med[mode], 2), round(max(s for s, _ in v), 2), round(peak[mode])])
             print(
                 f"{name:<10} {'ratio':<11} {med['without'] / med['accelerate']:>8.2f}x {'':>7} "
                 f"{peak['without'] / peak['accelerate']:>12.2f}x  (without / accelerate)"
             )
+    record(
+        "model_load",
+        variant=variant_of(ap, a, ("runs",)),
+        n=a.runs,
+        n_per="loads per component and mode",
+        headline="median s: " + ", ".join(f"{r[0]} {r[1]} {r[2]}" for r in table),
+        figures={f"{r[0]} {r[1]} median s": r[2] for r in table},
+        table={"columns": ["component", "mode", "median s", "max s", "peak RSS MiB"], "rows": table},
+        notes="no target: it decides whether the worker needs accelerate (low_cpu_mem_usage)",
+    )
 
 
 if __name__ == "__main__":

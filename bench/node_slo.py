@@ -74,6 +74,8 @@ if str(ROOT) not in sys.path:
 from agent.watchers.memory import process_major_faults  # noqa: E402
 from agent.watchers.procfile import process_stat_fields  # noqa: E402
 from agent.worker_unit import WORKER_SIGNALS  # noqa: E402
+from bench import slo  # noqa: E402
+from bench.record import judged, ms_int, record, variant_of  # noqa: E402
 from sandbox import faults  # noqa: E402
 from sandbox.cgroup_v2 import CgroupV2Unavailable, cpu_on_v2  # noqa: E402
 from sandbox.demo import preflight  # noqa: E402
@@ -307,7 +309,22 @@ def summarize_cell(outcomes: list[Outcome], wall: float, agent: dict | None) -> 
             "worker_p99_s": percentile([o.elapsed_s for o in turbo if o.elapsed_s is not None], 99),
         }
     )
-    return {"tiers": tiers, "wall_s": wall, "agent": agent, "outcomes": [asdict(o) for o in outcomes]}
+    return {
+        "tiers": tiers,
+        "slo": slo.attainments(outcomes),
+        "wall_s": wall,
+        "agent": agent,
+        "outcomes": [asdict(o) for o in outcomes],
+    }
+
+
+def cell_slo(r: dict | None) -> dict | None:
+    """A cell's SLO attainment per tier (runs saved before it was kept: from their outcomes)."""
+    if r is None:
+        return None
+    if "slo" in r:
+        return r["slo"]
+    return slo.attainments(r["outcomes"]) if "outcomes" in r else None
 
 
 def _ms(v) -> str:
@@ -319,9 +336,14 @@ def report(result: dict) -> str:
         return report_workers(result)
     cells, modes = result["cells"], result["modes"]
     ref = cells.get(REFERENCE_CELL, {}).get("turbonode", {}).get("tiers", {}).get(PROTECTED_TIER, {}).get("p99_s")
-    head = f"{'n':>4} {'err':>3} {'p50':>6} {'p99':>6} {'max':>6} {'conn99':>6} {'fast/s':>6} {'relax/s':>7}"
+    head = (
+        f"{'n':>4} {'err':>3} {'p50':>6} {'p99':>6} {'max':>6} {'turboSLO':>8} {'fastSLO':>7} "
+        f"{'conn99':>6} {'fast/s':>6} {'relax/s':>7}"
+    )
     lines = [
-        "turbo latency in ms (send to last byte, from the client namespace); lower tiers in images/s",
+        "turbo latency in ms (send to last byte, from the client namespace); lower tiers in images/s; "
+        f"turboSLO, fastSLO: the share of the tier's requests answered within {_objectives()} "
+        "(refused and failed ones count as misses)",
         f"{'cell':<12}" + "".join(f"  {m:^{len(head)}}" for m in modes) + "  p99/ref  agent",
         f"{'':<12}" + "".join(f"  {head}" for _ in modes),
     ]
@@ -339,9 +361,11 @@ def report(result: dict) -> str:
                 for tier, w in (("fast", 6), ("relax", 7))
             )
             err = t.get("rejected", 0) + t.get("failed", 0)
+            att = cell_slo(r) or {}
             row += (
                 f"  {t.get('ok', 0):>4} {err:>3} {_ms(t.get('p50_s')):>6} {_ms(t.get('p99_s')):>6} "
-                f"{_ms(t.get('max_s')):>6} {_ms(t.get('connect_p99_s')):>6} {rates}"
+                f"{_ms(t.get('max_s')):>6} {slo.pct(att.get(PROTECTED_TIER)):>8} {slo.pct(att.get('fast')):>7} "
+                f"{_ms(t.get('connect_p99_s')):>6} {rates}"
             )
         tn = by_mode.get("turbonode")
         p99 = tn and tn["tiers"].get(PROTECTED_TIER, {}).get("p99_s")
@@ -362,6 +386,9 @@ def report(result: dict) -> str:
             f"{_ms(ref * TARGET_RATIO)} ms: met in {len(met)}/{len(verdicts)} cells"
             + (f"; missed: {', '.join(missed)}" if missed else "")
         )
+    attained = {c: a for c, by_mode in cells.items() if (a := cell_slo(by_mode.get("turbonode")))}
+    if attained:
+        lines.append(slo.verdict_line(slo.verdict(attained)) + " (turbonode)")
     lines.append(
         "conn99: p99 of the TCP handshake seen by the client (SYN -> SYN-ACK); "
         f"knobs: {result['knobs']}; load average before: {result['loadavg_before']}"
@@ -369,8 +396,25 @@ def report(result: dict) -> str:
     return "\n".join(lines)
 
 
+def _objectives() -> str:
+    return ", ".join(f"{tier} {s:g} s" for tier, s in slo.OBJECTIVE_S.items())
+
+
 def turbo_p99(r: dict | None) -> float | None:
     return None if r is None else r["tiers"].get(PROTECTED_TIER, {}).get("p99_s")
+
+
+def ratio_target(cell: str, name: str, first: str) -> float | None:
+    """--workers: the bound on a worker's turbo p99 over its own `none` p99 in `cell`; None: no target
+    (the reference, a's own faults)."""
+    if cell == REFERENCE_CELL:
+        return None
+    if cell == "gc":  # a's storm: the others must not feel it
+        return SPILL_RATIO if name != first else None
+    faults_here = set(COMBINED.get(cell, (cell,)))
+    if faults_here <= set(OWN_FAULTS) or (name == first and faults_here & set(OWN_FAULTS)):
+        return None
+    return TARGET_RATIO  # the node's faults, and for the others a's too: none of them is theirs
 
 
 def report_workers(result: dict) -> str:
@@ -379,16 +423,18 @@ def report_workers(result: dict) -> str:
     cells, modes = result["cells"], result["modes"]
     names = list(next(iter(cells.values()))[modes[0]]["workers"])
     ref = {n: turbo_p99(cells.get(REFERENCE_CELL, {}).get("turbonode", {}).get("workers", {}).get(n)) for n in names}
-    head = f"{'n':>4} {'p50':>6} {'p99':>6} {'max':>6} {'relax/s':>7}"
+    head = f"{'n':>4} {'p50':>6} {'p99':>6} {'max':>6} {'turboSLO':>8} {'relax/s':>7}"
     lines = [
         f"turbo latency in ms per worker ({len(names)} workers, the load at each; send to last byte, from the "
-        "client namespace); relax in images/s; p99/ref: the worker's turbonode p99 over its own none p99",
+        "client namespace); relax in images/s; p99/ref: the worker's turbonode p99 over its own none p99; "
+        f"turboSLO: the share of turbo requests answered within {slo.OBJECTIVE_S[PROTECTED_TIER]:g} s",
         f"{'cell':<12} {'worker':<7}"
         + "".join(f"  {m:^{len(head)}}" for m in modes)
         + "  p99/ref  agent on this worker",
         f"{'':<12} {'':<7}" + "".join(f"  {head}" for _ in modes),
     ]
     spill, own_only, nodewide, with_own = [], [], [], []
+    attained: dict[str, dict] = {}
     for cell, by_mode in cells.items():
         for name in names:
             row = f"{cell:<12} {name:<7}"
@@ -400,7 +446,13 @@ def report_workers(result: dict) -> str:
                 t = r["tiers"].get(PROTECTED_TIER, {})
                 relax = (r["tiers"].get("relax") or {}).get("images_per_s") or 0
                 figures = [_ms(t.get(k)) for k in ("p50_s", "p99_s", "max_s")]
-                row += f"  {t.get('ok', 0):>4} {figures[0]:>6} {figures[1]:>6} {figures[2]:>6} {relax:>7.2f}"
+                att = cell_slo(r) or {}
+                if m == "turbonode" and att:
+                    attained[f"{cell}/{name}"] = att
+                row += (
+                    f"  {t.get('ok', 0):>4} {figures[0]:>6} {figures[1]:>6} {figures[2]:>6} "
+                    f"{slo.pct(att.get(PROTECTED_TIER)):>8} {relax:>7.2f}"
+                )
             p99 = turbo_p99(by_mode.get("turbonode", {}).get("workers", {}).get(name))
             own_ref = ref[name]
             ratio = p99 / own_ref if p99 and own_ref else None
@@ -415,19 +467,15 @@ def report_workers(result: dict) -> str:
             lines.append(row)
             if ratio is None or cell == REFERENCE_CELL:
                 continue
-            if cell == "gc":
-                if name != names[0]:
-                    spill.append((name, ratio))
-                if seen:
-                    own_only.append((name, seen["throttled_share"], seen["reasons"]))
-                continue
-            faults_here = set(COMBINED.get(cell, (cell,)))
-            if faults_here <= set(OWN_FAULTS):
-                continue
-            if name == names[0] and faults_here & set(OWN_FAULTS):  # `all`: a's own faults too
-                with_own.append((cell, name, ratio))
-            else:  # the node's faults, and for the others a's too: none of them is theirs
+            if cell == "gc" and seen:
+                own_only.append((name, seen["throttled_share"], seen["reasons"]))
+            limit = ratio_target(cell, name, names[0])
+            if limit == SPILL_RATIO:
+                spill.append((name, ratio))
+            elif limit == TARGET_RATIO:
                 nodewide.append((cell, name, ratio))
+            elif cell != "gc" and name == names[0] and not set(COMBINED.get(cell, (cell,))) <= set(OWN_FAULTS):
+                with_own.append((cell, name, ratio))  # `all`: a's own faults too
     if spill:
         met = all(r <= SPILL_RATIO for _, r in spill)
         lines.append(
@@ -456,8 +504,104 @@ def report_workers(result: dict) -> str:
             f"with {names[0]}'s own faults too (no target: {', '.join(OWN_FAULTS)} are {names[0]}'s, not the node's): "
             + ", ".join(f"{c}/{n} {r:.2f}x" for c, n, r in with_own)
         )
+    if attained:
+        lines.append(slo.verdict_line(slo.verdict(attained)) + " (turbonode, per cell and worker)")
     lines.append(f"knobs: {result['knobs']}; load average before: {result['loadavg_before']}")
     return "\n".join(lines)
+
+
+def result_record(result: dict) -> dict:
+    """What bench/record.py keeps of a run: per cell, worker and mode turbo n, errors, p50/p99/max,
+    the SLO attainment of turbo and fast, and the p99 over the `none` p99; the targets' verdicts."""
+    multi = result.get("workers", 1) > 1
+    rows, ratios, attained = [], [], {}
+    for cell, by_mode in result["cells"].items():
+        names = list(next(iter(by_mode.values())).get("workers", {"": None})) if multi else [""]
+        for name in names:
+            ref = turbo_p99(_figures(result["cells"].get(REFERENCE_CELL, {}).get("turbonode"), name))
+            for mode, cell_result in by_mode.items():
+                r = _figures(cell_result, name)
+                if r is None:
+                    continue
+                t = r["tiers"].get(PROTECTED_TIER, {})
+                att = cell_slo(r) or {}
+                p99 = turbo_p99(r)
+                ratio = round(p99 / ref, 2) if mode == "turbonode" and p99 and ref else None
+                if mode == "turbonode":
+                    attained[f"{cell}/{name}" if name else cell] = att
+                    limit = ratio_target(cell, name, names[0]) if multi else None
+                    if ratio is not None and (limit or (not multi and cell != REFERENCE_CELL)):
+                        ratios.append((f"{cell}/{name}" if name else cell, ratio, limit or TARGET_RATIO))
+                rows.append(
+                    [
+                        cell,
+                        *([name] if multi else []),
+                        mode,
+                        t.get("requests", 0),
+                        t.get("rejected", 0) + t.get("failed", 0),
+                    ]
+                    + [ms_int(t.get(k)) for k in ("p50_s", "p99_s", "max_s")]
+                    + [slo.pct(att.get(PROTECTED_TIER)), slo.pct(att.get("fast")), ratio]
+                )
+    per_tier = slo.verdict(attained)
+    missed = [f"{c} {r:.2f}x" for c, r, limit in ratios if r > limit]
+    verdicts = [
+        {
+            "target": f"turbonode turbo p99 <= {TARGET_RATIO:g}x the {REFERENCE_CELL} p99"
+            + (f" (in gc: the other workers <= {SPILL_RATIO:g}x their own)" if multi else ""),
+            "value": f"met in {len(ratios) - len(missed)}/{len(ratios)}"
+            + (f"; missed {', '.join(missed)}" if missed else ""),
+            "met": not missed if ratios else None,
+        }
+    ] + [
+        {
+            "target": f"{tier} SLO attainment >= {v['target']:.1%} within {slo.OBJECTIVE_S[tier]:g} s, every cell",
+            "value": "no requests" if v["met"] is None else f"met in {v['cells'] - len(v['missed'])}/{v['cells']}",
+            "met": v["met"],
+        }
+        for tier, v in per_tier.items()
+    ]
+    worst = max(ratios, key=lambda x: x[1], default=None)
+    lowest = {
+        tier: min(
+            (a[tier]["attainment"] for a in attained.values() if a.get(tier) and a[tier]["attainment"] is not None),
+            default=None,
+        )
+        for tier in slo.TIERS
+    }
+    return {
+        "n": result["requests"],
+        "n_per": "turbo requests per cell and mode" + (" and worker" if multi else ""),
+        "seed": result.get("seed"),
+        "headline": (
+            "turbonode turbo SLO lowest "
+            + ", ".join(f"{tier} {'-' if v is None else f'{v:.1%}'}" for tier, v in lowest.items())
+            + (f"; worst p99/ref {worst[1]:.2f}x ({worst[0]})" if worst else "")
+        ),
+        "figures": {
+            **{f"lowest {tier} SLO attainment (turbonode)": v for tier, v in lowest.items()},
+            "worst p99/ref (turbonode)": worst[1] if worst else None,
+            "worst cell": worst[0] if worst else None,
+            f"{REFERENCE_CELL} turbo p99 ms (turbonode)": ms_int(
+                turbo_p99(result["cells"].get(REFERENCE_CELL, {}).get("turbonode"))
+            )
+            if not multi
+            else None,
+        },
+        "table": {
+            "columns": ["cell", *(["worker"] if multi else []), "mode", "turbo n", "err", "p50 ms", "p99 ms", "max ms"]
+            + ["turbo SLO", "fast SLO", "p99/ref"],
+            "rows": rows,
+        },
+        **judged(verdicts),
+    }
+
+
+def _figures(cell_result: dict | None, name: str) -> dict | None:
+    """A mode's figures in a cell: the node's, or with --workers the named worker's."""
+    if cell_result is None or not name:
+        return cell_result
+    return cell_result.get("workers", {}).get(name)
 
 
 # Where a turbo request's time went, from its outcome (client timings and the worker's own):
@@ -637,6 +781,7 @@ def main() -> int:
         result["cgroup_version"] = node.cgroups.version if node.cgroups is not None else None
         run_cells(node, cells, modes, args, result, log)
     print(report(result) + "\n" + stages(result))
+    record("node_slo", variant=variant_of(ap, args, ("cgroup_v2",)), **result_record(result))
     return 0
 
 

@@ -64,6 +64,16 @@ def sd15_check() -> int:
         f"latent 16x24, timesteps 999/20: max |diff| vs fp32 torch {np.abs(got - want).max():.1e} "
         f"(outputs up to {np.abs(want).max():.2f})"
     )
+    from bench.record import record
+
+    diff = float(np.abs(got - want).max())
+    record(
+        "onnx_cpu",
+        variant="sd15",
+        headline=f"SD 1.5 fp16 export {export_s:.0f} s, {size_gib:.2f} GiB; max abs diff {diff:.1e} vs fp32 torch",
+        figures={"export s": round(export_s, 1), "size GiB": round(size_gib, 2), "max abs diff": diff},
+        notes="no target: checks the graph a TensorRT engine is built from",
+    )
     return 0
 
 
@@ -106,6 +116,7 @@ def main(argv=None) -> int:
             f"{'batch':>5} | {'torch p50/p99 ms':>17} | {'onnxruntime p50/p99 ms':>23} | {'ort/torch speed':>15}"
             f" | max |diff|"
         )
+        rows = []
         for batch in args.batches:
             gen = torch.Generator().manual_seed(batch)
             x = torch.randn(batch, 4, args.latent, args.latent, generator=gen)
@@ -122,6 +133,34 @@ def main(argv=None) -> int:
                 f"{batch:>5} | {percentile(torch_ms, 50):>8.1f}/{percentile(torch_ms, 99):<8.1f} | "
                 f"{percentile(ort_ms, 50):>11.1f}/{percentile(ort_ms, 99):<11.1f} | {ratio:>14.2f}x | {diff:.1e}"
             )
+            quantiles = [percentile(x, q) for x in (torch_ms, ort_ms) for q in (50, 99)]
+            rows.append([batch, *(None if v is None else round(v, 1) for v in quantiles)])
+            rows[-1] += [round(ratio, 2), float(diff)]
+    from bench.record import record, variant_of
+
+    record(
+        "onnx_cpu",
+        variant=variant_of(ap, args),
+        n=args.iters,
+        n_per="timed calls per batch",
+        headline=f"tiny UNet export {export_s:.2f} s; ort/torch "
+        + ", ".join(f"batch {r[0]} {r[5]}x" for r in rows)
+        + f"; max abs diff {max(r[6] for r in rows):.1e}",
+        figures={"export s": round(export_s, 2), **{f"batch {r[0]} ort/torch": r[5] for r in rows}},
+        table={
+            "columns": [
+                "batch",
+                "torch p50 ms",
+                "torch p99 ms",
+                "ort p50 ms",
+                "ort p99 ms",
+                "ort/torch",
+                "max abs diff",
+            ],
+            "rows": rows,
+        },
+        notes="no target: checks the export the TensorRT path builds on (not a TensorRT figure)",
+    )
     return 0
 
 

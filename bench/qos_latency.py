@@ -24,6 +24,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
+from bench.record import flat, judged, record, variant_of  # noqa: E402
 from bpf import source  # noqa: E402
 from sandbox.netns import Sandbox  # noqa: E402
 from tc import bpfobj  # noqa: E402
@@ -371,18 +372,22 @@ def report(results: dict, rate: int) -> str:
     return "\n".join([head, *lines])
 
 
-def targets(r: dict, rate: int) -> str:
-    """The defaults against the targets: 256 KiB EF p99 / line-rate time, bulk's share of the link."""
+def verdicts(r: dict, rate: int) -> list[dict]:
+    """The defaults against the targets: 256 KiB EF p99 / line-rate time, bulk's share of the link
+    (a value missing, no transfers, is not a pass)."""
     rr = _ratio(r["loaded_rr"]["p99_ms"], RR_SIZE * 8 / rate * 1000)
     share = r["bulk_share"]
+    return [
+        {"target": f"256K EF p99 / line-rate <= {TARGET_RR_P99}", "value": fmt(rr, ".2f")}
+        | {"met": rr is not None and rr <= TARGET_RR_P99},
+        {"target": f"bulk share of link >= {TARGET_BULK_SHARE}", "value": fmt(share, ".2f")}
+        | {"met": share is not None and share >= TARGET_BULK_SHARE},
+    ]
 
-    def verdict(ok: bool) -> str:  # a value missing (no transfers) is not a pass
-        return "met" if ok else "NOT met"
 
-    return (
-        f"turbonode at its defaults: 256K EF p99 / line-rate {fmt(rr, '.2f')} (target <= {TARGET_RR_P99}: "
-        f"{verdict(rr is not None and rr <= TARGET_RR_P99)}); bulk share of link {fmt(share, '.2f')} "
-        f"(target >= {TARGET_BULK_SHARE}: {verdict(share is not None and share >= TARGET_BULK_SHARE)})"
+def targets(r: dict, rate: int) -> str:
+    return "turbonode at its defaults: " + "; ".join(
+        f"{v['target']}: {v['value']} ({'met' if v['met'] else 'NOT met'})" for v in verdicts(r, rate)
     )
 
 
@@ -440,6 +445,17 @@ def main(argv=None) -> int:
     if args.json_out:
         with open(args.json_out, "w") as f:
             json.dump({"setups": results, "classifier_cost": cost}, f, indent=1)
+    found = verdicts(results["turbonode"], args.rate) if "turbonode" in results else []
+    record(
+        "qos_latency",
+        variant=variant_of(p, args),
+        n=args.rr_count,
+        n_per="256 KiB EF transfers under load per setup",
+        headline="turbonode: " + "; ".join(f"{v['target']}: {v['value']}" for v in found),
+        figures=flat({"setups": results, "classifier": cost}),
+        **judged(found),
+        notes="the EF ping and classifier targets are read from the table (not judged by the script)",
+    )
     return 0
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from bench.record import flat, record, variant_of  # noqa: E402
 from bench.worker_turbo import SIZE, Worker  # noqa: E402
 from render.link import ENTRY  # noqa: E402
 from sandbox.loadgen import request_image  # noqa: E402
@@ -108,6 +109,15 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(table(result))
+    record(
+        "worker_rss",
+        variant=variant_of(ap, args, ("trees",)),
+        headline="engine RSS growth per 1000 requests: "
+        + ", ".join(f"{label} {r['growth_mib_per_1000']} MiB" for label, r in result["trees"].items()),
+        figures=flat(result["trees"]),
+        target="the engine's RSS levels off under load",
+        notes="met is judged by reading the growth (per 1000 requests, last half of the run)",
+    )
     return 0
 
 

@@ -31,6 +31,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench.node import WORKER_PY, free_port  # noqa: E402
+from bench.record import flat, record, variant_of  # noqa: E402
 from sandbox.loadgen import Outcome, request_image  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
 
@@ -171,6 +172,20 @@ def main() -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1))
     print(table(result))
+    record(
+        "worker_turbo",
+        variant=variant_of(ap, args, ("trees",)),
+        n=args.requests,
+        n_per="turbo requests per checkout and cell",
+        headline="turbo p50/p99 ms: "
+        + ", ".join(
+            f"{cell} {label} {r['p50']}/{r['p99']}"
+            for cell, rows in result["cells"].items()
+            for label, r in rows.items()
+        ),
+        figures=flat(result["cells"]),
+        notes="no target of its own: checkouts side by side (--trees)",
+    )
     return 0
 
 

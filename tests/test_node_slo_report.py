@@ -46,3 +46,152 @@ def test_a_own_faults_in_all_are_shown_apart_and_the_others_judged_against_2x():
     # cpu-bulk for both, `all` for b (a's faults are not b's): 3 verdicts; b's 2.25x in `all` misses
     assert "every worker's p99 <= 2 x its none: met in 2/3; missed: all/b 2.25x" in text
     assert "with a's own faults too (no target: gc, relax-flood are a's, not the node's): all/a 2.75x" in text
+
+
+# ---- SLO attainment (bench/slo.py): the share of a tier's requests within its objective --------
+
+from bench import slo  # noqa: E402
+from bench.fleet_slo import report as fleet_report  # noqa: E402
+from bench.fleet_slo import result_record as fleet_record  # noqa: E402
+from bench.node_slo import report, result_record  # noqa: E402
+
+
+def _outcome(tier: str, status: int, latency: float) -> dict:
+    return {"tier": tier, "status": status, "latency": latency, "connect_s": 0.0, "elapsed_s": latency / 2}
+
+
+def test_refusals_and_errors_count_as_misses():
+    turbo = slo.OBJECTIVE_S["turbo"]
+    outcomes = (
+        [_outcome("turbo", 200, turbo / 2)] * 996
+        + [_outcome("turbo", 200, turbo + 0.1)]  # answered, too late
+        + [_outcome("turbo", 503, 0.01), _outcome("turbo", 429, 0.01)]  # refused at once: not a pass
+        + [_outcome("turbo", 0, 30.0)]  # no answer
+    )
+    a = slo.attainment(outcomes, "turbo")
+    assert (a["requests"], a["within"], a["refused"], a["errors"]) == (1000, 996, 2, 1)
+    assert a["attainment"] == 0.996 and a["met"] is False and a["target"] == 0.999
+    assert slo.pct(a) == "99.6%"
+
+
+def test_a_tier_without_requests_has_no_attainment_not_100_percent():
+    a = slo.attainment([_outcome("turbo", 200, 0.1)], "fast")
+    assert a["requests"] == 0 and a["attainment"] is None and a["met"] is None
+    assert slo.pct(a) == "none"
+    v = slo.verdict({"none": {"turbo": slo.attainment([], "turbo"), "fast": a}})
+    assert v["turbo"]["met"] is None and v["turbo"]["no_requests"] == ["none"]
+    assert "turbo >= 99.9% within 2 s: no requests" in slo.verdict_line(v)
+
+
+def test_the_objectives_are_the_workers_own_turbo_one():
+    from turbonode.config import WorkerConfig
+
+    assert slo.OBJECTIVE_S["turbo"] == WorkerConfig().slo["turbo"]
+    assert slo.TARGET == {"turbo": 0.999, "fast": 0.99}
+
+
+def _node_cell(turbo: list[dict], fast: list[dict]) -> dict:
+    outcomes = turbo + fast
+    ok = [o["latency"] for o in turbo if o["status"] == 200]
+    return {
+        "tiers": {
+            "turbo": {
+                "requests": len(turbo),
+                "ok": len(ok),
+                "rejected": sum(o["status"] in (429, 503) for o in turbo),
+                "failed": sum(o["status"] not in (200, 429, 503) for o in turbo),
+                "p50_s": sorted(ok)[len(ok) // 2],
+                "p99_s": max(ok),
+                "max_s": max(ok),
+            },
+        },
+        "slo": slo.attainments(outcomes),
+        "agent": None,
+        "outcomes": outcomes,
+    }
+
+
+def _node_result() -> dict:
+    fine = [_outcome("turbo", 200, 0.3)] * 100
+    fast = [_outcome("fast", 200, 1.0)] * 50
+    refused = [_outcome("turbo", 200, 0.3)] * 99 + [_outcome("turbo", 503, 0.01)]
+    return {
+        "cells": {
+            "none": {"plain": _node_cell(fine, fast), "turbonode": _node_cell(fine, fast)},
+            "cpu": {"plain": _node_cell(refused, []), "turbonode": _node_cell(refused, [])},
+        },
+        "modes": ["plain", "turbonode"],
+        "knobs": {},
+        "loadavg_before": [0, 0, 0],
+        "requests": 100,
+        "seed": 22,
+    }
+
+
+def test_node_slo_prints_attainment_per_tier_and_cell_beside_p50_p99():
+    text = report(_node_result())
+    header = text.splitlines()[1:3]
+    assert "turboSLO" in header[1] and "fastSLO" in header[1] and header[1].index("p99") < header[1].index("turboSLO")
+    cpu = next(line for line in text.splitlines() if line.startswith("cpu "))
+    assert " 99.0% " in cpu and " none " in cpu  # a refusal is a miss; fast sent nothing there: none, not 100 %
+    assert "turbo >= 99.9% within 2 s: MISSED in 1/2 cells (missed: cpu)" in text
+    assert "fast >= 99.0% within 10 s: met in 1/1 cells; no requests in cpu" in text
+
+
+def test_node_slo_record_keeps_attainment_per_cell_and_the_verdicts():
+    r = result_record(_node_result())
+    cols = r["table"]["columns"]
+    rows = {(row[0], row[1]): dict(zip(cols, row)) for row in r["table"]["rows"]}
+    assert rows[("cpu", "turbonode")]["turbo SLO"] == "99.0%" and rows[("cpu", "turbonode")]["fast SLO"] == "none"
+    assert rows[("none", "turbonode")]["turbo SLO"] == "100.0%" and rows[("none", "turbonode")]["p99/ref"] == 1.0
+    verdicts = {v["target"].split(" ")[0]: v for v in r["verdicts"]}
+    assert verdicts["turbo"]["met"] is False and verdicts["turbo"]["value"] == "met in 1/2"
+    assert verdicts["fast"]["met"] is True
+    assert r["met"] is False and r["figures"]["lowest turbo SLO attainment (turbonode)"] == 0.99
+    assert r["seed"] == 22 and r["n"] == 100
+
+
+def _fleet_cell(outcomes: list[dict]) -> dict:
+    turbo = [o for o in outcomes if o["tier"] == "turbo"]
+    ok = [o["latency"] for o in turbo if o["status"] == 200]
+    att = slo.attainments(outcomes)
+    return {
+        "turbo": {
+            "n": len(turbo),
+            "ok": len(ok),
+            "errors": len(turbo) - len(ok),
+            "error_kinds": [],
+            "p50_s": min(ok),
+            "p99_s": max(ok),
+            "max_s": max(ok),
+            "attainment": att["turbo"]["attainment"],
+        },
+        "fast": {"n": 0, "attainment": att["fast"]["attainment"], "images_per_s": None},
+        "relax_images_per_s": None,
+        "slo": att,
+        "windows": [],
+        "retried": [],
+        "restarts": [],
+    }
+
+
+def test_fleet_slo_counts_errors_as_misses_and_says_none_for_an_empty_tier():
+    result = {
+        "cells": {
+            "none": {"turbonode": _fleet_cell([_outcome("turbo", 200, 0.5)] * 300)},
+            "rolling": {"turbonode": _fleet_cell([_outcome("turbo", 200, 0.6)] * 299 + [_outcome("turbo", 502, 0.2)])},
+        },
+        "nodes": 3,
+        "cpus": 0.5,
+        "rate": 1.5,
+        "requests": 300,
+        "loadavg_before": [0, 0, 0],
+    }
+    text = fleet_report(result)
+    rolling = next(line for line in text.splitlines() if line.startswith("rolling"))
+    assert "99.7%" in rolling and " none " in rolling
+    assert "turbo >= 99.9% within 2 s: MISSED in 1/2 cells (missed: rolling)" in text
+    assert "fast >= 99.0% within 10 s: no requests" in text
+    r = fleet_record(result)
+    assert r["figures"]["turbo SLO rolling"] == "99.7%" and r["figures"]["fast SLO none"] == "none"
+    assert [v["met"] for v in r["verdicts"]] == [True, False, False, None] and r["met"] is False
