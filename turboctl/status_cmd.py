@@ -248,7 +248,14 @@ def command(path, only, worker_socket, config_file, as_json):
 
 
 def _lever(name: str, lever: dict) -> str:
-    """'cpu_share engaged (cpu_load=0.93 > 0.75)', 'worker_threads off' or 'cpu_share off: <error>'."""
+    """'cpu_share engaged (cpu_load=0.93 > 0.75)', 'worker_threads off' or 'cpu_share off: <error>';
+    a lever the host gives only in part says what it does instead ('[throttle: no proportional ...]')."""
+    policy = lever.get("io_policy")
+    note = f" [{policy.get('mode')}: {policy.get('summary')}]" if isinstance(policy, dict) else ""
+    if not isinstance(policy, dict) or policy.get("mode") == "weight":
+        note = ""  # the lever is what it says
     if lever.get("engaged"):
-        return f"{name} engaged ({lever.get('reason')})"
-    return f"{name} off" + (f": {lever['error']}" if lever.get("error") else "")
+        return f"{name} engaged ({lever.get('reason')}){note}"
+    if lever.get("error"):
+        return f"{name} off: {lever['error']}"
+    return f"{name} off{note}"

@@ -11,7 +11,9 @@ A rule of `[policy.rules.<signal>]` lists the levers it engages while it is acti
   memory_protect  (node, and each worker) every worker's memory cgroup kept from reclaim, on v2
                   (agent/levers/memory.py), and each worker told to lock its memory (a field of
                   its throttle: render/memory_lock.py)
-  io_weight       (node) io weight up for every worker, down for best-effort cgroups (agent/levers/io.py)
+  io_weight       (node) io weight up for every worker, down for best-effort cgroups; where no
+                  proportional io policy schedules a disk, the best-effort writes to it capped
+                  instead, or off, saying why (agent/levers/io.py, io_policy.py)
   io_throttle     (node) best-effort cgroups' writes capped per disk (agent/levers/io.py)
 
 Beside them, the OOM guard (agent/levers/memory.py) is standing while the agent runs
@@ -39,6 +41,7 @@ from turbonode.errors import TurbonodeError
 
 from .cgroup import CpuShare, WorkerCgroup
 from .io import IoThrottle, IoWeight
+from .io_policy import IO_MODES
 from .journal import KnobJournal, KnobWrites
 from .memory import MemoryProtect, MemorySqueeze, OomGuard
 
@@ -154,6 +157,7 @@ class Levers(LeverSet):
         procfs: str = "/proc",
         dry_run: bool = False,
         worker_pids: Callable[[], Iterable[int]] = tuple,
+        sysfs: str = "/sys",
     ):
         super().__init__(dry_run)
         self.cfg = cfg
@@ -164,9 +168,11 @@ class Levers(LeverSet):
             "cpu_share": self.cpu_share,
             "memory_squeeze": MemorySqueeze(cfg, KnobWrites(self.journal)),
             "memory_protect": MemoryProtect(cfg, KnobWrites(self.journal), workers, procfs),
-            "io_weight": IoWeight(cfg, KnobWrites(self.journal), workers, procfs),
-            "io_throttle": IoThrottle(cfg, KnobWrites(self.journal), procfs),
         }
+        # one writer of the write caps: io_weight caps through it where weights do nothing (agent/levers/io.py)
+        self.io_throttle = IoThrottle(cfg, KnobWrites(self.journal), procfs, sysfs)
+        self.io_weight = IoWeight(cfg, KnobWrites(self.journal), workers, procfs, self.io_throttle, sysfs)
+        self.knobs["io_weight"], self.knobs["io_throttle"] = self.io_weight, self.io_throttle
         self.oom_guard = OomGuard(cfg, KnobWrites(self.journal), worker_pids, procfs) if cfg.oom_guard else None
         self.restore_problems: list[str] = []
 
@@ -230,9 +236,14 @@ class Levers(LeverSet):
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = super().status()
         out["oom_guard"] = self.oom_guard.status() if self.oom_guard is not None else {"engaged": False}
+        out["io_weight"]["io_policy"] = self.io_weight.policy()  # engaged or not: what it can do here
         out["changed"] = self.journal.changed()
         out["restore_problems"] = self.restore_problems
         return out
+
+    def modes(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """lever -> (the mode it has on this host, the modes it can have), for turbonode_lever_mode."""
+        return {"io_weight": (self.io_weight.policy()["mode"], IO_MODES)}
 
 
 class WorkerLevers(LeverSet):
