@@ -243,7 +243,7 @@ def test_neither_weights_nor_write_limits_leave_it_off_saying_why(tmp_path):
     assert st["io_policy"]["mode"] == "off"
     assert _lever("io_weight", st).startswith("io_weight off: stays off: no proportional io policy")
     [family] = LeverModeCollector(levers.modes).collect()
-    assert {s.labels["mode"]: s.value for s in family.samples} == {
+    assert {s.labels["mode"]: s.value for s in family.samples if s.labels["lever"] == "io_weight"} == {
         "weight": 0.0,
         "weight+throttle": 0.0,
         "throttle": 0.0,

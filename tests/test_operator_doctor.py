@@ -170,6 +170,22 @@ def test_io_weights_say_what_the_disks_allow(tmp_path):
     assert c == doctor.Check("io weights", OK, "weights act on 254:0 (bfq), 259:0 (bfq)")
 
 
+def test_lever_writer_as_pid_1_is(tmp_path):
+    proc = Path(fake_procfs(tmp_path))
+    (proc / "1").mkdir()
+    (proc / "1/comm").write_text("bash\n")
+    c = doctor.check_lever_writer(Config(), str(proc), str(tmp_path / "booted"))
+    assert c == doctor.Check("lever writer", OK, "cgroupfs: PID 1 is bash, not systemd: cgroup files written directly")
+    (proc / "1/comm").write_text("systemd\n")
+    (tmp_path / "booted").mkdir()
+    from agent.levers import systemd_bus
+
+    with pytest.MonkeyPatch.context() as mp:  # a systemd whose socket is not there
+        mp.setattr(systemd_bus, "SYSTEM_BUS", str(tmp_path / "no-socket"))
+        c = doctor.check_lever_writer(Config(), str(proc), str(tmp_path / "booted"))
+    assert c.status == FAIL and c.detail.startswith("systemd: PID 1 is systemd") and "cannot connect" in c.detail
+
+
 def test_softirq_tracepoints(tmp_path):
     assert doctor.check_softirq_tracepoints(str(tmp_path)).status == SKIP
     irq = tmp_path / "kernel" / "tracing" / "events" / "irq"
@@ -383,6 +399,7 @@ def test_command_json_and_exit_status(tmp_path):
         "PSI",
         "cgroups",
         "io weights",
+        "lever writer",
         "NVML / GPU",
         "torch",
         "TensorRT",

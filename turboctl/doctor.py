@@ -355,6 +355,29 @@ def check_io_policy(cfg: Config, procfs: str = "/proc", sysfs: str = "/sys") -> 
     return Check("io weights", OK, summary)
 
 
+def check_lever_writer(cfg: Config, procfs: str = "/proc", booted: str = "/run/systemd/system") -> Check:
+    """Who applies the levers (agent/levers/writers.py): systemd where it is PID 1, after a call
+    to it over D-Bus answers; else the cgroup files."""
+    from agent.levers.systemd_bus import SystemdError
+    from agent.levers.writers import SYSTEMD, choose_writer
+
+    writer = choose_writer(procfs, cfg.levers.cgroup_root, booted)
+    if writer.backend != SYSTEMD or writer.bus is None:
+        return Check("lever writer", OK, f"cgroupfs: {writer.why}")
+    try:
+        writer.bus.get_property("-.slice", "CPUWeight")
+    except SystemdError as exc:
+        return Check(
+            "lever writer",
+            FAIL,
+            f"systemd: {writer.why}, but D-Bus does not answer: {exc}",
+            "install and start the system bus (apt-get install dbus): the agent sets unit properties over it",
+        )
+    finally:
+        writer.bus.close()
+    return Check("lever writer", OK, f"systemd: {writer.why}; D-Bus answers")
+
+
 # ---- GPU, torch, TensorRT, the worker ----------------------------------------------------------
 
 
@@ -608,6 +631,7 @@ def run_checks(cfg: Config, procfs: str = "/proc", sysfs: str = "/sys", modules:
         check_psi(procfs, cfg.policy.psi_trigger_us),
         check_cgroups(procfs, sysfs),
         check_io_policy(cfg, procfs, sysfs),
+        check_lever_writer(cfg, procfs),
         check_nvml(expect_gpu),
     ]
     facts = torch_facts()

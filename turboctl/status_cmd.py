@@ -47,8 +47,23 @@ def _change(change: dict | None, now: float) -> list[str]:
 
 
 def _levers(levers: dict | None) -> list[str]:
-    shown = {name: lever for name, lever in (levers or {}).items() if isinstance(lever, dict)}
-    return ["levers:   " + "; ".join(_lever(name, lever) for name, lever in shown.items())] if shown else []
+    shown = {name: lever for name, lever in (levers or {}).items() if isinstance(lever, dict) and name != "writer"}
+    out = ["levers:   " + "; ".join(_lever(name, lever) for name, lever in shown.items())] if shown else []
+    return out + _writer((levers or {}).get("writer"))
+
+
+def _writer(writer: dict | None) -> list[str]:
+    """Who applies the node's levers and why: 'writer:   systemd (PID 1 is systemd: ...); worker a:
+    unit turbonode-worker@a.service, through systemd'."""
+    if not isinstance(writer, dict):
+        return []
+    workers = [
+        f"worker {n}: "
+        + (f"unit {w['unit']}, " if w.get("unit") else f"cgroup {w.get('cgroup')}, ")
+        + str(w["through"])
+        for n, w in (writer.get("workers") or {}).items()
+    ]
+    return [f"writer:   {writer.get('backend')} ({writer.get('why')})" + "".join(f"; {w}" for w in workers)]
 
 
 def render_agent(st: dict, now: float | None = None) -> list[str]:
