@@ -134,7 +134,7 @@ def build_loop(cfg: Config, datapath=None, gpu_nvml=None) -> AgentLoop:
     relax = tier("relax")
     state = cfg.levers.state_file or os.path.join(os.path.dirname(a.socket), LEVER_STATE_FILE)
     cgroups = [WorkerCgroup(u.name, u.spec.cgroup, u.feed.pid) for u in workers]
-    levers = Levers(cfg.levers, state, cgroups, a.procfs, a.dry_run, worker_pids)
+    levers = Levers(cfg.levers, state, cgroups, a.procfs, a.dry_run, worker_pids, a.sysfs)
     actuator = Actuator(
         a.throttle_ttl,
         a.dry_run,
@@ -174,8 +174,13 @@ def run(cfg: Config, flags: Flags | None = None) -> int:
         stack.callback(_shutdown, loop, cfg, datapath)
         status = UnixRpcServer(a.socket, {"status": loop.status, "ping": lambda: "pong"}, owner="agent").start()
         stack.callback(status.close)
+        levers = loop.actuator.levers
         registry = metrics.build_registry(
-            loop.watchers, loop.metrics_state, cfg.node.name, {u.name: u.watchers for u in loop.workers}
+            loop.watchers,
+            loop.metrics_state,
+            cfg.node.name,
+            {u.name: u.watchers for u in loop.workers},
+            levers.modes if levers is not None else None,
         )
         server = metrics.serve(registry, a.metrics)
         log.info("metrics on %s:%d/metrics, status on %s", *server.server_address[:2], a.socket)

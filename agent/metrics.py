@@ -15,7 +15,7 @@ from turbonode.config import split_host_port
 from turbonode.errors import TurbonodeError
 from turbonode.exposition import NodeLabelled, daemon_registry, labelled
 from turbonode.levels import LEVELS
-from turbonode.metric_names import WORKER_LABEL
+from turbonode.metric_names import LEVER_MODE, WORKER_LABEL
 
 from .watchers.base import Watcher
 
@@ -104,11 +104,37 @@ class PolicyCollector:
         return []
 
 
+LeverModes = Callable[[], dict[str, tuple[str, tuple[str, ...]]]]  # lever -> (its mode, the modes it has)
+
+
+class LeverModeCollector:
+    """What each lever can do on this host (Levers.modes): 1 for the mode in effect."""
+
+    def __init__(self, modes: LeverModes):
+        self.modes = modes
+
+    def collect(self):
+        g = GaugeMetricFamily(
+            LEVER_MODE,
+            "1 for the mode the lever has on this host (agent/levers/; io_weight: weight, weight+throttle, "
+            "throttle where no proportional io policy schedules a disk, off where nothing can be had)",
+            labels=["lever", "mode"],
+        )
+        for lever, (mode, modes) in sorted(self.modes().items()):
+            for m in modes:
+                g.add_metric([lever, m], 1.0 if m == mode else 0.0)
+        yield g
+
+    def describe(self):
+        return []
+
+
 def build_registry(
     watchers: list[Watcher],
     policy_state: Callable[[], PolicyState],
     node: str = "",
     worker_watchers: dict[str, list[Watcher]] | None = None,
+    lever_modes: LeverModes | None = None,
 ) -> NodeLabelled:
     """The agent's exposition: build info, process metrics, a collector per watcher (the node's,
     and each worker's with its `worker` label) and the policy's, every series labelled with the
@@ -118,6 +144,8 @@ def build_registry(
         reg.register(WatcherCollector(w))
     reg.register(WorkerWatchersCollector(worker_watchers or {}))
     reg.register(PolicyCollector(policy_state))
+    if lever_modes is not None:
+        reg.register(LeverModeCollector(lever_modes))
     return served
 
 

@@ -1,8 +1,11 @@
-"""The io_throttle lever (agent/levers/io.py): best-effort cgroups' writes capped per disk.
+"""The io_throttle lever (agent/levers/io.py): best-effort cgroups' writes capped per disk, and
+io_weight where the disks have no proportional io policy (agent/levers/io_policy.py).
 
 On fake trees: the disks a configuration names or the mounts lie on (turbonode/block_devices.py),
 the v1 and v2 files and what a missing capability or a bad key says, per-device lines in the
-journal. For real on this host's cgroup v1 (blkio): the cap engaged and undone, a writer with an
+journal; io_weight weighing the disks BFQ or io.cost schedules, capping the writes on the others
+through io_throttle's writer (both levers' caps kept apart), or staying off and saying so in
+status and the metric. For real on this host's cgroup v1 (blkio): the cap engaged and undone, a writer with an
 fsync per MiB in the capped cgroup held to it, and what a killed agent left restored by the next.
 """
 
@@ -19,10 +22,13 @@ from pathlib import Path
 import pytest
 
 from agent.levers import Levers
-from agent.levers.io import IoThrottle
+from agent.levers.cgroup import WorkerCgroup
+from agent.levers.io import IoThrottle, IoWeight, NoIoControl
 from agent.levers.journal import KnobJournal, KnobWrites
+from agent.metrics import LeverModeCollector
 from tests.daemon_harness import kill_9_once
 from tests.test_memory_pressure import real_v1
+from turboctl.status_cmd import _lever
 from turbonode import block_devices
 from turbonode.block_devices import DeviceError
 from turbonode.cgroups import CgroupError
@@ -40,12 +46,14 @@ def write(path: Path, text: str) -> None:
     path.write_text(text)
 
 
-def fake_sysfs(tmp_path: Path) -> Path:
-    """vda (254:0) with a partition vda1 (254:1), and nvme0n1 (259:0), as sysfs links them."""
+def fake_sysfs(tmp_path: Path, vda: str = "[mq-deadline] none", nvme: str = "[none] mq-deadline") -> Path:
+    """vda (254:0) with a partition vda1 (254:1), and nvme0n1 (259:0), as sysfs links them, with
+    their io schedulers (queue/scheduler: `vda`, `nvme`)."""
     sys_ = tmp_path / "sys"
-    for disk, dev, parts in (("vda", "254:0", {"vda1": "254:1"}), ("nvme0n1", "259:0", {})):
+    for disk, dev, parts, sched in (("vda", "254:0", {"vda1": "254:1"}, vda), ("nvme0n1", "259:0", {}, nvme)):
         d = sys_ / "devices/virtual/block" / disk
         write(d / "dev", dev + "\n")
+        write(d / "queue/scheduler", sched + "\n")
         links = {disk: (d, dev)}
         for part, pdev in parts.items():
             write(d / part / "dev", pdev + "\n")
@@ -144,6 +152,115 @@ def test_what_cannot_be_capped_is_named_and_nothing_is_left_half_done(tmp_path):
     with pytest.raises(CgroupError, match="cgroup /gone does not exist"):
         engage(best_effort_cgroups=["/batch", "/gone"])
     assert not journal.entries and (root / "blkio/batch" / BPS_V1).read_text() == "259:0 0"  # /batch undone
+
+
+# ---- io_weight where the disks have no proportional io policy --------------------------------------
+
+
+def weigh_tree(tmp_path: Path, bfq: bool, throttle: bool = True) -> Path:
+    """fake_blkio with a /worker cgroup beside /batch; with BFQ's weight files where `bfq`."""
+    root = fake_blkio(tmp_path, files=(BPS_V1, IOPS_V1) if throttle else ())
+    (root / "blkio/worker").mkdir()
+    if bfq:
+        for d in ("", "worker", "batch"):
+            write(root / "blkio" / d / "blkio.bfq.weight", "100\n")
+    return root
+
+
+def io_levers(tmp_path: Path, root: Path, sysfs: Path, proc: Path) -> tuple[KnobJournal, IoThrottle, IoWeight]:
+    """Both io levers on one journal, io_weight capping through io_throttle's writer, as the agent has them."""
+    cfg = LeversConfig(
+        cgroup_root=str(root), worker_cgroup="/worker", best_effort_cgroups=["/batch"], best_effort_write_iops=0
+    )
+    journal = KnobJournal(str(tmp_path / "s.json"))
+    throttle = IoThrottle(cfg, KnobWrites(journal), str(proc), str(sysfs))
+    workers = [WorkerCgroup("default", "/worker", lambda: 1)]
+    return journal, throttle, IoWeight(cfg, KnobWrites(journal), workers, str(proc), throttle, str(sysfs))
+
+
+def test_without_a_proportional_io_policy_io_weight_caps_the_writes_instead(tmp_path):
+    """mq-deadline and none, v1 without BFQ: no weight file at all. It was a CgroupError at every
+    sample ('no blkio.bfq.weight or blkio.weight'); now the lever does what the kernel offers."""
+    root, sysfs, proc = weigh_tree(tmp_path, bfq=False), fake_sysfs(tmp_path), fake_procfs(tmp_path)
+    journal, _, lever = io_levers(tmp_path, root, sysfs, proc)
+    detail = lever.engage()
+    policy = detail["io_policy"]
+    assert policy["mode"] == "throttle" and detail["capped_devices"] == ["254:0", "259:0"]
+    assert policy["unweighted"] == {"254:0": "scheduler mq-deadline", "259:0": "scheduler none"}
+    assert "no proportional io policy on 254:0 (scheduler mq-deadline)" in policy["summary"]
+    assert (root / "blkio/batch" / BPS_V1).read_text() == f"259:0 {32 * MIB}"
+    assert sorted(journal.entries) == [f"{root}/blkio/batch/{BPS_V1} {d}" for d in ("254:0", "259:0")]
+    assert not list((root / "blkio/worker").iterdir())  # nothing to write for the worker
+    assert lever.release() == [] and not journal.entries
+
+
+def test_weights_where_bfq_schedules_a_disk_and_caps_on_the_others(tmp_path):
+    root = weigh_tree(tmp_path, bfq=True)
+    sysfs, proc = fake_sysfs(tmp_path, vda="mq-deadline [bfq] none"), fake_procfs(tmp_path)
+    journal, throttle, lever = io_levers(tmp_path, root, sysfs, proc)
+    detail = lever.engage()
+    assert detail["io_policy"]["mode"] == "weight+throttle" and detail["io_policy"]["weighted"] == {"254:0": "bfq"}
+    assert [(root / "blkio" / cg / "blkio.bfq.weight").read_text() for cg in ("worker", "batch")] == ["1000", "1"]
+    assert detail["capped_devices"] == ["259:0"] and throttle.holds == {"io_weight": ("259:0",)}
+    # io_throttle engaged too caps both disks; its release leaves io_weight's cap on 259:0
+    assert throttle.engage()["devices"] == ["254:0", "259:0"]
+    bps = f"{root}/blkio/batch/{BPS_V1}"
+    assert {f"{bps} 254:0", f"{bps} 259:0"} <= set(journal.entries)
+    assert throttle.release() == [] and f"{bps} 259:0" in journal.entries and f"{bps} 254:0" not in journal.entries
+    assert lever.release() == [] and not journal.entries
+    assert [(root / "blkio" / cg / "blkio.bfq.weight").read_text() for cg in ("worker", "batch")] == ["100"] * 2
+
+
+def test_io_cost_weighs_a_disk_on_v2_whatever_its_scheduler(tmp_path):
+    root, sysfs, proc = tmp_path / "cgroup2", fake_sysfs(tmp_path), fake_procfs(tmp_path)
+    write(root / "cgroup.controllers", "cpu io memory\n")
+    write(root / "io.cost.qos", "254:0 enable=1 ctrl=auto rpct=0.00 rlat=250000 wpct=0.00 wlat=250000\n")
+    for cg in ("worker", "batch"):
+        write(root / cg / "io.weight", "default 100\n")
+        write(root / cg / "io.max", "")
+    journal, _, lever = io_levers(tmp_path, root, sysfs, proc)
+    detail = lever.engage()
+    assert detail["io_policy"]["weighted"] == {"254:0": "io.cost"}
+    assert detail["io_policy"]["unweighted"] == {"259:0": "scheduler none, io.cost off"}
+    assert (root / "worker/io.weight").read_text() == "default 1000"
+    assert (root / "batch/io.max").read_text() == f"259:0 wbps={32 * MIB} wiops=max"
+    assert lever.release() == [] and not journal.entries
+
+
+def test_neither_weights_nor_write_limits_leave_it_off_saying_why(tmp_path):
+    root = weigh_tree(tmp_path, bfq=False, throttle=False)
+    sysfs, proc = fake_sysfs(tmp_path), fake_procfs(tmp_path)
+    journal, _, lever = io_levers(tmp_path, root, sysfs, proc)
+    with pytest.raises(NoIoControl, match=r"stays off: no proportional io policy on 254:0 \(scheduler mq-deadline\)"):
+        lever.engage()
+    assert not journal.entries
+    # in the agent: reported (status, the metric), retried, never fatal
+    cfg = LeversConfig(cgroup_root=str(root), best_effort_cgroups=["/batch"], oom_guard=False)
+    levers = Levers(cfg, str(tmp_path / "l.json"), [], str(proc), sysfs=str(sysfs))
+    assert levers.reconcile({"io_weight": "psi_io_some=0.6 > 0.3"}, {}, "recovery") == []
+    st = levers.status()["io_weight"]
+    assert not st["engaged"] and "no blkio.throttle.write_bps_device" in st["error"]
+    assert st["io_policy"]["mode"] == "off"
+    assert _lever("io_weight", st).startswith("io_weight off: stays off: no proportional io policy")
+    [family] = LeverModeCollector(levers.modes).collect()
+    assert {s.labels["mode"]: s.value for s in family.samples if s.labels["lever"] == "io_weight"} == {
+        "weight": 0.0,
+        "weight+throttle": 0.0,
+        "throttle": 0.0,
+        "off": 1.0,
+    }
+    assert family.name == "turbonode_lever_mode"
+
+
+def test_status_says_what_io_weight_does_instead():
+    policy = {"mode": "throttle", "summary": "no proportional io policy on 254:0 (scheduler none): capped"}
+    engaged = {"engaged": True, "reason": "psi_io_some=0.6 > 0.3", "io_policy": policy}
+    assert _lever("io_weight", engaged) == (
+        "io_weight engaged (psi_io_some=0.6 > 0.3) [throttle: no proportional io policy on 254:0 (scheduler none): "
+        "capped]"
+    )
+    assert _lever("io_weight", {"engaged": False, "io_policy": policy}).startswith("io_weight off [throttle: ")
+    assert _lever("io_weight", {"engaged": False, "io_policy": {"mode": "weight", "summary": "x"}}) == "io_weight off"
 
 
 def test_a_bad_device_or_limit_in_the_config_names_the_key(tmp_path):

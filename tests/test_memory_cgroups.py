@@ -15,6 +15,7 @@ from agent.levers.journal import KnobError, KnobJournal, KnobWrites, read_knob
 from agent.levers.memory import MemoryProtect, MemorySqueeze, OomGuard
 from agent.watchers.memory import MemoryWatcher, process_major_faults
 from agent.watchers.procfile import process_stat_fields
+from tests.test_io_throttle import fake_procfs, fake_sysfs
 from turbonode.cgroups import CgroupError
 from turbonode.config import LeversConfig
 from turbonode.memory_cgroups import PAGE, IoHierarchy, MemoryHierarchy, keyed, psi_file
@@ -44,11 +45,18 @@ def fake_v1(tmp_path: Path) -> Path:
         write(d / "memory.stat", "pgmajfault 5\ntotal_pgmajfault 7\n")
         write(d / "cgroup.procs", "")
     write(root / "blkio/blkio.reset_stats", "")
+    write(root / "blkio/blkio.bfq.weight", "100\n")  # BFQ, with cgroup support
     for cg in ("worker", "batch"):
         write(root / "blkio" / cg / "blkio.bfq.weight", "100\n")
     (root / "unified").mkdir()
     write(root / "unified/cgroup.controllers", "\n")
     return root
+
+
+def bfq_disks(tmp_path: Path) -> str:
+    """A fake sysfs whose disks BFQ schedules, under the mounts of <tmp_path>/proc; its path."""
+    fake_procfs(tmp_path)
+    return str(fake_sysfs(tmp_path, vda="mq-deadline [bfq] none", nvme="[bfq] none"))
 
 
 def fake_v2(tmp_path: Path) -> Path:
@@ -240,7 +248,8 @@ def test_io_weight_and_memory_protect_act_on_every_worker_and_find_a_late_one(tm
     write(proc / "9/cgroup", "7:blkio:/worker-b\n0::/system.slice/worker-b.service\n")
     pids: dict[str, int | None] = {"a": 7, "b": None}
     workers = [WorkerCgroup(n, "auto", lambda n=n: pids[n]) for n in ("a", "b")]
-    io = Levers(LeversConfig(cgroup_root=str(v1), oom_guard=False), str(tmp_path / "io.json"), workers, str(proc))
+    io_cfg = LeversConfig(cgroup_root=str(v1), oom_guard=False)
+    io = Levers(io_cfg, str(tmp_path / "io.json"), workers, str(proc), sysfs=bfq_disks(tmp_path))
     memory = Levers(LeversConfig(cgroup_root=str(v2), oom_guard=False), str(tmp_path / "m.json"), workers, str(proc))
     io.reconcile({"io_weight": "x"}, {}, "recovery")
     memory.reconcile({"memory_protect": "x"}, {}, "recovery")
@@ -278,7 +287,8 @@ def test_io_weight_lever_on_v1(tmp_path):
     write(proc / "7/cgroup", "7:blkio:/worker\n")
     cfg = LeversConfig(cgroup_root=str(root), best_effort_cgroups=["/batch"])
     worker = [WorkerCgroup("default", "auto", lambda: 7)]
-    lever = IoWeight(cfg, KnobWrites(KnobJournal(str(tmp_path / "s.json"))), worker, str(proc))
+    writes = KnobWrites(KnobJournal(str(tmp_path / "s.json")))
+    lever = IoWeight(cfg, writes, worker, str(proc), sysfs=bfq_disks(tmp_path))
     assert lever.engage()["worker_cgroups"] == {"default": "/worker"}
     assert [read(root / f"blkio/{cg}/blkio.bfq.weight") for cg in ("worker", "batch")] == ["1000", "1"]
     assert lever.release() == []

@@ -1,18 +1,25 @@
 """The memory and io rules' choices with a fake clock (pure: the default policy, recorded signals):
 what a burst of the worker's major faults engages, how long the squeeze holds while the job
-pushes, and what the io stall engages; and a real io cgroup weighed and put back."""
+pushes, and what the io stall engages; and a real io cgroup favoured with what this kernel offers
+(weights where a proportional io policy schedules the disk, else the best-effort writes capped: a
+direct writer held to the cap) and put back."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import time
 import uuid
 from pathlib import Path
 
 import pytest
 
 from agent.levers.cgroup import WorkerCgroup
-from agent.levers.io import IoWeight
+from agent.levers.io import IoThrottle, IoWeight, node_io_policy
+from agent.levers.io_policy import OFF
 from agent.levers.journal import KnobJournal, KnobWrites
 from agent.policy import policy_from_config
+from turbonode import block_devices
 from turbonode.cgroups import CgroupError
 from turbonode.config import MEMORY_EXIT_S, AgentConfig, LeversConfig, PolicyConfig
 from turbonode.levels import LEVELS
@@ -90,11 +97,27 @@ def test_the_io_stall_engages_the_io_levers_only():
     assert levers(d[20]) == {"io_weight", "io_throttle"} and not levers(d[-1])  # its 3 s of calm
 
 
-def test_a_real_io_cgroup_weighed_and_put_back(tmp_path):
+def throttle_lines(h: IoHierarchy, cgroup: str) -> list[str]:
+    """The per-device write caps of `cgroup`: io.max lines on v2, blkio.throttle.write_bps_device on v1."""
+    name = "io.max" if h.version == 2 else "blkio.throttle.write_bps_device"
+    return Path(h.file(cgroup, name)).read_text().splitlines()
+
+
+def test_a_real_io_cgroup_favoured_with_what_the_kernel_offers_and_put_back(tmp_path):
+    """Weights where BFQ or io.cost schedules a disk; where not (mq-deadline, none: this VM, NVMe
+    hosts), the best-effort cgroup's writes capped instead, which a direct writer feels; skipped
+    only where neither can be had."""
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create cgroups")
     try:
         h = IoHierarchy.find()
     except CgroupError as exc:
         pytest.skip(f"no io controller: {exc}")
+    dev = os.stat(tmp_path).st_dev
+    try:
+        disk = block_devices.resolve(f"{os.major(dev)}:{os.minor(dev)}")
+    except block_devices.DeviceError:
+        pytest.skip(f"{tmp_path} is on no block device (tmpfs?): nothing to weigh or cap")
     tag = uuid.uuid4().hex[:8]
     worker, batch = f"/tn-test-{tag}-worker", f"/tn-test-{tag}-batch"
     made = []
@@ -102,15 +125,36 @@ def test_a_real_io_cgroup_weighed_and_put_back(tmp_path):
         for cg in (worker, batch):
             h.create(cg)
             made.append(cg)
-        files = [Path(p) for cg in (worker, batch) for p, _ in h.weight_writes(cg, 100)]
-        before = [f.read_text().strip() for f in files]
-        cfg = LeversConfig(worker_cgroup=worker, best_effort_cgroups=[batch])
+        cfg = LeversConfig(
+            worker_cgroup=worker,
+            best_effort_cgroups=[batch],
+            io_throttle_devices=[disk],
+            best_effort_write_bps=4 << 20,
+            best_effort_write_iops=0,
+        )
+        _, policy = node_io_policy(cfg)
+        if policy.mode == OFF:
+            pytest.skip(f"neither io weights nor write limits on this host: {policy.summary()}")
+        weights = [Path(p) for cg in (worker, batch) for p, _ in h.weight_writes(cg, 100)] if policy.weighted else []
+        before = [f.read_text().strip() for f in weights], throttle_lines(h, batch)
+        journal = KnobJournal(str(tmp_path / "levers.json"))
+        throttle = IoThrottle(cfg, KnobWrites(journal))
         workers = [WorkerCgroup("default", worker, lambda: 1)]
-        lever = IoWeight(cfg, KnobWrites(KnobJournal(str(tmp_path / "levers.json"))), workers, "/proc")
-        assert lever.engage()["worker_cgroups"] == {"default": worker}
-        weights = [f.read_text().split()[-1] for f in files]
-        assert weights == ["1000", "1"]
-        assert lever.release() == [] and [f.read_text().strip() for f in files] == before
+        lever = IoWeight(cfg, KnobWrites(journal), workers, "/proc", throttle)
+        detail = lever.engage()
+        assert detail["worker_cgroups"] == {"default": worker} and detail["io_policy"]["mode"] == policy.mode
+        if policy.weighted:
+            assert [f.read_text().split()[-1] for f in weights] == ["1000", "1"]
+        else:  # capped instead: a direct writer in the batch cgroup waits for it
+            assert detail["capped_devices"] == [disk]
+            assert [line for line in throttle_lines(h, batch) if line.startswith(f"{disk} ")]
+            assert not [line for line in throttle_lines(h, worker) if line.startswith(f"{disk} ")]
+            dd = f"dd if=/dev/zero of={tmp_path / 'f'} bs=1M count=8 oflag=direct status=none"
+            t0 = time.monotonic()
+            subprocess.run(["sh", "-c", f"echo $$ > {h.procs_file(batch)} && exec {dd}"], check=True, timeout=30)
+            assert time.monotonic() - t0 >= 1.0  # 8 MiB at 4 MiB/s; unthrottled, a few ms
+        assert lever.release() == [] and not journal.entries
+        assert ([f.read_text().strip() for f in weights], throttle_lines(h, batch)) == before
     finally:
         for cg in reversed(made):
             h.remove(cg)

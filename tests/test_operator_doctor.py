@@ -18,6 +18,7 @@ from conftest import BCC_SKIP, KERNEL_SKIP
 
 from turboctl import doctor
 from turboctl.doctor import FAIL, OK, SKIP, WARN
+from turbonode.config import Config, LeversConfig
 from turbonode.errors import ControlError
 from turbonode.rpc_server import UnixRpcServer
 
@@ -147,6 +148,42 @@ def test_mounts_and_cgroups_from_the_mount_table(tmp_path):
     assert c.status == OK and "hybrid" in c.detail and "cpu,cpuacct" in c.detail and "unified" in c.detail
     assert doctor.check_cgroups(v2).detail.startswith("v2")
     assert doctor.check_cgroups(fake_procfs(tmp_path / "none")).status == WARN
+
+
+def test_io_weights_say_what_the_disks_allow(tmp_path):
+    """A disk no proportional io policy schedules (mq-deadline, none): io_weight caps the
+    best-effort writes instead, or stays off; the doctor says which and why."""
+    from tests.test_io_throttle import fake_blkio, fake_sysfs
+    from tests.test_io_throttle import fake_procfs as io_procfs
+
+    root, proc = fake_blkio(tmp_path), io_procfs(tmp_path)
+    cfg = Config(levers=LeversConfig(cgroup_root=str(root), best_effort_cgroups=["/batch"]))
+    c = doctor.check_io_policy(cfg, str(proc), str(fake_sysfs(tmp_path)))
+    assert c.status == WARN and c.detail.startswith("no proportional io policy on 254:0 (scheduler mq-deadline)")
+    assert "best-effort writes capped instead" in c.detail and "bfq" in c.fix
+    c = doctor.check_io_policy(Config(levers=LeversConfig(cgroup_root=str(root))), str(proc), str(tmp_path / "sys"))
+    assert c.status == WARN and c.detail.startswith("io_weight stays off") and "levers.best_effort_cgroups" in c.fix
+    (root / "blkio/blkio.bfq.weight").write_text("100\n")
+    for q in (tmp_path / "sys/devices/virtual/block").glob("*/queue/scheduler"):
+        q.write_text("mq-deadline kyber [bfq] none\n")
+    c = doctor.check_io_policy(cfg, str(proc), str(tmp_path / "sys"))
+    assert c == doctor.Check("io weights", OK, "weights act on 254:0 (bfq), 259:0 (bfq)")
+
+
+def test_lever_writer_as_pid_1_is(tmp_path):
+    proc = Path(fake_procfs(tmp_path))
+    (proc / "1").mkdir()
+    (proc / "1/comm").write_text("bash\n")
+    c = doctor.check_lever_writer(Config(), str(proc), str(tmp_path / "booted"))
+    assert c == doctor.Check("lever writer", OK, "cgroupfs: PID 1 is bash, not systemd: cgroup files written directly")
+    (proc / "1/comm").write_text("systemd\n")
+    (tmp_path / "booted").mkdir()
+    from agent.levers import systemd_bus
+
+    with pytest.MonkeyPatch.context() as mp:  # a systemd whose socket is not there
+        mp.setattr(systemd_bus, "SYSTEM_BUS", str(tmp_path / "no-socket"))
+        c = doctor.check_lever_writer(Config(), str(proc), str(tmp_path / "booted"))
+    assert c.status == FAIL and c.detail.startswith("systemd: PID 1 is systemd") and "cannot connect" in c.detail
 
 
 def test_softirq_tracepoints(tmp_path):
@@ -361,6 +398,8 @@ def test_command_json_and_exit_status(tmp_path):
         "qos.dev",
         "PSI",
         "cgroups",
+        "io weights",
+        "lever writer",
         "NVML / GPU",
         "torch",
         "TensorRT",

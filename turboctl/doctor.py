@@ -334,6 +334,50 @@ def check_cgroups(procfs: str = "/proc", sysfs: str = "/sys") -> Check:
     return Check("cgroups", WARN, f"no cgroup filesystem under {root}")
 
 
+def check_io_policy(cfg: Config, procfs: str = "/proc", sysfs: str = "/sys") -> Check:
+    """What the io_weight lever can do on this host's disks (agent/levers/io_policy.py): weights
+    where BFQ or io.cost schedules a disk, else the best-effort cgroups' writes capped, else off."""
+    from agent.levers.io import io_policy_status
+    from agent.levers.io_policy import BOTH, OFF, THROTTLE
+
+    policy = io_policy_status(cfg.levers, procfs, sysfs)
+    mode, summary = policy["mode"], policy["summary"]
+    weights = "BFQ as the disk's scheduler (echo bfq > /sys/block/DISK/queue/scheduler) or, on cgroup v2, io.cost"
+    if mode == THROTTLE or mode == BOTH:
+        return Check("io weights", WARN, summary, f"io_weight caps writes there; for weights: {weights}")
+    if mode == OFF:
+        return Check(
+            "io weights",
+            WARN,
+            f"io_weight stays off: {summary}",
+            f"list levers.best_effort_cgroups (their writes are capped where weights do nothing), or {weights}",
+        )
+    return Check("io weights", OK, summary)
+
+
+def check_lever_writer(cfg: Config, procfs: str = "/proc", booted: str = "/run/systemd/system") -> Check:
+    """Who applies the levers (agent/levers/writers.py): systemd where it is PID 1, after a call
+    to it over D-Bus answers; else the cgroup files."""
+    from agent.levers.systemd_bus import SystemdError
+    from agent.levers.writers import SYSTEMD, choose_writer
+
+    writer = choose_writer(procfs, cfg.levers.cgroup_root, booted)
+    if writer.backend != SYSTEMD or writer.bus is None:
+        return Check("lever writer", OK, f"cgroupfs: {writer.why}")
+    try:
+        writer.bus.get_property("-.slice", "CPUWeight")
+    except SystemdError as exc:
+        return Check(
+            "lever writer",
+            FAIL,
+            f"systemd: {writer.why}, but D-Bus does not answer: {exc}",
+            "install and start the system bus (apt-get install dbus): the agent sets unit properties over it",
+        )
+    finally:
+        writer.bus.close()
+    return Check("lever writer", OK, f"systemd: {writer.why}; D-Bus answers")
+
+
 # ---- GPU, torch, TensorRT, the worker ----------------------------------------------------------
 
 
@@ -586,6 +630,8 @@ def run_checks(cfg: Config, procfs: str = "/proc", sysfs: str = "/sys", modules:
         check_interface(cfg.qos.dev, cfg.qos.netns, sysfs),
         check_psi(procfs, cfg.policy.psi_trigger_us),
         check_cgroups(procfs, sysfs),
+        check_io_policy(cfg, procfs, sysfs),
+        check_lever_writer(cfg, procfs),
         check_nvml(expect_gpu),
     ]
     facts = torch_facts()

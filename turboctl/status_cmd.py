@@ -47,8 +47,23 @@ def _change(change: dict | None, now: float) -> list[str]:
 
 
 def _levers(levers: dict | None) -> list[str]:
-    shown = {name: lever for name, lever in (levers or {}).items() if isinstance(lever, dict)}
-    return ["levers:   " + "; ".join(_lever(name, lever) for name, lever in shown.items())] if shown else []
+    shown = {name: lever for name, lever in (levers or {}).items() if isinstance(lever, dict) and name != "writer"}
+    out = ["levers:   " + "; ".join(_lever(name, lever) for name, lever in shown.items())] if shown else []
+    return out + _writer((levers or {}).get("writer"))
+
+
+def _writer(writer: dict | None) -> list[str]:
+    """Who applies the node's levers and why: 'writer:   systemd (PID 1 is systemd: ...); worker a:
+    unit turbonode-worker@a.service, through systemd'."""
+    if not isinstance(writer, dict):
+        return []
+    workers = [
+        f"worker {n}: "
+        + (f"unit {w['unit']}, " if w.get("unit") else f"cgroup {w.get('cgroup')}, ")
+        + str(w["through"])
+        for n, w in (writer.get("workers") or {}).items()
+    ]
+    return [f"writer:   {writer.get('backend')} ({writer.get('why')})" + "".join(f"; {w}" for w in workers)]
 
 
 def render_agent(st: dict, now: float | None = None) -> list[str]:
@@ -248,7 +263,14 @@ def command(path, only, worker_socket, config_file, as_json):
 
 
 def _lever(name: str, lever: dict) -> str:
-    """'cpu_share engaged (cpu_load=0.93 > 0.75)', 'worker_threads off' or 'cpu_share off: <error>'."""
+    """'cpu_share engaged (cpu_load=0.93 > 0.75)', 'worker_threads off' or 'cpu_share off: <error>';
+    a lever the host gives only in part says what it does instead ('[throttle: no proportional ...]')."""
+    policy = lever.get("io_policy")
+    note = f" [{policy.get('mode')}: {policy.get('summary')}]" if isinstance(policy, dict) else ""
+    if not isinstance(policy, dict) or policy.get("mode") == "weight":
+        note = ""  # the lever is what it says
     if lever.get("engaged"):
-        return f"{name} engaged ({lever.get('reason')})"
-    return f"{name} off" + (f": {lever['error']}" if lever.get("error") else "")
+        return f"{name} engaged ({lever.get('reason')}){note}"
+    if lever.get("error"):
+        return f"{name} off: {lever['error']}"
+    return f"{name} off{note}"

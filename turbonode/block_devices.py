@@ -3,8 +3,9 @@
 
 `resolve` turns what a configuration names (a "MAJ:MIN", a name such as `nvme0n1`, a /dev path;
 a partition stands for its disk) into that; `mounted_disks` lists the disks under the mounted
-filesystems (a filesystem on major 0 -- tmpfs, overlay, proc -- is on none). Readers take the
-roots (`sysfs`, `procfs`) so tests run on a fake tree.
+filesystems (a filesystem on major 0 -- tmpfs, overlay, proc -- is on none); `scheduler` names the
+io scheduler a disk runs (whether io weights can act on it: agent/levers/io_policy.py). Readers
+take the roots (`sysfs`, `procfs`) so tests run on a fake tree.
 """
 
 from __future__ import annotations
@@ -73,3 +74,16 @@ def mounted_disks(procfs: str = "/proc", sysfs: str = "/sys") -> list[str]:
         except DeviceError:
             continue  # not a block device (sysfs has no such dev): nothing to throttle there
     return list(disks)
+
+
+def scheduler(disk: str, sysfs: str = "/sys") -> str:
+    """The io scheduler a whole disk ("MAJ:MIN") runs: the bracketed word of its
+    queue/scheduler ("none [mq-deadline] kyber" -> "mq-deadline"; a lone "none" is itself)."""
+    path = os.path.join(_dev_dir(disk, sysfs), "queue", "scheduler")
+    try:
+        with open(path) as f:
+            words = f.read().split()
+    except OSError as exc:
+        raise DeviceError(f"cannot read the io scheduler of {disk}: {exc.strerror or exc}") from None
+    chosen = [w[1:-1] for w in words if w.startswith("[") and w.endswith("]")]
+    return chosen[0] if chosen else (words[0] if words else "none")

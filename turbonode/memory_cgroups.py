@@ -198,6 +198,32 @@ class IoHierarchy(Hierarchy):
                 out += [(path, str(limit), dev, V1_NO_LIMIT) for dev in devices]
         return out
 
+    def cost_enabled(self, disk: str) -> bool:
+        """v2: whether io.cost (the io cost model, weights under any scheduler) is on for `disk`,
+        as the root's io.cost.qos says ("MAJ:MIN enable=1 ..."); absent (no CONFIG_BLK_CGROUP_IOCOST)
+        or v1: False."""
+        if self.version != 2:
+            return False
+        try:
+            with open(os.path.join(self.mount, "io.cost.qos")) as f:
+                lines = f.read().splitlines()
+        except OSError:
+            return False
+        return any(line.split()[:2] == [disk, "enable=1"] for line in lines)
+
+    def has_root_file(self, name: str) -> bool:
+        """Whether the hierarchy's root cgroup has knob `name` (v1: what the kernel was built with)."""
+        return os.path.exists(os.path.join(self.mount, name))
+
+    def throttle_missing(self, cgroup: str) -> str | None:
+        """Why `cgroup` cannot have its writes capped (no such cgroup, no io.max or blk-throttle);
+        None when it can."""
+        try:
+            self._throttle_file(cgroup, "io.max" if self.version == 2 else "blkio.throttle.write_bps_device")
+        except CgroupError as exc:
+            return str(exc)
+        return None
+
     def written_bytes(self, cgroup: str) -> int:
         """Bytes written to any device by `cgroup` and its children since it was made, as charged to
         it (v2 io.stat wbytes; v1 blkio.throttle.io_service_bytes_recursive, its Write lines)."""

@@ -51,6 +51,12 @@ LOAD_WINDOW_S = 60.0
 WEIGHT = "turbonode_worker_weight_percent"
 STEP_SLOWDOWN = "turbonode_worker_step_slowdown_ratio"
 
+# ---- agent: its levers ------------------------------------------------------------------------
+# What a lever can do on this host, by lever and mode: 1 for the mode in effect, 0 for the others
+# it has (io_weight: weight, weight+throttle, throttle or off, agent/levers/io_policy.py): a lever
+# the host cannot give is shown, not hidden behind its `turbonode_lever_engaged`.
+LEVER_MODE = "turbonode_lever_mode"
+
 STAGES = ("queue_wait", "denoise", "decode", "respond")
 # ok: images answered; accepted: an async job queued (202); rejected: 429/503 before queueing
 # (queue full, tier shed, not ready, draining); failed: the job failed; cancelled: by the

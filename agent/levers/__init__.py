@@ -11,7 +11,9 @@ A rule of `[policy.rules.<signal>]` lists the levers it engages while it is acti
   memory_protect  (node, and each worker) every worker's memory cgroup kept from reclaim, on v2
                   (agent/levers/memory.py), and each worker told to lock its memory (a field of
                   its throttle: render/memory_lock.py)
-  io_weight       (node) io weight up for every worker, down for best-effort cgroups (agent/levers/io.py)
+  io_weight       (node) io weight up for every worker, down for best-effort cgroups; where no
+                  proportional io policy schedules a disk, the best-effort writes to it capped
+                  instead, or off, saying why (agent/levers/io.py, io_policy.py)
   io_throttle     (node) best-effort cgroups' writes capped per disk (agent/levers/io.py)
 
 Beside them, the OOM guard (agent/levers/memory.py) is standing while the agent runs
@@ -29,6 +31,7 @@ In dry-run nothing is written: what would be is logged.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -39,8 +42,10 @@ from turbonode.errors import TurbonodeError
 
 from .cgroup import CpuShare, WorkerCgroup
 from .io import IoThrottle, IoWeight
+from .io_policy import IO_MODES
 from .journal import KnobJournal, KnobWrites
 from .memory import MemoryProtect, MemorySqueeze, OomGuard
+from .writers import CGROUPFS, SYSTEMD, WRITERS, CgroupfsWriter, choose_writer, unit_of_cgroup
 
 log = logging.getLogger("turbonode.agent")
 
@@ -154,19 +159,25 @@ class Levers(LeverSet):
         procfs: str = "/proc",
         dry_run: bool = False,
         worker_pids: Callable[[], Iterable[int]] = tuple,
+        sysfs: str = "/sys",
+        writer: CgroupfsWriter | None = None,
     ):
+        """`writer`: who applies the knobs (agent/levers/writers.py; default: as the host is)."""
         super().__init__(dry_run)
-        self.cfg = cfg
-        self.journal = KnobJournal(state_file)
+        self.cfg, self.procfs, self.workers = cfg, procfs, tuple(workers)
+        self.writer = writer or choose_writer(procfs, cfg.cgroup_root)
+        self.journal = KnobJournal(state_file, self.writer)
         self.cpu_share = CpuShare(cfg, self.journal, workers, procfs)
         # the levers that write kernel knobs, by name: engage() -> what it did, release() -> problems
         self.knobs: dict[str, KnobLever] = {
             "cpu_share": self.cpu_share,
             "memory_squeeze": MemorySqueeze(cfg, KnobWrites(self.journal)),
             "memory_protect": MemoryProtect(cfg, KnobWrites(self.journal), workers, procfs),
-            "io_weight": IoWeight(cfg, KnobWrites(self.journal), workers, procfs),
-            "io_throttle": IoThrottle(cfg, KnobWrites(self.journal), procfs),
         }
+        # one writer of the write caps: io_weight caps through it where weights do nothing (agent/levers/io.py)
+        self.io_throttle = IoThrottle(cfg, KnobWrites(self.journal), procfs, sysfs)
+        self.io_weight = IoWeight(cfg, KnobWrites(self.journal), workers, procfs, self.io_throttle, sysfs)
+        self.knobs["io_weight"], self.knobs["io_throttle"] = self.io_weight, self.io_throttle
         self.oom_guard = OomGuard(cfg, KnobWrites(self.journal), worker_pids, procfs) if cfg.oom_guard else None
         self.restore_problems: list[str] = []
 
@@ -230,8 +241,38 @@ class Levers(LeverSet):
     def status(self) -> dict[str, Any]:
         out: dict[str, Any] = super().status()
         out["oom_guard"] = self.oom_guard.status() if self.oom_guard is not None else {"engaged": False}
+        out["io_weight"]["io_policy"] = self.io_weight.policy()  # engaged or not: what it can do here
+        out["writer"] = {**self.writer.status(), "workers": self.worker_units()}
         out["changed"] = self.journal.changed()
         out["restore_problems"] = self.restore_problems
+        return out
+
+    def modes(self) -> dict[str, tuple[str, tuple[str, ...]]]:
+        """lever -> (the mode it has on this host, the modes it can have), for turbonode_lever_mode."""
+        return {
+            "io_weight": (self.io_weight.policy()["mode"], IO_MODES),
+            "writer": (self.writer.backend, WRITERS),
+        }
+
+    def worker_units(self) -> dict[str, dict[str, Any]]:
+        """Each worker's v2 cgroup (its pid's `0::` line), the unit it is, and so whom the levers
+        change it through: systemd for a unit's own cgroup under the systemd writer, else the files."""
+        out: dict[str, dict[str, Any]] = {}
+        for w in self.workers:
+            pid = w.pid()
+            if pid is None:
+                out[w.name] = {"cgroup": None, "unit": None, "through": "not known yet (no pid)"}
+                continue
+            try:
+                with open(os.path.join(self.procfs, str(pid), "cgroup")) as f:
+                    lines = f.read().splitlines()
+            except OSError as exc:
+                out[w.name] = {"cgroup": None, "unit": None, "through": f"unknown: {exc.strerror or exc}"}
+                continue
+            cgroup = next((line[3:] for line in lines if line.startswith("0::")), None)
+            unit, below = unit_of_cgroup(cgroup or "")
+            through = SYSTEMD if unit is not None and self.writer.backend == SYSTEMD else CGROUPFS
+            out[w.name] = {"cgroup": cgroup, "unit": unit, "below_a_unit": below, "through": through}
         return out
 
 

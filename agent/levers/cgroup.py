@@ -41,7 +41,8 @@ class CpuShareLever:
     best_effort_cpus: float | None = None  # a hard cap as well, in CPUs; None: weight only
     neighbour_share: float = 0.0  # cap quota_neighbours at this share of the quota they share; 0: leave them
     spared: tuple[str, ...] = ()  # cgroups never capped as neighbours: the agent's own
-    engaged: list[str] = field(default_factory=list)  # files written, in order
+    engaged: list[str] = field(default_factory=list)  # the journal's names of the knobs written, in order
+    files: set[str] = field(default_factory=set)  # the knob files they stand for (a unit's property: its file)
 
     def writes(self) -> list[tuple[str, str]]:
         """Every (file, value) the lever writes when engaged; raises for a missing cgroup."""
@@ -71,21 +72,23 @@ class CpuShareLever:
                 own = self.hierarchy.quota_cpus(cg)
             except CgroupError:
                 own = None
-            ours = {f for f, _ in self.hierarchy.quota_writes(cg, cap)} & set(self.engaged)
+            ours = {f for f, _ in self.hierarchy.quota_writes(cg, cap)} & self.files
             if own is None or own > cap or ours:  # a tighter cap someone else set stays
                 out[cg] = cap
         return out
 
     def engage(self) -> None:
         for path, value in self.writes():
-            self.journal.set(path, value)
-            if path not in self.engaged:
-                self.engaged.append(path)
+            name = self.journal.set(path, value)  # a unit's property on a systemd host (writers.py)
+            self.files.add(path)
+            if name not in self.engaged:
+                self.engaged.append(name)
 
     def release(self) -> list[str]:
         """Undo what engage wrote; the problems, one line each."""
         problems = [p for p in (self.journal.undo(path) for path in reversed(self.engaged)) if p]
         self.engaged.clear()
+        self.files.clear()
         return problems
 
 
@@ -224,7 +227,7 @@ class CpuShare:
             self._own_cgroup(hierarchy),
         )
         if self.lever is not None:  # engaged again (refresh): release undoes the first writes too
-            lever.engaged = list(self.lever.engaged)
+            lever.engaged, lever.files = list(self.lever.engaged), set(self.lever.files)
         self.lever = lever
         lever.engage()
         return {

@@ -12,6 +12,11 @@ that goes with its process (/proc/PID/oom_score_adj: `vanishes`). A knob may be 
 A per-device line (blkio.throttle.write_bps_device, io.max: `absent` set) is written as
 "KEY VALUE" and reads as `absent` while the file has no line for KEY (no limit on that device);
 the journal names it "FILE KEY", each device of a file a knob of its own.
+
+Where a knob's value goes is its writer's to say (agent/levers/writers.py): the file itself, or
+on a systemd host the property of the unit that owns the cgroup (a knob named
+`systemd:UNIT:PROPERTY`). The journal only keeps the original and puts it back through the same
+writer.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import json
 import logging
 import os
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from turbonode.errors import TurbonodeError
 
@@ -84,11 +90,40 @@ def same_value(a: str, b: str) -> bool:
         return False
 
 
+class KnobWriter(Protocol):
+    """Where a knob's value goes (agent/levers/writers.py): `route` names the knob that takes a
+    write to `path` (itself, a unit property, or None: nothing to write), read/write apply it."""
+
+    def route(
+        self, path: str, value: str, key: str | None, absent: str | None
+    ) -> tuple[str, str, str | None, str | None] | None: ...
+
+    def read(self, path: str, key: str | None = None, absent: str | None = None) -> str: ...
+
+    def write(self, path: str, value: str, key: str | None = None, absent: str | None = None) -> None: ...
+
+
+class FileWriter:
+    """The knob files themselves (writers.CgroupfsWriter without systemd)."""
+
+    def route(
+        self, path: str, value: str, key: str | None, absent: str | None
+    ) -> tuple[str, str, str | None, str | None] | None:
+        return path, value, key, absent
+
+    def read(self, path: str, key: str | None = None, absent: str | None = None) -> str:
+        return read_knob(path, key, absent)
+
+    def write(self, path: str, value: str, key: str | None = None, absent: str | None = None) -> None:
+        write_knob(path, value, key, absent)
+
+
 class KnobJournal:
     """Knob files changed by this agent, with their originals, persisted at `state_path`."""
 
-    def __init__(self, state_path: str):
+    def __init__(self, state_path: str, writer: KnobWriter | None = None):
         self.state_path = state_path
+        self.writer: KnobWriter = writer or FileWriter()
         self.entries: dict[str, Entry] = {}
 
     # ---- changing and undoing --------------------------------------------------------
@@ -96,17 +131,23 @@ class KnobJournal:
     def set(
         self, path: str, value: str, key: str | None = None, vanishes: bool = False, absent: str | None = None
     ) -> str:
-        """Write `value` to `path`, remembering (on disk, first) what was there before; the knob's name."""
+        """Write `value` to `path` (where the writer routes it), remembering (on disk, first) what was
+        there before; the knob's name."""
+        routed = self.writer.route(path, value, key, absent)
+        if routed is None:  # the writer's owner sets it from another knob: nothing of ours
+            return knob_name(path, key, absent)
+        path, value, key, absent = routed
+        read, write = self.writer.read, self.writer.write
         name = knob_name(path, key, absent)
         entry = self.entries.get(name)
         before = entry.written if entry else None
         if entry is None:
             file = path if absent is not None else ""
-            entry = self.entries[name] = Entry(read_knob(path, key, absent), value, key, vanishes, absent, file)
+            entry = self.entries[name] = Entry(read(path, key, absent), value, key, vanishes, absent, file)
         entry.written = value
         self._save()
         try:
-            write_knob(path, value, key, absent)
+            write(path, value, key, absent)
         except KnobError:
             if before is None:
                 del self.entries[name]
@@ -115,7 +156,7 @@ class KnobJournal:
             self._save()
             raise
         # the kernel may normalise what it stores (masks are padded): compare against what it reads back
-        entry.written = read_knob(path, key, absent)
+        entry.written = read(path, key, absent)
         self._save()
         return name
 
@@ -164,12 +205,12 @@ class KnobJournal:
         if entry.vanishes and not os.path.exists(path):
             return None  # its process has exited, and the value with it
         try:
-            now = read_knob(path, entry.key, entry.absent)
+            now = self.writer.read(path, entry.key, entry.absent)
             if same_value(now, entry.original):
                 return None  # never written, or already back (a crash between saving and writing)
             if not same_value(now, entry.written):
                 return f"{name}: left at {now!r} (changed by someone else since we wrote {entry.written!r})"
-            write_knob(path, entry.original, entry.key, entry.absent)
+            self.writer.write(path, entry.original, entry.key, entry.absent)
         except KnobError as exc:
             return str(exc)
         return None
