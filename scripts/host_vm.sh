@@ -12,7 +12,7 @@
 # read-only over 9p and gets the results back over another 9p share; it always powers the VM
 # off (or kills qemu by its pid) and deletes its temporary files, also on failure or Ctrl-C.
 # Exit status: 0 when every check passed, 1 otherwise. KVM is never used (nested KVM hangs on
-# these machines: /work/shared/NOTES.md); networking is QEMU's user mode only.
+# these machines); networking is QEMU's user mode only. Docs and figures: docs/host_vm.md.
 set -euo pipefail
 # The whole script is one function, read before any of it runs: editing this file while a run
 # goes on (an image build takes minutes) cannot change what that run does next.
@@ -32,7 +32,7 @@ while [ $# -gt 0 ]; do
         --rebuild) REBUILD=1; shift ;;
         --build-only) BUILD_ONLY=1; shift ;;
         --timeout) TIMEOUT=$2; shift 2 ;;
-        -h|--help) sed -n '2,16p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,15p' "$0"; exit 0 ;;
         *) echo "unknown argument: $1 (see --help)" >&2; exit 2 ;;
     esac
 done
