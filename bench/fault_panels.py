@@ -27,14 +27,13 @@ from pathlib import Path
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
-
-from daemon_harness import daemon_env, start, stop, turboctl_argv  # noqa: E402
-from prometheus_harness import Prometheus, free_port  # noqa: E402
+sys.path.insert(0, str(ROOT))
 
 from bench.record import flat, record, variant_of  # noqa: E402
 from sandbox.loadgen import run_load  # noqa: E402
 from sandbox.netns import Sandbox  # noqa: E402
+from tests.deploy.helpers import Prometheus  # noqa: E402
+from tests.helpers import daemon_env, free_port, start, stop, turboctl_argv  # noqa: E402
 
 NODE = "fault-node"
 WINDOW = "15s"  # stands for the dashboard's $__rate_interval

@@ -98,7 +98,7 @@ family_rows
 stage compile 150 "$PY" "${UNET[@]}" --mode compile --json "$OUT/compile.json"
 stage e2e-torch 90 "$PY" "${E2E[@]}" --backend torch --json "$OUT/e2e_torch.json"
 stage e2e-tensorrt 150 "$PY" "${E2E[@]}" --backend tensorrt --json "$OUT/e2e_tensorrt.json"
-stage gpu-tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/test_tensorrt_backend.py
+stage gpu-tests 150 "$PY" -m pytest -q -m gpu -p no:cacheprovider tests/render/engine/test_tensorrt_backend.py
 
 say "summary"
 "$PY" bench/gpu_unet.py --report "$OUT"/eager.json "$OUT"/compile.json "$OUT"/tensorrt.json 2>&1 \

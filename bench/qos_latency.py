@@ -30,7 +30,7 @@ from sandbox.netns import Sandbox  # noqa: E402
 from tc import bpfobj  # noqa: E402
 from tc.datapath import Datapath  # noqa: E402
 from tc.netlink import Link  # noqa: E402
-from tests.frames import frames  # noqa: E402
+from tests.tc.helpers import frames  # noqa: E402
 from turbonode.config import QosConfig  # noqa: E402
 from turbonode.rates import format_rate, parse_rate  # noqa: E402
 

@@ -10,7 +10,7 @@ side asynchronously, so the mount is retried for a while ("already mounted" at f
 few seconds later). This is machine-global, so it is done only where the v1 cpu hierarchy has
 no child cgroups, and undone on exit, on failure, on SIGINT and on SIGTERM.
 
-Tests (tests/test_levers_cgroup_v2.py) and bench/node_slo.py --cgroup-v2 use it.
+Tests (tests/agent/test_levers_cgroup.py) and bench/node_slo.py --cgroup-v2 use it.
 """
 
 from __future__ import annotations

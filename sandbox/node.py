@@ -385,7 +385,7 @@ class DemoNode(Closing):
             except BaseException:
                 # An interrupt (or one load's failure) ends the other loads now: leaving the pool
                 # waits for its threads, and each would run its whole phase first (a Ctrl-C'd
-                # demo took over 60 s to exit, tests/test_service_demo.py).
+                # demo took over 60 s to exit, tests/sandbox/test_demo.py).
                 for proc in list(self._loads):
                     proc.kill()
                 raise

@@ -1,38 +1,11 @@
-"""Shared fixtures. Kernel tests run for real as root; they skip only where the machine cannot."""
+"""Fixtures shared by the tests of more than one folder, requested by name. Kernel tests run for
+real as root; they skip only where the machine cannot (the marks are in tests/helpers.py)."""
 
 from __future__ import annotations
 
-import os
-import shutil
-
 import pytest
 
-
-def _kernel_skip_reason() -> str | None:
-    if os.geteuid() != 0:
-        return "needs root (network namespaces, tc, bpf)"
-    if shutil.which("ip") is None:
-        return "iproute2 'ip' not installed"
-    if not os.path.isdir("/sys/fs/bpf"):
-        return "no bpffs at /sys/fs/bpf (kernel without bpf syscall?)"
-    return None
-
-
-def _bcc_skip_reason() -> str | None:
-    reason = _kernel_skip_reason()
-    if reason:
-        return reason
-    try:
-        import bcc  # noqa: F401
-    except ImportError:
-        return "bcc Python bindings (python3-bpfcc) not importable: run scripts/setup.sh"
-    return None
-
-
-KERNEL_SKIP = _kernel_skip_reason()
-BCC_SKIP = _bcc_skip_reason()
-needs_root = pytest.mark.skipif(KERNEL_SKIP is not None, reason=KERNEL_SKIP or "")
-needs_bcc = pytest.mark.skipif(BCC_SKIP is not None, reason=BCC_SKIP or "")
+from tests.helpers import KERNEL_SKIP, MiniWorker
 
 
 @pytest.fixture
@@ -44,3 +17,12 @@ def sandbox():
 
     with Sandbox() as sb:
         yield sb
+
+
+@pytest.fixture
+def worker(tmp_path):
+    """The agent's stand-in for a worker (MiniWorker), serving its control socket at tmp_path/worker.sock."""
+    w = MiniWorker()
+    srv = w.serve(str(tmp_path / "worker.sock"))
+    yield w
+    srv.close()

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from tests.helpers import ROOT
+
 RULE_SINCE = "59b0ea8"  # the last commit before the rule: every later subject keeps it
 SUBJECT_MAX = 72
 

@@ -138,7 +138,7 @@ class Ledger:
             # answer may leave the client's connection in a state no later call gets out of
             # (redis-py's asyncio client has had several), and a cancellation the client turns
             # into its own error would read as a store failure and keep this loop going (what
-            # tests/test_accounts_ledger.py's chargers, hung idle at their end twice in CI, are
+            # tests/render/accounts/test_ledger.py's chargers, hung idle at their end twice in CI, are
             # read as). The call in flight is bounded by the store's own timeout.
             self._stopping.set()
             self._wake.set()

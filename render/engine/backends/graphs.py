@@ -9,7 +9,7 @@ runs all its ops in C++ and gives the GIL up once per call: the same step took 5
 
 A trace records one path through the module's Python: branches on sizes are frozen into it.
 So each signature (every input's shape and dtype) gets its own graph, except along the batch
-axis, which the traced ops carry symbolically (tests/test_torch_graphs.py checks each model
+axis, which the traced ops carry symbolically (tests/render/engine/test_torch_graphs.py checks each model
 family's graphs against eager at other row counts). Graphs are traced when the backend is
 prepared, never inside a request: a trace runs the module's Python once more (0.4 s for the
 tiny UNet, far more for a real one) and would stall every queued step, so a signature nobody
