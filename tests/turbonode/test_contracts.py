@@ -5,10 +5,10 @@ from __future__ import annotations
 import io
 import json
 import re
-from pathlib import Path
 
 import pytest
 
+from tests.helpers import ROOT
 from turbonode import jsonrpc
 from turbonode.config import load_config
 from turbonode.errors import ConfigError, RateError
@@ -145,7 +145,7 @@ def test_split_host_port():
 def test_the_docs_name_every_throttle_field():
     """The throttle's fields are defined once (turbonode.throttle_params.ThrottleLimits); the docs
     that list them by hand must follow."""
-    docs = Path(__file__).resolve().parents[1] / "docs"
+    docs = ROOT / "docs"
     design = re.search(r"^\| `throttle` \|.*$", (docs / "design.md").read_text(), re.M)
     worker = re.search(r"^\* `throttle\(.*?\)`", (docs / "worker.md").read_text(), re.M | re.S)
     assert design and worker
