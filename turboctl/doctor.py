@@ -339,8 +339,10 @@ def check_io_policy(cfg: Config, procfs: str = "/proc", sysfs: str = "/sys") -> 
     where BFQ or io.cost schedules a disk, else the best-effort cgroups' writes capped, else off."""
     from agent.levers.io import io_policy_status
     from agent.levers.io_policy import BOTH, OFF, THROTTLE
+    from agent.levers.writers import choose_writer
 
-    policy = io_policy_status(cfg.levers, procfs, sysfs)
+    writer = choose_writer(procfs, cfg.levers.cgroup_root)  # systemd brings io.max into being for a unit
+    policy = io_policy_status(cfg.levers, procfs, sysfs, writer.enables)
     mode, summary = policy["mode"], policy["summary"]
     weights = "BFQ as the disk's scheduler (echo bfq > /sys/block/DISK/queue/scheduler) or, on cgroup v2, io.cost"
     if mode == THROTTLE or mode == BOTH:

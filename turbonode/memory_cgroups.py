@@ -31,8 +31,8 @@ the root's. On v2 with the memory controller beside io, that writeback is the cg
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from .cgroups import UNIFIED, CgroupError, Hierarchy
 
@@ -163,6 +163,10 @@ class IoHierarchy(Hierarchy):
     v1_name = "blkio"
     v1_mounts = ("blkio",)
     v1_probe = "blkio.reset_stats"
+    # v2: whether the cgroup tree's owner enables the io controller for a knob's cgroup when a
+    # limit is set through it (systemd for a unit's own cgroup: agent/levers/writers.py). Such a
+    # cgroup has no io.max until then, which is no reason to refuse a write limit.
+    owner_enables: Callable[[str], bool] | None = field(default=None, compare=False)
 
     def weight_writes(self, cgroup: str, weight: int) -> list[tuple[str, str]]:
         """(file, value) pairs that give `cgroup` an io weight of `weight` (v2 units)."""
@@ -239,7 +243,7 @@ class IoHierarchy(Hierarchy):
 
     def _throttle_file(self, cgroup: str, name: str) -> str:
         path = self.file(cgroup, name)
-        if not os.path.exists(path):
+        if not os.path.exists(path) and not (self.version == 2 and self.owner_enables and self.owner_enables(path)):
             why = "the io controller is not enabled for it" if self.version == 2 else "no CONFIG_BLK_DEV_THROTTLING"
             raise CgroupError(f"cgroup {cgroup} has no {name}: no io write limits ({why})")
         return path

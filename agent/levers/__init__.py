@@ -175,7 +175,7 @@ class Levers(LeverSet):
             "memory_protect": MemoryProtect(cfg, KnobWrites(self.journal), workers, procfs),
         }
         # one writer of the write caps: io_weight caps through it where weights do nothing (agent/levers/io.py)
-        self.io_throttle = IoThrottle(cfg, KnobWrites(self.journal), procfs, sysfs)
+        self.io_throttle = IoThrottle(cfg, KnobWrites(self.journal), procfs, sysfs, self.writer.enables)
         self.io_weight = IoWeight(cfg, KnobWrites(self.journal), workers, procfs, self.io_throttle, sysfs)
         self.knobs["io_weight"], self.knobs["io_throttle"] = self.io_weight, self.io_throttle
         self.oom_guard = OomGuard(cfg, KnobWrites(self.journal), worker_pids, procfs) if cfg.oom_guard else None

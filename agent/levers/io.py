@@ -29,7 +29,8 @@ Both are written through the journal, like every lever.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from turbonode import block_devices
@@ -57,18 +58,30 @@ def throttle_devices(cfg: LeversConfig, procfs: str = "/proc", sysfs: str = "/sy
     return block_devices.mounted_disks(procfs, sysfs)
 
 
-def node_io_policy(cfg: LeversConfig, procfs: str = "/proc", sysfs: str = "/sys") -> tuple[IoHierarchy, IoPolicy]:
+Enables = Callable[[str], bool]  # the lever writer's `enables`: agent/levers/writers.py
+
+
+def io_hierarchy(cfg: LeversConfig, enables: Enables | None = None) -> IoHierarchy:
+    """The io hierarchy, knowing which knobs the writer's owner (systemd) brings into being."""
+    return replace(IoHierarchy.find(cfg.cgroup_root), owner_enables=enables)
+
+
+def node_io_policy(
+    cfg: LeversConfig, procfs: str = "/proc", sysfs: str = "/sys", enables: Enables | None = None
+) -> tuple[IoHierarchy, IoPolicy]:
     """The io hierarchy and what io_weight can do on the node's disks (io_policy.probe); raises
     TurbonodeError without an io controller or for a configured disk that does not exist."""
-    h = IoHierarchy.find(cfg.cgroup_root)
+    h = io_hierarchy(cfg, enables)
     disks = throttle_devices(cfg, procfs, sysfs)
     return h, probe(h, disks, cfg.best_effort_cgroups, cfg.best_effort_write_bps, cfg.best_effort_write_iops, sysfs)
 
 
-def io_policy_status(cfg: LeversConfig, procfs: str = "/proc", sysfs: str = "/sys") -> dict[str, Any]:
+def io_policy_status(
+    cfg: LeversConfig, procfs: str = "/proc", sysfs: str = "/sys", enables: Enables | None = None
+) -> dict[str, Any]:
     """node_io_policy as status shows it (IoPolicy.as_dict); a probe that fails is `off`, with why."""
     try:
-        return node_io_policy(cfg, procfs, sysfs)[1].as_dict()
+        return node_io_policy(cfg, procfs, sysfs, enables)[1].as_dict()
     except TurbonodeError as exc:
         return {"mode": OFF, "summary": str(exc)}
 
@@ -93,14 +106,15 @@ class IoWeight:
         self._policy: tuple[float, dict[str, Any]] | None = None
 
     def probe(self) -> tuple[IoHierarchy, IoPolicy]:
-        h, policy = node_io_policy(self.cfg, self.throttle.procfs, self.sysfs)
+        h, policy = node_io_policy(self.cfg, self.throttle.procfs, self.sysfs, self.throttle.enables)
         self._policy = (time.monotonic(), policy.as_dict())
         return h, policy
 
     def policy(self) -> dict[str, Any]:
         """What io_weight can do here (IoPolicy.as_dict), probed at most every POLICY_TTL_S."""
         if self._policy is None or time.monotonic() - self._policy[0] >= POLICY_TTL_S:
-            self._policy = (time.monotonic(), io_policy_status(self.cfg, self.throttle.procfs, self.sysfs))
+            status = io_policy_status(self.cfg, self.throttle.procfs, self.sysfs, self.throttle.enables)
+            self._policy = (time.monotonic(), status)
         return self._policy[1]
 
     def engage(self) -> dict[str, Any]:
@@ -151,8 +165,16 @@ class IoThrottle:
     name = "io_throttle"
     dry_run_note = "would cap the best-effort cgroups' writes"
 
-    def __init__(self, cfg: LeversConfig, writes: KnobWrites, procfs: str = "/proc", sysfs: str = "/sys"):
-        self.cfg, self.writes, self.procfs, self.sysfs = cfg, writes, procfs, sysfs
+    def __init__(
+        self,
+        cfg: LeversConfig,
+        writes: KnobWrites,
+        procfs: str = "/proc",
+        sysfs: str = "/sys",
+        enables: Enables | None = None,
+    ):
+        """`enables`: the lever writer's (agent/levers/writers.py): where systemd brings io.max into being."""
+        self.cfg, self.writes, self.procfs, self.sysfs, self.enables = cfg, writes, procfs, sysfs, enables
         self.holds: dict[str, tuple[str, ...]] = {}  # holder (a lever's name) -> the disks it has capped
 
     def devices(self) -> list[str]:
@@ -168,7 +190,7 @@ class IoThrottle:
             raise CgroupError("no best-effort cgroups to throttle (levers.best_effort_cgroups)")
         if not cfg.best_effort_write_bps and not cfg.best_effort_write_iops:
             raise CgroupError("levers.best_effort_write_bps and best_effort_write_iops are both 0: nothing to cap")
-        h = IoHierarchy.find(cfg.cgroup_root)
+        h = io_hierarchy(cfg, self.enables)
         if not devices:
             raise CgroupError("no disk to throttle: no mounted filesystem on one (levers.io_throttle_devices)")
         holds = {**self.holds, holder: tuple(devices)}

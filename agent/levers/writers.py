@@ -120,6 +120,11 @@ class CgroupfsWriter:
         except SystemdError as exc:
             raise KnobError(f"cannot set {prop}={value} on {unit}: {exc}") from None
 
+    def enables(self, path: str) -> bool:
+        """Whether setting knob `path` through this writer makes its cgroup's controller (and the
+        file) appear: never for a file written directly."""
+        return False
+
     def _unit(self, path: str) -> tuple[str, str]:
         unit, _, prop = path[len(UNIT_PREFIX) :].rpartition(":")
         return unit, prop
@@ -154,6 +159,12 @@ class SystemdWriter(CgroupfsWriter):
             return None
         unit, _ = unit_of_cgroup("/".join(parts[:-1]))
         return None if unit is None else (unit, parts[-1])
+
+    def enables(self, path: str) -> bool:
+        """A unit's own cgroup: systemd enables a controller for it (and its parents) when one of
+        its properties asks for it (IOWriteBandwidthMax=, CPUWeight=, ...), so a stock v2 host,
+        where no unit asked, has no io.max or cpu.weight there until the lever sets one."""
+        return self.owner(path) is not None
 
     def route(self, path: str, value: str, key: str | None, absent: str | None) -> Routed | None:
         owned = self.owner(path)

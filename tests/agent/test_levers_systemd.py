@@ -142,6 +142,39 @@ def test_levers_go_through_the_units_properties_and_come_back(tmp_path):
     assert after == {p: t.strip() for p, t in before.items() if p != delegated_io} and not state.exists()
 
 
+def test_a_stock_v2_host_gets_the_io_cap_from_systemd(tmp_path):
+    """On a stock systemd v2 host no unit asked for the io controller, so batch.slice has no
+    io.max: the systemd writer still caps it (IOWriteBandwidthMax= makes systemd enable the
+    controller, as the Debian 12 VM of scripts/host_vm.sh showed); the files' writer refuses,
+    naming why, and io_weight's fallback says the same."""
+    root = fake_v2(tmp_path)
+    (root / "batch.slice/io.max").unlink()
+    sysfs = tmp_path / "sys"
+    write(sysfs / "dev/block/254:0/queue/scheduler", "[none] mq-deadline\n")
+    cfg = LeversConfig(
+        cgroup_root=str(root), best_effort_cgroups=["batch.slice"], io_throttle_devices=["254:0"], oom_guard=False
+    )
+    bus = FakeBus()
+    systemd = Levers(
+        cfg, str(tmp_path / "a.json"), [], str(tmp_path), sysfs=str(sysfs), writer=SystemdWriter(bus, str(root))
+    )  # type: ignore[arg-type]
+    systemd.reconcile({"io_weight": "psi_io_some=0.6 > 0.3"}, {}, "recovery")
+    st = systemd.status()
+    assert st["io_weight"]["engaged"] and st["io_weight"]["io_policy"]["mode"] == "throttle", st["io_weight"]
+    assert bus.props["batch.slice"]["IOWriteBandwidthMax"] == [("/dev/block/254:0", 33554432)]
+    systemd.reconcile({}, {}, "recovery")
+    files = Levers(
+        cfg, str(tmp_path / "b.json"), [], str(tmp_path), sysfs=str(sysfs), writer=CgroupfsWriter("no systemd")
+    )
+    files.reconcile({"io_weight": "psi_io_some=0.6 > 0.3"}, {}, "recovery")
+    st = files.status()
+    assert not st["io_weight"]["engaged"]
+    assert (
+        "batch.slice has no io.max: no io write limits (the io controller is not enabled for it)"
+        in (st["io_weight"]["error"])
+    )
+
+
 def test_a_killed_agents_unit_properties_are_put_back_by_the_next(tmp_path):
     root, bus = fake_v2(tmp_path), FakeBus()
     bus.props["batch.slice"] = {"CPUWeight": 50}  # the unit's own setting, from its file
@@ -352,7 +385,7 @@ def test_levers_on_this_systemd_host(tmp_path):
     if reason:
         pytest.skip(reason)
     tag = uuid.uuid4().hex[:6]
-    worker, batch = f"tn-vm-worker-{tag}.service", f"tn-vm-batch-{tag}.slice"
+    worker, batch = f"tn-vm-worker-{tag}.service", f"tnvmbatch{tag}.slice"  # a dash would nest the slice
     job = f"tn-vm-job-{tag}.service"
     subprocess.run(["systemd-run", f"--unit={worker}", "sleep", "600"], check=True)
     subprocess.run(["systemd-run", f"--unit={job}", f"--slice={batch}", "sleep", "600"], check=True)
