@@ -21,6 +21,7 @@ import time
 import urllib.request
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 ROOT = Path("/opt/turbonode")
 VENV = ROOT / ".venv/bin"
@@ -36,9 +37,6 @@ DEV, PEER, CLIENT_NS = "tnvm0", "tnvm1", "tnvm-client"
 NODE_IP, CLIENT_IP = "10.254.0.1", "10.254.0.2"
 BATCH = "batch.slice"  # levers.best_effort_cgroups: where the CPU hog runs
 LEASE_S = 3.0  # agent.throttle_ttl (the default)
-# True once the agent's levers go through systemd (D-Bus SetUnitProperties) on systemd hosts:
-# the lever checks then also require that systemd's own view of each unit holds the value.
-EXPECT_SYSTEMD = os.environ.get("TURBONODE_VM_EXPECT_SYSTEMD") == "1"
 
 TOML = f"""\
 # written by scripts/host_vm_check.py
@@ -276,7 +274,21 @@ def check_doctor() -> str:
     assert p.returncode == 0, f"exit {p.returncode}: " + " | ".join(
         line.strip() for line in p.stdout.splitlines() if "FAIL" in line or "fail" in line
     )
-    return f"rc 0, {len(p.stdout.splitlines())} lines"
+    writer = next((line.strip() for line in p.stdout.splitlines() if "lever writer" in line), "no lever writer line")
+    assert "systemd" in writer, writer
+    return f"rc 0, {len(p.stdout.splitlines())} lines; {writer}"
+
+
+def check_levers_test() -> str:
+    """The suite's own test for this host (tests/agent/test_levers_systemd.py, skipped elsewhere):
+    units made by systemd-run, the real levers through the systemd writer, a daemon-reload, release
+    and a kill -9."""
+    test = "tests/agent/test_levers_systemd.py::test_levers_on_this_systemd_host"
+    p = sh(str(VENV / "python"), "-m", "pytest", "-vv", "-rs", "-p", "no:cacheprovider", test, cwd=ROOT, timeout=1200)
+    (OUT / "levers-test.txt").write_text(p.stdout + p.stderr)
+    last = (p.stdout.strip().splitlines() or ["no output"])[-1]
+    assert p.returncode == 0 and " passed" in last and "skipped" not in last, f"exit {p.returncode}: {last}"
+    return last
 
 
 def check_units() -> str:
@@ -367,29 +379,104 @@ def lever_files() -> dict[str, dict]:
     return levers().get("changed") or {}
 
 
-def systemd_view(path: str) -> str:
-    """What systemd itself holds for the unit/slice whose cgroup file `path` is (for EXPECT_SYSTEMD)."""
-    cg = Path(path).parent.name
-    prop = {
-        "cpu.weight": "CPUWeight",
-        "cpu.max": "CPUQuotaPerSecUSec",
-        "memory.min": "MemoryMin",
-        "memory.low": "MemoryLow",
-        "memory.high": "MemoryHigh",
-        "io.weight": "IOWeight",
-        "io.max": "IOWriteBandwidthMax",
-    }.get(Path(path).name)
-    if not prop or not cg.endswith((".service", ".slice", ".scope")):
-        return "-"
-    return sh("systemctl", "show", "-P", prop, cg).stdout.strip()
+# A knob of the lever journal (status.actions.levers.changed) is a cgroup file, or on a systemd
+# host `systemd:UNIT:PROPERTY` (agent/levers/writers.py): a unit property set over D-Bus. The
+# checks read the latter with busctl, apart from the agent's own code, in the text the journal
+# keeps (uint64 in decimal, UINT64_MAX as "infinity"; IOWriteMax: "wbps=B wiops=I" of one disk).
+UNIT_PREFIX = "systemd:"
+UINT64_MAX = (1 << 64) - 1
+# the cgroup file a unit property is written to, and the property standing for a cgroup file
+PROPERTY_FILES = {
+    "CPUWeight": "cpu.weight",
+    "CPUQuotaPerSecUSec": "cpu.max",
+    "MemoryMin": "memory.min",
+    "MemoryLow": "memory.low",
+    "MemoryHigh": "memory.high",
+    "IOWeight": "io.weight",
+    "IOWriteMax": "io.max",
+}
+FILE_PROPERTIES = {f: p for p, f in PROPERTY_FILES.items()}
+UNIT_INTERFACES = {".service": "Service", ".slice": "Slice", ".scope": "Scope"}
+
+
+def unit_knob(name: str, entry: dict) -> tuple[str, str] | None:
+    """(unit, property) of a unit-property knob; None for a file. A per-device knob's name ends
+    in its disk ("systemd:batch.slice:IOWriteMax 254:0"; agent/levers/journal.py, knob_name)."""
+    key = entry.get("key")
+    if entry.get("absent") is not None and key and name.endswith(f" {key}"):
+        name = name[: -len(key) - 1]
+    if not name.startswith(UNIT_PREFIX):
+        return None
+    unit, _, prop = name[len(UNIT_PREFIX) :].rpartition(":")
+    return unit, prop
+
+
+def busctl(*args: str) -> Any:
+    p = sh("busctl", "--json=short", *args, check=True)
+    return json.loads(p.stdout)["data"]
+
+
+def unit_property(unit: str, prop: str) -> Any:
+    path = busctl("call", "org.freedesktop.systemd1", "/org/freedesktop/systemd1",
+                  "org.freedesktop.systemd1.Manager", "GetUnit", "s", unit)[0]  # fmt: skip
+    iface = "org.freedesktop.systemd1." + UNIT_INTERFACES[Path(unit).suffix]
+    return busctl("get-property", "org.freedesktop.systemd1", path, iface, prop)
+
+
+def read_knob(name: str, entry: dict) -> str:
+    """What knob `name` holds now: its file, or systemd's own view of the unit property."""
+    owned = unit_knob(name, entry)
+    if owned is None:
+        return read(entry.get("file") or name)
+    unit, prop = owned
+    try:
+        if prop == "IOWriteMax":
+            dev = f"/dev/block/{entry.get('key')}"
+            limits = {
+                k: [v for p, v in unit_property(unit, f"IOWrite{k}Max") if p == dev] for k in ("Bandwidth", "IOPS")
+            }
+            text = {k: "max" if not v or v[-1] == UINT64_MAX else str(v[-1]) for k, v in limits.items()}
+            return f"wbps={text['Bandwidth']} wiops={text['IOPS']}"
+        value = int(unit_property(unit, prop))
+        return "infinity" if value == UINT64_MAX else str(value)
+    except (AssertionError, KeyError, ValueError, TypeError) as exc:
+        return f"<{unit} {prop}: {exc}>"
+
+
+def kernel_file(name: str, entry: dict) -> str:
+    """The cgroup file a knob's value lands in (a unit property's: in the unit's cgroup)."""
+    owned = unit_knob(name, entry)
+    if owned is None:
+        return entry.get("file") or name
+    unit, prop = owned
+    return str(unit_cgroup(unit) / PROPERTY_FILES.get(prop, prop))
+
+
+def kernel_value(name: str, entry: dict) -> str:
+    text = read(kernel_file(name, entry))
+    key = entry.get("key")
+    if key and unit_knob(name, entry):  # a per-device file (io.max): that disk's line
+        return next((line for line in text.splitlines() if line.startswith(f"{key} ")), f"<no {key} line>")
+    return text
+
+
+def knob_kind(name: str, entry: dict) -> str:
+    """cpu, memory or io: the controller a knob belongs to."""
+    return Path(kernel_file(name, entry)).name.split(".")[0]
+
+
+def behind_systemd(name: str, entry: dict) -> bool:
+    """A file of a unit's own cgroup written directly: systemd undoes it at its next reload."""
+    return unit_knob(name, entry) is None and Path(kernel_file(name, entry)).parent.name.endswith(
+        tuple(UNIT_INTERFACES)
+    )
 
 
 def describe(files: dict[str, dict]) -> str:
     out = []
     for name, e in files.items():
-        path = e.get("file") or name
-        short = path.replace("/sys/fs/cgroup/", "").replace("system.slice/", "")
-        out.append(f"{short}={read(path)!r} (was {e.get('original')!r}; systemd {systemd_view(path)!r})")
+        via = f"; kernel {short(kernel_file(name, e))}={kernel_value(name, e)!r}" if unit_knob(name, e) else ""
+        out.append(f"{short(name)}={read_knob(name, e)!r} (was {e.get('original')!r}{via})")
     return "; ".join(out)
 
 
@@ -413,24 +500,36 @@ LEVERS = ("cpu_share", "memory_protect", "memory_squeeze", "io_weight", "io_thro
 KINDS = {
     "hog_cpu_share": (("cpu_share",), "cpu.weight: workers 10000, batch.slice 1; cpu.max: batch.slice 50000 100000"),
     "hog_memory": (("memory_protect", "memory_squeeze"), "memory.min: workers; memory.high: batch.slice"),
-    "hog_io": (("io_weight", "io_throttle"), "io.weight: workers 1000, batch.slice 1; io.max: batch.slice"),
+    "hog_io": (
+        ("io_weight", "io_throttle"),
+        "io.weight of the workers and batch.slice where a disk is weighed, else batch.slice's io.max (write caps)",
+    ),
 }
 HOG_STATE: dict = {}  # what the hog check saw, for the per-lever lines
 
 
 def cgroup_files() -> dict[str, dict]:
-    """The agent's lever journal (status.actions.levers.changed): the cgroup knobs it holds."""
-    return {n: e for n, e in lever_files().items() if (e.get("file") or n).startswith("/sys/fs/cgroup/")}
+    """The agent's lever journal (status.actions.levers.changed): the cgroup knobs it holds, as
+    files or as unit properties."""
+    return {
+        n: e for n, e in lever_files().items()
+        if n.startswith(UNIT_PREFIX) or (e.get("file") or n).startswith("/sys/fs/cgroup/")
+    }  # fmt: skip
 
 
 def held_ok(files: dict[str, dict]) -> list[str]:
-    """Knobs whose file no longer holds what the agent wrote."""
-    return [f"{short(n)}={read(e.get('file') or n)!r} (wrote {e.get('written')!r})" for n, e in files.items()
-            if read(e.get("file") or n) != e.get("written")]  # fmt: skip
+    """Knobs that no longer hold what the agent wrote."""
+    now = {n: read_knob(n, e) for n, e in files.items()}
+    return [
+        f"{short(n)}={now[n]!r} (wrote {e.get('written')!r})" for n, e in files.items() if now[n] != e.get("written")
+    ]
 
 
 def short(path: str) -> str:
-    return path.replace("/sys/fs/cgroup/", "").replace("system.slice/system-turbonode\\x2dworker.slice/", "")
+    return (
+        path.replace("/sys/fs/cgroup/", "").replace("system.slice/system-turbonode\\x2dworker.slice/", "")
+        .replace(UNIT_PREFIX, "").replace("turbonode-worker@", "worker@")
+    )  # fmt: skip
 
 
 def check_hog() -> str:
@@ -443,8 +542,10 @@ def check_hog() -> str:
     HOG_STATE.update(levers=st, files=cgroup_files(), signals=agent_status().get("signals", {}))
     (OUT / "levers-engaged.json").write_text(json.dumps(agent_status(), indent=2))
     state = {n: "engaged" if st.get(n, {}).get("engaged") else "not engaged" for n in LEVERS}
+    writer = st.get("writer") or {}
+    assert writer.get("backend") == "systemd", f"the agent's lever writer on a systemd host: {writer}"
     assert any(v == "engaged" for v in state.values()), f"no lever engaged under the hog: {state}"
-    return f"cpu_load={HOG_STATE['signals'].get('cpu_load')}: {state}"
+    return f"writer {writer.get('backend')}; cpu_load={HOG_STATE['signals'].get('cpu_load')}: {state}"
 
 
 def check_kind(kind: str) -> Callable[[], str]:
@@ -454,24 +555,28 @@ def check_kind(kind: str) -> Callable[[], str]:
         if not HOG_STATE:
             raise Skip("the hog check did not run")
         st, files = HOG_STATE["levers"], HOG_STATE["files"]
-        mine = {n: e for n, e in files.items() if Path(e.get("file") or n).name.split(".")[0] == names[0].split("_")[0]}
+        mine = {n: e for n, e in files.items() if knob_kind(n, e) == names[0].split("_")[0]}
         errors = {n: st.get(n, {}).get("error") for n in names if st.get(n, {}).get("error")}
         off = [n for n in names if not st.get(n, {}).get("engaged")]
         wrong = held_ok(mine)
-        via = "cgroupfs"
-        if EXPECT_SYSTEMD:
-            direct = [short(n) for n, e in mine.items() if systemd_view(e.get("file") or n) != e.get("written")]
-            via = "systemd" if not direct else f"cgroupfs ({direct} not in systemd's view)"
-            wrong += [f"not through systemd: {d}" for d in direct]
+        # systemd owns the units' cgroups: each value must be a unit property it holds, never a
+        # file of a unit's cgroup written behind its back (a delegated subtree's files may be)
+        wrong += [f"written behind systemd: {short(n)}" for n, e in mine.items() if behind_systemd(n, e)]
+        wrong += [f"kernel {short(kernel_file(n, e))}={kernel_value(n, e)!r}" for n, e in mine.items()
+                  if unit_knob(n, e) and kernel_value(n, e).startswith("<")]  # fmt: skip
+        via = sorted({"systemd" if unit_knob(n, e) else "cgroupfs" for n, e in mine.items()})
         assert not (errors or off or wrong) and mine, (
             f"expected {expect}; not engaged {off}; errors {errors}; wrong {wrong}; written {describe(mine) or 'none'}"
         )
-        return f"via {via}: {describe(mine)}"
+        return f"via {'+'.join(via)}: {describe(mine)}"
 
     return run
 
 
 def check_daemon_reload() -> str:
+    """systemd re-applies every unit's settings at a reload: a value written to a unit's cgroup
+    file behind its back is undone (the first run of this script, with the cgroupfs writer, saw 5
+    of 5 undone); a runtime unit property is part of those settings and stays."""
     files = cgroup_files()
     if not files:
         raise Skip("no cgroup value engaged (the hog checks failed)")
@@ -479,13 +584,11 @@ def check_daemon_reload() -> str:
     time.sleep(3)
     undone = held_ok(files)
     still = [n for n in LEVERS if engaged(n)]
-    if undone:
-        raise Known(
-            f"systemctl daemon-reload undid {len(undone)} of {len(files)} engaged values while {still} stayed "
-            f"engaged: {undone} (systemd re-applies its units' own values over the agent's direct cgroupfs "
-            f"writes; the systemd D-Bus lever backend is the fix)"
-        )
-    return f"XPASS: all {len(files)} engaged cgroup values survived daemon-reload: {describe(files)}"
+    assert not undone, (
+        f"systemctl daemon-reload undid {len(undone)} of {len(files)} engaged values while {still} stayed "
+        f"engaged: {undone}"
+    )
+    return f"all {len(files)} engaged values survived daemon-reload: {describe(files)}"
 
 
 def check_release() -> str:
@@ -494,7 +597,7 @@ def check_release() -> str:
     ok = wait(lambda: not any(engaged(n) for n in LEVERS), 240)
     back, other = [], []
     for name, e in files.items():
-        now = read(e.get("file") or name)
+        now = read_knob(name, e)
         (back if now == e.get("original") else other).append(f"{short(name)}={now!r} (was {e.get('original')!r})")
     sig = agent_status().get("signals", {})
     assert ok, f"still engaged 240 s after the hog stopped: {[n for n in LEVERS if engaged(n)]}; signals {sig}"
@@ -539,7 +642,7 @@ def check_kill9() -> str:
     while time.monotonic() - t0 < 300 and (pending or "throttle" not in times or "agent" not in times):
         now = time.monotonic() - t0
         for name, e in list(pending.items()):
-            if read(e.get("file") or name) == e.get("original"):
+            if read_knob(name, e) == e.get("original"):
                 times[name] = now
                 del pending[name]
         if "throttle" not in times and not worker_throttle("b"):
@@ -601,6 +704,7 @@ def main() -> None:
         ok = ok and run.check("doctor", check_doctor)
         if ok and run.check("units", check_units):
             run.check("qos", check_qos)
+            run.check("levers_test", check_levers_test)
             run.check("hog", check_hog)
             for kind in KINDS:
                 run.check(kind, check_kind(kind))
