@@ -43,6 +43,7 @@ from turbonode.jsonrpc import SERVER_ERROR, WORKER_LOADING, RpcError
 from turbonode.metric_names import ENGINE_PROCESS
 
 from .control_server import ControlHandlers, ControlServer
+from .gc_schedule import GcSchedule
 from .http_api import Api, listening_socket
 from .http_log import MalformedRequestLog
 from .metrics import WorkerMetrics
@@ -223,12 +224,17 @@ class Worker:
             on_ready(url)
         watchdog = asyncio.create_task(self._watchdog())
         memory_lock = asyncio.create_task(self._keep_memory_lock(engine))
+        if self.cfg.gc_off_turbo_path:
+            self.api.gc_schedule = GcSchedule()
+            collector = asyncio.create_task(self.api.gc_schedule.run())
         await asyncio.wait(
             {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(gone.wait())},
             return_when=asyncio.FIRST_COMPLETED,
         )
         watchdog.cancel()
         memory_lock.cancel()
+        if self.api.gc_schedule is not None:
+            collector.cancel()
         if gone.is_set():
             # a failed worker, for its service manager to restart: waiting jobs have failed
             log.error("the engine process exited (status %s); stopping", engine.process.returncode)

@@ -130,6 +130,12 @@ class WorkerConfig:
         in_range(0, MAX_INTRA_OP_THREADS),
         "torch intra-op threads (0: one fewer than the CPUs the worker may use, at least 1)",
     )
+    gc_off_turbo_path: bool = opt(
+        False,
+        help="the front collects its garbage from its event loop while no turbo request is being handled "
+        "(automatic collection off; at most 0.5 s deferred) instead of in whichever thread allocates "
+        "(render/front/gc_schedule.py)",
+    )
     front_nice: int = opt(
         0,
         in_range(0, 19),
