@@ -128,8 +128,6 @@ class Knobs:
     rps_cpus: str = ""  # hex CPU mask for RPS on the node's veth receive queues
     # measured and left out for memory pressure (docs/agent.md): -1 leaves it
     swappiness: int = -1  # memory.swappiness of the node's memory cgroups (v1's own; ours, removed after)
-    front_nice: int = -1  # worker.front_nice (-1: the worker's default)
-    gc_off_turbo_path: bool = False  # worker.gc_off_turbo_path (render/front/gc_schedule.py)
 
 
 @dataclass
@@ -686,8 +684,6 @@ def main() -> int:
     )
     ap.add_argument("--worker-threads", type=int, default=0, help="worker.intra_op_threads (0: its default)")
     ap.add_argument("--omp-wait-policy", default="", choices=("", "ACTIVE", "PASSIVE"))
-    ap.add_argument("--front-nice", type=int, default=-1, help="worker.front_nice (-1: its default)")
-    ap.add_argument("--gc-off-turbo-path", action="store_true", help="worker.gc_off_turbo_path = true")
     ap.add_argument(
         "--first-packet",
         default="listener",
@@ -743,16 +739,10 @@ def main() -> int:
         args.netdev_budget,
         args.rps_cpus,
         args.swappiness,
-        args.front_nice,
-        args.gc_off_turbo_path,
     )
     worker: dict = {"handshake_tier": PROTECTED_TIER if knobs.first_packet == "listener" else ""}
     if knobs.worker_threads:
         worker["intra_op_threads"] = knobs.worker_threads
-    if knobs.front_nice >= 0:
-        worker["front_nice"] = knobs.front_nice
-    if knobs.gc_off_turbo_path:
-        worker["gc_off_turbo_path"] = True
     if not knobs.torch_graphs:
         worker["torch_graphs"] = False
     if args.node_memory <= 0 and set(cells) & set(faults.MEMORY_FAULTS):

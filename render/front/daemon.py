@@ -43,11 +43,9 @@ from turbonode.jsonrpc import SERVER_ERROR, WORKER_LOADING, RpcError
 from turbonode.metric_names import ENGINE_PROCESS
 
 from .control_server import ControlHandlers, ControlServer
-from .gc_schedule import GcSchedule
 from .http_api import Api, listening_socket
 from .http_log import MalformedRequestLog
 from .metrics import WorkerMetrics
-from .priority import yield_to_engine
 from .readiness import ENGINE_STALL_S
 from .remote_engine import RemoteEngine
 from .weight_agent import WeightAgent
@@ -142,7 +140,6 @@ class Worker:
         self.metrics.watch(engine)
         ProcessCollector(namespace=ENGINE_PROCESS, pid=lambda: engine.pid, registry=self.metrics.registry)
         freeze_after_load()  # the front's own heap: its collections then traverse only new objects
-        yield_to_engine(self.cfg.front_nice)  # after the engine process started: it keeps its nice
         self.gc = GcMonitor(observe=self.metrics.observe_gc)
         engine.gc = self.gc
 
@@ -224,17 +221,12 @@ class Worker:
             on_ready(url)
         watchdog = asyncio.create_task(self._watchdog())
         memory_lock = asyncio.create_task(self._keep_memory_lock(engine))
-        if self.cfg.gc_off_turbo_path:
-            self.api.gc_schedule = GcSchedule()
-            collector = asyncio.create_task(self.api.gc_schedule.run())
         await asyncio.wait(
             {asyncio.ensure_future(stop.wait()), asyncio.ensure_future(gone.wait())},
             return_when=asyncio.FIRST_COMPLETED,
         )
         watchdog.cancel()
         memory_lock.cancel()
-        if self.api.gc_schedule is not None:
-            collector.cancel()
         if gone.is_set():
             # a failed worker, for its service manager to restart: waiting jobs have failed
             log.error("the engine process exited (status %s); stopping", engine.process.returncode)

@@ -45,10 +45,9 @@ from turbonode.metric_names import CLIENT_CLOSED, UNKNOWN_TIER
 from turbonode.text import parse_decimal, quote
 from turbonode.throttle_params import MAX_STEPS
 from turbonode.tier_headers import BUDGET, DOWNGRADED_HEADER, REQUESTED_TIER_HEADER, TIER_HEADER
-from turbonode.tiers import DEFAULT_TIER, PROTECTED_TIER, TIER_NAMES, tos_byte
+from turbonode.tiers import DEFAULT_TIER, TIER_NAMES, tos_byte
 
 from .admission import NewJob, predict
-from .gc_schedule import GcSchedule
 from .readiness import ENGINE_STALL_S, Phase, Readiness, TierView, readiness
 
 # How far past its objective a prediction replays the work ahead (render/front/admission.py): enough
@@ -362,7 +361,6 @@ class Api:
         self.slo = dict(slo or {})
         self.refuse_unready = refuse_unready
         self.clock = clock
-        self.gc_schedule: GcSchedule | None = None  # the front's collections, off turbo's path (daemon.py)
         if metrics is not None:
             metrics.watch_readiness(lambda tier: self.readiness(tier).ready, self.slo)
 
@@ -506,14 +504,6 @@ class Api:
         start = self.clock()
         tally = Tally()
         try:
-            with tally.held:
-                return await self._answer(request, tally)
-        finally:
-            if self.metrics is not None:
-                self.metrics.request_answered(tally.tier, tally.outcome, tally.code, self.clock() - start)
-
-    async def _answer(self, request: web.Request, tally: Tally) -> web.StreamResponse:
-        try:
             answer = await self._generate(request, tally)
             tally.outcome, tally.code = answer.outcome, answer.response.status
             await answer.response.prepare(request)
@@ -524,6 +514,9 @@ class Api:
         except (asyncio.CancelledError, ConnectionError):
             tally.outcome, tally.code = "cancelled", CLIENT_CLOSED  # the client went away first
             raise
+        finally:
+            if self.metrics is not None:
+                self.metrics.request_answered(tally.tier, tally.outcome, tally.code, self.clock() - start)
 
     async def _generate(self, request: web.Request, tally: Tally) -> Answer:
         peer = peer_address(request)
@@ -555,8 +548,6 @@ class Api:
             _mark(request, DEFAULT_TIER)
             return Answer("rejected" if g.reason == BUDGET else "invalid", _refused(admission))
         tier = tally.tier = g.tier
-        if tier == PROTECTED_TIER and self.gc_schedule is not None:
-            tally.held.enter_context(self.gc_schedule.protecting())  # no collection in it until answered
         job_request, run_async = parse_generation(body, tier, self.defaults)  # with the tier's own defaults
         job_request = dataclasses.replace(
             job_request,
@@ -700,7 +691,6 @@ class Tally:
     tier: str = UNKNOWN_TIER
     outcome: str = "failed"
     code: int = 500
-    held: contextlib.ExitStack = dataclasses.field(default_factory=contextlib.ExitStack)  # until answered
 
 
 def _tier_of(body) -> str:

@@ -130,18 +130,6 @@ class WorkerConfig:
         in_range(0, MAX_INTRA_OP_THREADS),
         "torch intra-op threads (0: one fewer than the CPUs the worker may use, at least 1)",
     )
-    gc_off_turbo_path: bool = opt(
-        False,
-        help="the front collects its garbage from its event loop while no turbo request is being handled "
-        "(automatic collection off; at most 0.5 s deferred) instead of in whichever thread allocates "
-        "(render/front/gc_schedule.py)",
-    )
-    front_nice: int = opt(
-        0,
-        in_range(0, 19),
-        "nice value of the front process's threads once the engine process runs: the engine, and so "
-        "turbo's steps, get the CPU first where the two share it (render/front/priority.py; 0: same weight)",
-    )
     weight_port: int = opt(
         0,
         in_range(-1, 65535),
