@@ -3,8 +3,8 @@
 cgroup v2 only), as root, from a systemd oneshot at boot: install turbonode as the README says,
 then run it under the real systemd. Functional, not timed (QEMU TCG emulates every instruction).
 
-One line per check (PASS, FAIL, XFAIL: a known bug allowed to fail today, XPASS: it no longer
-fails) on the second serial port, which the host script prints, and in OUT/results.jsonl; then
+One line per check (PASS, FAIL, SKIP: a check an earlier failure left without its premise) on the
+second serial port, which the host script prints, and in OUT/results.jsonl; then
 OUT/summary. Phase 1 ends with a reboot of the VM; phase 2 (after it) ends with a poweroff.
 Standard library only: it runs with Debian's /usr/bin/python3 before the venv exists.
 """
@@ -109,10 +109,6 @@ class Skip(Exception):
     """A check that cannot run because an earlier one failed."""
 
 
-class Known(Exception):
-    """A known bug, allowed to fail today (XFAIL)."""
-
-
 def sh(*argv: str, timeout: float = 300, check: bool = False, **kw) -> subprocess.CompletedProcess:
     p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, **kw)
     if check and p.returncode:
@@ -192,28 +188,21 @@ class Run:
         t0 = time.monotonic()
         try:
             detail, result = fn(), "PASS"
-        except Known as exc:
-            detail, result = str(exc), "XFAIL"
         except Skip as exc:
             detail, result = str(exc), "SKIP"
         except Exception as exc:  # noqa: BLE001 - every failure is a line
             detail, result = f"{type(exc).__name__}: {exc}" if not isinstance(exc, AssertionError) else str(exc), "FAIL"
         secs = time.monotonic() - t0
-        if result == "PASS" and detail.startswith("XPASS"):
-            result = "XPASS"
         self.say(f"{result:5} {name:<22} {secs:7.1f} s  {detail}")
         with open(self.out / "results.jsonl", "a") as f:
             f.write(json.dumps({"check": name, "result": result, "seconds": round(secs, 1), "detail": detail}) + "\n")
-        return result in ("PASS", "XFAIL", "XPASS")
+        return result == "PASS"
 
     def summary(self) -> None:
         rows = [json.loads(line) for line in (self.out / "results.jsonl").read_text().splitlines()]
-        n = {r: sum(1 for x in rows if x["result"] == r) for r in ("PASS", "FAIL", "XFAIL", "XPASS", "SKIP")}
+        n = {r: sum(1 for x in rows if x["result"] == r) for r in ("PASS", "FAIL", "SKIP")}
         failed = n["FAIL"] + n["SKIP"]
-        line = (
-            f"SUMMARY {len(rows)} checks: {n['PASS']} passed, {n['FAIL']} failed, {n['SKIP']} skipped, "
-            f"{n['XFAIL']} known failures (XFAIL), {n['XPASS']} XPASS"
-        )
+        line = f"SUMMARY {len(rows)} checks: {n['PASS']} passed, {n['FAIL']} failed, {n['SKIP']} skipped"
         self.say(line)
         (self.out / "summary").write_text(f"{line}\nfailed={failed}\n")
 
@@ -385,7 +374,7 @@ def lever_files() -> dict[str, dict]:
 # keeps (uint64 in decimal, UINT64_MAX as "infinity"; IOWriteMax: "wbps=B wiops=I" of one disk).
 UNIT_PREFIX = "systemd:"
 UINT64_MAX = (1 << 64) - 1
-# the cgroup file a unit property is written to, and the property standing for a cgroup file
+# the cgroup file a unit property is written to
 PROPERTY_FILES = {
     "CPUWeight": "cpu.weight",
     "CPUQuotaPerSecUSec": "cpu.max",
@@ -395,7 +384,6 @@ PROPERTY_FILES = {
     "IOWeight": "io.weight",
     "IOWriteMax": "io.max",
 }
-FILE_PROPERTIES = {f: p for p, f in PROPERTY_FILES.items()}
 UNIT_INTERFACES = {".service": "Service", ".slice": "Slice", ".scope": "Scope"}
 
 

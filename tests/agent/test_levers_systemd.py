@@ -155,9 +155,8 @@ def test_a_stock_v2_host_gets_the_io_cap_from_systemd(tmp_path):
         cgroup_root=str(root), best_effort_cgroups=["batch.slice"], io_throttle_devices=["254:0"], oom_guard=False
     )
     bus = FakeBus()
-    systemd = Levers(
-        cfg, str(tmp_path / "a.json"), [], str(tmp_path), sysfs=str(sysfs), writer=SystemdWriter(bus, str(root))
-    )  # type: ignore[arg-type]
+    writer = SystemdWriter(bus, str(root))  # type: ignore[arg-type]
+    systemd = Levers(cfg, str(tmp_path / "a.json"), [], str(tmp_path), sysfs=str(sysfs), writer=writer)
     systemd.reconcile({"io_weight": "psi_io_some=0.6 > 0.3"}, {}, "recovery")
     st = systemd.status()
     assert st["io_weight"]["engaged"] and st["io_weight"]["io_policy"]["mode"] == "throttle", st["io_weight"]
@@ -169,10 +168,8 @@ def test_a_stock_v2_host_gets_the_io_cap_from_systemd(tmp_path):
     files.reconcile({"io_weight": "psi_io_some=0.6 > 0.3"}, {}, "recovery")
     st = files.status()
     assert not st["io_weight"]["engaged"]
-    assert (
-        "batch.slice has no io.max: no io write limits (the io controller is not enabled for it)"
-        in (st["io_weight"]["error"])
-    )
+    why = "batch.slice has no io.max: no io write limits (the io controller is not enabled for it)"
+    assert why in st["io_weight"]["error"]
 
 
 def test_a_killed_agents_unit_properties_are_put_back_by_the_next(tmp_path):
