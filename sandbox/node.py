@@ -444,7 +444,7 @@ class DemoNode(Closing):
 
 # The signals a run reports (p50/p90 of what the agent saw): CPU busy fraction vs PSI stall, and
 # the memory stall and the worker's major faults.
-WATCHED_SIGNALS = ("cpu_load", "psi_cpu_some", "psi_memory_some", "worker_major_faults_per_s")
+WATCHED_SIGNALS = ("cpu_load", "psi_cpu_some", "netrx_latency_p99_s", "psi_memory_some", "worker_major_faults_per_s")
 
 
 class AgentWatch:

@@ -1,21 +1,29 @@
 """CPU contention: busy time (including irq, softirq and steal) that is not the workers' own, or
-time tasks spent waiting for a CPU.
+time other tasks spent waiting for a CPU.
 
 A busy worker on an otherwise idle node is no degradation: on a slower machine its own compute
 alone would hold the node's CPUs busy and engage the levers against nobody. So `cpu_load` is
 the larger of two fractions over the same window:
 - the share of all CPU time that others took: busy time (/proc/stat) less what the worker's
   processes used (their pids from its status, CPU time from /proc/PID/stat);
-- PSI cpu `some` (/proc/pressure/cpu): the share of time at least one task waited for a CPU.
+- PSI cpu `some` (/proc/pressure/cpu), the share of time at least one task waited for a CPU, less
+  what the workers' own threads waited (/proc/PID/task/TID/schedstat).
 The first works on kernels without PSI; the second keeps the rule active while its own lever
 works: a hog that `cpu_share` holds back takes little CPU time, but its tasks still wait (node
 SLO, `all` cell: with the share alone the lever let go and turbo's p99 rose from 439 to 637 ms;
-docs/benchmarks.md). `detail["total"]` keeps the whole picture: the workers' share and the PSI
-fraction among it.
+docs/benchmarks.md). A worker's threads also wait behind each other (its engine's intra-op
+threads, its front), which is not contention either: counted, the idle two-worker node read
+pressured most of the time (docs/benchmarks.md). The kernel's `some` averages the CPUs' stall
+shares weighted by their non-idle time, and a CPU's share is at most the workers' waiting plus
+the others' on it, so `some - W / B` (W: the workers' threads waiting per second, summed;
+B: busy CPUs) is a lower bound of the others' waits: the workers' own part is never counted, a
+hog held back still is. `detail["total"]` keeps the whole picture: the workers' share, the PSI
+fraction, the workers' waiting and what is left of PSI for the others.
 
 Parsed here rather than through psutil so the procfs root is honoured (psutil keeps one
 global PROCFS_PATH). Older kernels have fewer columns (no steal before 2.6.11, no guest
-before 2.6.24): missing ones count as zero.
+before 2.6.24): missing ones count as zero; without schedstat the workers' waits read zero
+(PSI some counts whole, as before).
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import os
 from collections.abc import Callable, Iterable
 
 from .base import MIN_RATE_WINDOW_S, Rate, Watcher
-from .procfile import WorkerProcesses, read_text
+from .procfile import WorkerProcesses, read_text, thread_run_delays
 from .psi import parse_pressure
 
 COLUMNS = ("user", "nice", "system", "idle", "iowait", "irq", "softirq", "steal")  # guest* are inside user/nice
@@ -68,6 +76,7 @@ class CpuWatcher(Watcher):
         processes: WorkerProcesses | None = None,  # the workers' stat, read once a sample for every watcher
     ):
         super().__init__()
+        self.procfs = procfs
         self.path = os.path.join(procfs, "stat")
         self.pressure = os.path.join(procfs, "pressure", "cpu")
         self.processes = processes or WorkerProcesses(procfs, worker_pids)
@@ -84,6 +93,14 @@ class CpuWatcher(Watcher):
                 continue
         return ticks
 
+    def _workers_waited_s(self, now: float) -> dict[tuple[str, int], float]:
+        """Seconds so far that each thread of the workers' processes waited for a CPU."""
+        return {
+            ("waited", tid): s
+            for pid in self.processes.stat(now)
+            for tid, s in thread_run_delays(self.procfs, pid).items()
+        }
+
     def _waiting_s(self) -> dict[tuple[str, str], float]:
         """Seconds so far that some task waited for a CPU; none on a kernel without PSI."""
         try:
@@ -95,6 +112,7 @@ class CpuWatcher(Watcher):
         stat = parse_stat(read_text(self.path))
         flat: dict = {(cpu, col): v for cpu, cols in stat.items() for col, v in cols.items()}
         flat.update(self._worker_ticks(now))
+        flat.update(self._workers_waited_s(now))
         flat.update(self._waiting_s())
         rates = self._rate.update(now, flat)
         if rates is None:
@@ -111,7 +129,12 @@ class CpuWatcher(Watcher):
         contention = total["busy"] - total["workers"]
         if ("psi", "some") in rates:  # seconds waited per second of wall time
             total["psi_some"] = min(rates[("psi", "some")], 1.0)
-            contention = max(contention, total["psi_some"])
+            # the workers' threads waiting, on average (they may wait on several CPUs at once)
+            total["workers_waiting"] = sum(r for (kind, _), r in rates.items() if kind == "waited")
+            busy_cpus = total["busy"] * max(len(per_cpu), 1)
+            own = min(1.0, total["workers_waiting"] / busy_cpus) if busy_cpus > 0 else 0.0
+            total["psi_some_others"] = max(0.0, total["psi_some"] - own)
+            contention = max(contention, total["psi_some_others"])
         signals = {
             "cpu_load": contention,
             "cpu_softirq": total.get("softirq"),

@@ -31,6 +31,25 @@ def process_stat_fields(text: str) -> list[str]:
     return text[text.rindex(")") + 2 :].split()
 
 
+def thread_run_delays(procfs: str, pid: int) -> dict[int, float]:
+    """{tid: seconds it has waited on a run queue} for each thread of process `pid`, from
+    /proc/PID/task/TID/schedstat (run time, run delay, timeslices; ns). Empty where the process is
+    gone or the kernel keeps no schedstat (CONFIG_SCHED_INFO off); a thread that exits while read
+    is left out."""
+    tasks = os.path.join(procfs, str(pid), "task")
+    try:
+        tids = os.listdir(tasks)
+    except OSError:
+        return {}
+    out = {}
+    for tid in tids:
+        try:
+            out[int(tid)] = int(read_text(os.path.join(tasks, tid, "schedstat")).split()[1]) / 1e9
+        except (OSError, ValueError, IndexError):
+            continue
+    return out
+
+
 class WorkerProcesses:
     """The workers' processes (pids as their statuses name them) as /proc/PID/stat shows them,
     read once per sample whichever watchers ask: the cpu watcher takes their CPU time, the memory

@@ -3,6 +3,7 @@
 import errno
 import os
 import select
+import shutil
 import subprocess
 import sys
 import time
@@ -112,6 +113,81 @@ def test_cpu_load_stays_up_while_a_lever_holds_a_hog_back(tmp_path):
     write(tmp_path, "stat", STAT.format(u=500, s=0, i=0, si=0, st=0))
     write(tmp_path, "7/stat", pid_stat(7, "worker", 360, 0))
     assert w.sample(2.0)["cpu_load"] == pytest.approx(0.1)
+
+
+def schedstat(waited_ns: int) -> str:
+    """A /proc/PID/task/TID/schedstat line: run time, run delay, timeslices."""
+    return f"123456 {waited_ns} 42\n"
+
+
+def test_cpu_load_leaves_out_the_workers_own_waits(tmp_path):
+    """The workers' threads waiting behind each other raise PSI cpu some but are no contention:
+    what they waited (per thread, summed, per busy CPU) comes off it. A thread seen first counts
+    from its next sample; one that exited is forgotten."""
+    write(tmp_path, "stat", STAT.format(u=100, s=0, i=0, si=0, st=0) + "cpu1 0 0 0 0 0 0 0 0\n")
+    write(tmp_path, "7/stat", pid_stat(7, "worker", 0, 0))
+    for tid in (7, 8):
+        write(tmp_path, f"7/task/{tid}/schedstat", schedstat(0))
+    write(tmp_path, "pressure/cpu", psi_cpu(0))
+    w = CpuWatcher(str(tmp_path), worker_pids=lambda: [7])
+    w.sample(0.0)
+    # 1 s on two CPUs, both busy, all of it the worker's; its two threads waited 0.9 s each and
+    # some task waited 0.8 s: the workers' own
+    write(tmp_path, "stat", STAT.format(u=300, s=0, i=0, si=0, st=0) + "cpu1 100 0 0 0 0 0 0 0\n")
+    write(tmp_path, "7/stat", pid_stat(7, "worker", 200, 0))
+    for tid in (7, 8):
+        write(tmp_path, f"7/task/{tid}/schedstat", schedstat(900_000_000))
+    write(tmp_path, "pressure/cpu", psi_cpu(800_000))
+    assert w.sample(1.0)["cpu_load"] == 0
+    total = w.detail["total"]
+    assert total["psi_some"] == pytest.approx(0.8) and total["workers_waiting"] == pytest.approx(1.8)
+    assert total["psi_some_others"] == 0
+    # the next second the worker's threads waited 0.4 s together: at least 0.6 - 0.4 / 2 of the
+    # stall was others' (thread 8 exited, thread 9 is new: it counts from the next sample)
+    write(tmp_path, "stat", STAT.format(u=500, s=0, i=0, si=0, st=0) + "cpu1 200 0 0 0 0 0 0 0\n")
+    write(tmp_path, "7/stat", pid_stat(7, "worker", 400, 0))
+    shutil.rmtree(tmp_path / "7/task/8")
+    write(tmp_path, "7/task/7/schedstat", schedstat(1_300_000_000))
+    write(tmp_path, "7/task/9/schedstat", schedstat(5_000_000_000))
+    write(tmp_path, "pressure/cpu", psi_cpu(1_400_000))
+    assert w.sample(2.0)["cpu_load"] == pytest.approx(0.6 - 0.4 / 2)
+
+
+def spinners_on_one_cpu(count: int, seconds: float) -> list[subprocess.Popen]:
+    """`count` processes spinning on the machine's first allowed CPU, so that they wait for each other."""
+    cpu = min(os.sched_getaffinity(0))
+    code = f"import os, time\nos.sched_setaffinity(0, {{{cpu}}})\nend = time.time() + {seconds}\n"
+    code += "while time.time() < end: pass"
+    return [subprocess.Popen([sys.executable, "-c", code]) for _ in range(count)]
+
+
+def test_cpu_load_leaves_out_real_workers_waiting_for_each_other():
+    """On this machine's kernel: three processes spinning on one CPU wait for each other most of
+    the time (PSI cpu some), which is contention seen from outside them and none once they are the
+    workers. Two watchers read the same moments."""
+    if not os.path.exists("/proc/pressure/cpu"):
+        pytest.skip("this kernel has no PSI (/proc/pressure/cpu): nothing to leave out")
+    if not os.path.exists(f"/proc/{os.getpid()}/task/{os.getpid()}/schedstat"):
+        pytest.skip("this kernel keeps no per-thread schedstat (CONFIG_SCHED_INFO)")
+    spinners = spinners_on_one_cpu(3, 30)
+    try:
+        as_workers = CpuWatcher(worker_pids=lambda: [p.pid for p in spinners])
+        as_others = CpuWatcher()
+        time.sleep(0.3)  # the interpreters have started spinning
+        for w in (as_workers, as_others):
+            w.sample(0.0)
+        time.sleep(1.0)
+        for w in (as_workers, as_others):
+            w.sample(1.0)
+    finally:
+        for p in spinners:
+            p.kill()
+            p.wait()
+    seen, named = as_others.detail["total"], as_workers.detail["total"]
+    assert seen["psi_some"] > 0.4  # one CPU of the machine stalled nearly all the time
+    assert named["workers_waiting"] == pytest.approx(2.0, abs=0.3)  # two of three wait at any time
+    assert seen["psi_some_others"] == seen["psi_some"]  # nobody named: all of it others'
+    assert named["psi_some_others"] < 0.1
 
 
 def test_cpu_load_leaves_out_a_real_busy_worker_process():
