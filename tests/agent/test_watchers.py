@@ -151,6 +151,22 @@ def test_cpu_load_leaves_out_the_workers_own_waits(tmp_path):
     write(tmp_path, "7/task/9/schedstat", schedstat(5_000_000_000))
     write(tmp_path, "pressure/cpu", psi_cpu(1_400_000))
     assert w.sample(2.0)["cpu_load"] == pytest.approx(0.6 - 0.4 / 2)
+    # nobody waited: PSI says no more than the busy share, so the threads are not read next time
+    write(tmp_path, "stat", STAT.format(u=700, s=0, i=0, si=0, st=0) + "cpu1 300 0 0 0 0 0 0 0\n")
+    write(tmp_path, "7/stat", pid_stat(7, "worker", 600, 0))
+    assert w.sample(3.0)["cpu_load"] == 0 and "workers_waiting" in w.detail["total"]
+    write(tmp_path, "stat", STAT.format(u=900, s=0, i=0, si=0, st=0) + "cpu1 400 0 0 0 0 0 0 0\n")
+    write(tmp_path, "7/stat", pid_stat(7, "worker", 800, 0))
+    write(tmp_path, "pressure/cpu", psi_cpu(2_400_000))
+    assert w.sample(4.0)["cpu_load"] == 0  # not read over this window: PSI left out, not counted whole
+    assert "workers_waiting" not in w.detail["total"]
+    # read again from the next sample on, which starts a window; the one after it is measured
+    for t in (5, 6):
+        write(tmp_path, "stat", STAT.format(u=100 + 200 * t, s=0, i=0, si=0, st=0) + f"cpu1 {100 * t} 0 0 0 0 0 0 0\n")
+        write(tmp_path, "7/stat", pid_stat(7, "worker", 200 * t, 0))
+        write(tmp_path, "pressure/cpu", psi_cpu(t * 1_000_000 - 1_600_000))
+        assert w.sample(float(t))["cpu_load"] == (0 if t == 5 else pytest.approx(1.0))
+    assert w.detail["total"]["workers_waiting"] == 0
 
 
 def spinners_on_one_cpu(count: int, seconds: float) -> list[subprocess.Popen]:
