@@ -11,7 +11,9 @@ family's turbo steps: bench/node_slo.py's probe) and measures each from send to 
 `idle`, then `gc` (the garbage thread makes cyclic garbage in that front while its requests
 run). Rounds alternate the checkouts in blocks, so a drift of the machine hits each alike. Per
 checkout and cell: n, p50/p99/max, and the split of p50/p99 between the engine (submit to
-finished, from the answer) and the front (the rest: HTTP, the channel, the answer).
+finished, from the answer) and the front (the rest: HTTP, the channel, the answer), and the share of
+the cell's time the worker's collections paused it (the front's and the engine's, from its /metrics:
+in a storm, the time the front's event loop cannot run).
 """
 
 from __future__ import annotations
@@ -24,7 +26,11 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
+from dataclasses import dataclass
 from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
 
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
@@ -32,6 +38,7 @@ if str(ROOT) not in sys.path:
 
 from bench.node import WORKER_PY, free_port  # noqa: E402
 from bench.record import flat, record, variant_of  # noqa: E402
+from render.front.metrics import GC_PAUSE  # noqa: E402
 from sandbox.loadgen import Outcome, request_image  # noqa: E402
 from turbonode.stats import percentile  # noqa: E402
 
@@ -86,9 +93,30 @@ def _commit(tree: Path) -> str:
     return out.stdout.strip() + ("+changes" if dirty.stdout.strip() else "")
 
 
-def block(worker: Worker, n: int, gc: bool) -> list[Outcome]:
+def gc_paused_s(url: str) -> float:
+    """Seconds the worker's collections have paused it so far (the sum of its GC pause histogram)."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as answer:
+        text = answer.read().decode()
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        if family.name == GC_PAUSE
+        for sample in family.samples
+        if sample.name == GC_PAUSE + "_sum"
+    )
+
+
+@dataclass
+class Block:
+    outcomes: list[Outcome]
+    wall_s: float
+    gc_paused_s: float
+
+
+def block(worker: Worker, n: int, gc: bool) -> Block:
     outcomes = []
     armed = 0.0
+    paused, started = gc_paused_s(worker.url), time.monotonic()
     for _ in range(n):
         if gc and time.monotonic() - armed > GC_REARM_S:
             worker.garbage(True)
@@ -97,10 +125,11 @@ def block(worker: Worker, n: int, gc: bool) -> list[Outcome]:
         time.sleep(GAP_S)
     if gc:
         worker.garbage(False)
-    return outcomes
+    return Block(outcomes, time.monotonic() - started, gc_paused_s(worker.url) - paused)
 
 
-def summary(outcomes: list[Outcome]) -> dict:
+def summary(blocks: list[Block]) -> dict:
+    outcomes = [o for b in blocks for o in b.outcomes]
     ok = [o for o in outcomes if o.status == 200 and o.elapsed_s is not None]
     total = [o.latency for o in ok]
     engine = [o.elapsed_s for o in ok]
@@ -114,6 +143,7 @@ def summary(outcomes: list[Outcome]) -> dict:
         "max": round(max(total) * 1000, 1) if total else None,
         "engine": (ms(engine, 50), ms(engine, 99)),
         "front": (ms(front, 50), ms(front, 99)),
+        "in_gc": round(sum(b.gc_paused_s for b in blocks) / sum(b.wall_s for b in blocks), 3),
     }
 
 
@@ -128,11 +158,11 @@ def run(trees: list[Path], requests: int, rounds: int) -> dict:
         per_round = max(1, requests // rounds)
         results: dict = {}
         for cell in CELLS:
-            outcomes: dict[str, list[Outcome]] = {w.label: [] for w in workers}
+            blocks: dict[str, list[Block]] = {w.label: [] for w in workers}
             for _ in range(rounds):
                 for worker in workers:
-                    outcomes[worker.label] += block(worker, per_round, gc=cell == "gc")
-            results[cell] = {label: summary(got) for label, got in outcomes.items()}
+                    blocks[worker.label].append(block(worker, per_round, gc=cell == "gc"))
+            results[cell] = {label: summary(got) for label, got in blocks.items()}
         return {"size": SIZE, "requests": requests, "rounds": rounds, "cells": results}
     finally:
         for worker in workers:
@@ -143,15 +173,16 @@ def table(result: dict) -> str:
     lines = [
         f"turbo {result['size']}x{result['size']} on loopback, one request at a time; ms (send to last byte)",
         f"{'cell':6} {'checkout':28} {'n':>4} {'p50':>7} {'p99':>7} {'max':>7}"
-        f"  {'engine p50/p99':>15}  {'front p50/p99':>14}",
+        f"  {'engine p50/p99':>15}  {'front p50/p99':>14}  {'in GC':>6}",
     ]
     for cell, rows in result["cells"].items():
         for label, r in rows.items():
             failed = f"  ({r['failed']} failed)" if r["failed"] else ""
             engine, front = "/".join(map(str, r["engine"])), "/".join(map(str, r["front"]))
+            in_gc = f"{r['in_gc']:.1%}" if "in_gc" in r else "-"  # runs before it was measured
             lines.append(
                 f"{cell:6} {label:28} {r['n']:>4} {r['p50']:>7} {r['p99']:>7} {r['max']:>7}  {engine:>15}  {front:>14}"
-                + failed
+                f"  {in_gc:>6}" + failed
             )
     return "\n".join(lines)
 

@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
 
 P = "turbonode_worker_"
 STEP_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0, 5.0)
+GC_PAUSE = P + "gc_pause_seconds"
 GC_BUCKETS = (0.0001, 0.0005, 0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 
 
@@ -78,7 +79,7 @@ class WorkerMetrics:
             P + "batch_images", "Images in one UNet step", buckets=(1, 2, 4, 8, 16, 32), registry=r
         )
         self.gc_pause = Histogram(
-            P + "gc_pause_seconds", "Pause of one garbage collection", ["generation"], buckets=GC_BUCKETS, registry=r
+            GC_PAUSE, "Pause of one garbage collection", ["generation"], buckets=GC_BUCKETS, registry=r
         )
         self.jobs = Counter(P + "jobs", "Jobs that ended, by tier and outcome", ["tier", "outcome"], registry=r)
         # accounts (render/accounts/)
