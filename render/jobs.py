@@ -11,6 +11,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from turbonode.errors import ConfigError, TurbonodeError
+from turbonode.tier_headers import DOWNGRADED_HEADER, REQUESTED_TIER_HEADER, TIER_HEADER
 
 
 class JobState(str, enum.Enum):
@@ -98,3 +99,24 @@ class RequestDefaults:
         reason = self.size_check(self.size, self.size) if self.size_check else None
         if reason:
             raise ConfigError("worker.size", f"{self.size}: {reason}")
+
+
+def tier_headers(job_request: JobRequest) -> dict[str, str]:
+    """What every answer about a job says of its tier: the tier that serves it and, when that is not
+    the one asked for, which was and why."""
+    headers = {TIER_HEADER: job_request.tier}
+    if job_request.downgraded:
+        headers[DOWNGRADED_HEADER] = job_request.downgraded
+        headers[REQUESTED_TIER_HEADER] = job_request.requested_tier
+    return headers
+
+
+def images_data(pngs: list[str], prompt: str) -> list[dict]:
+    """A done job's images as OpenAI's images response lists them (base64 PNGs)."""
+    return [{"b64_json": png, "revised_prompt": prompt} for png in pngs]
+
+
+def images_answer(created: float, pngs: list[str], prompt: str, described: dict) -> dict:
+    """A sync request's answer (OpenAI's images response, with the job's description), as the front
+    or the engine process writes it."""
+    return {"created": int(created), "data": images_data(pngs, prompt), "turbonode": described}

@@ -49,7 +49,9 @@ class Call:
     """The front's calls, each answered ("reply", id, ok, value): render/engine/host.py's Host runs
     them, render/front/remote_engine.py makes them."""
 
-    SUBMIT = "submit"  # (request, keep_images) -> the job's id, times and description
+    # (request, keep_images, answer_here) -> the job's id, times and description; answer_here: the
+    # client's connection came first on the answers channel, and the engine answers on it (sync jobs)
+    SUBMIT = "submit"
     JOB = "job"  # (job_id, with_images) -> the job's record, or None
     CANCEL = "cancel"  # (job_id) -> the job's record, or None
     SNAPSHOT = "snapshot"  # () -> the engine's snapshot (status, pace, backlog)
@@ -73,7 +75,9 @@ class Event:
     """What the engine sends the front."""
 
     REPLY = "reply"  # (id, ok, value): a call's answer
-    DONE = "done"  # (id, state, error, finished, description, images): a job's end
+    # (id, state, error, finished, description, images, answered): a job's end; answered: the engine
+    # wrote the answer on the client's connection itself (render/engine/answer.py)
+    DONE = "done"
     METRIC = "metric"  # (name, args): one of METRICS, for the front's WorkerMetrics
     GC = "gc"  # (generation, pause_s): one of the engine's collections
     STATUS = "status"  # (stage): a start-up stage, for systemd's STATUS=

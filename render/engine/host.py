@@ -23,13 +23,16 @@ import logging
 import os
 import pickle
 import signal
+import socket
 import sys
+import threading
 import time
 
 from render.cpu_threads import WAIT_POLICY_ENV, available_cpus, default_threads, wait_policy_default
+from render.engine.answer import http_answer, receive_connection, write_answer
 from render.gc_telemetry import GcMonitor, freeze_after_load
-from render.jobs import JobState, RequestDefaults
-from render.link import METRICS, Call, Cast, EngineLink, Event, Server
+from render.jobs import JobState, RequestDefaults, images_answer, tier_headers
+from render.link import METRICS, Call, Cast, EngineLink, Event, RemoteError, Server
 from render.png import base64_png
 from turbonode import logs
 from turbonode.errors import TurbonodeError
@@ -59,7 +62,19 @@ def pixels(job) -> list | None:
 def job_end(job, now: float) -> tuple:
     """What the front needs of a job that has ended: its final description and its pixels
     (PNG-encoded by the sender thread, off the engine loop and off the front's GIL)."""
-    return (Event.DONE, job.id, job.state.value, job.error, job.finished, job.describe(now), pixels(job))
+    return (Event.DONE, job.id, job.state.value, job.error, job.finished, job.describe(now), pixels(job), False)
+
+
+def answer_on(conn: socket.socket, job, now: float) -> tuple:
+    """Write a done sync job's answer on the client's connection (render/engine/answer.py); its end,
+    without pixels, for the front."""
+    described = job.describe(now)
+    pngs = [str(base64_png(s.image), "ascii") for s in job.samples]
+    write_answer(
+        conn, http_answer(images_answer(job.created, pngs, job.request.prompt, described), tier_headers(job.request))
+    )
+    # answered even if the write failed: the front must not write after part of an answer
+    return (Event.DONE, job.id, job.state.value, job.error, job.finished, described, None, True)
 
 
 def images(arrays) -> list[pickle.PickleBuffer]:
@@ -69,9 +84,9 @@ def images(arrays) -> list[pickle.PickleBuffer]:
 
 def encode_pixels(message: tuple) -> tuple:
     """A job end with its images encoded (the sender thread's `prepare`)."""
-    if message[0] != Event.DONE or message[-1] is None:
+    if message[0] != Event.DONE or message[6] is None:
         return message
-    return (*message[:-1], images(message[-1]))
+    return (*message[:6], images(message[6]), *message[7:])
 
 
 def job_record(job, now: float, with_images: bool) -> dict:
@@ -93,9 +108,10 @@ def job_record(job, now: float, with_images: bool) -> dict:
 class Host:
     """The engine's side of the channel: the calls the front makes, run in the serving thread."""
 
-    def __init__(self, engine, post):
+    def __init__(self, engine, post, answers: socket.socket | None = None):
         self.engine = engine
         self.post = post
+        self.answers = answers  # where the front sends the connections of sync jobs (None: it does not)
 
     def table(self) -> dict:
         e = self.engine
@@ -113,15 +129,36 @@ class Host:
             Cast.THROTTLE: self.throttle,
         }
 
-    def submit(self, request, keep_images: bool = True) -> dict:
+    def submit(self, request, keep_images: bool = True, answer_here: bool = False) -> dict:
         """Queue a job; its end goes to the front when it comes. keep_images=False: the front only
-        delivers the pixels, so they are dropped here once the end (which holds them) is posted."""
-        job = self.engine.submit(request)
+        delivers the pixels, so they are dropped here once the end (which holds them) is posted.
+        answer_here: the client's connection waits on the answers channel (taken first, whatever
+        happens next); a done job's answer is written there, in a thread of its own."""
+        if answer_here and self.answers is None:
+            raise RemoteError("this engine process has no answers channel")
+        conn = receive_connection(self.answers) if answer_here and self.answers is not None else None
+        try:
+            job = self.engine.submit(request)
+        except BaseException:
+            if conn is not None:
+                conn.close()
+            raise
 
-        def ended(_future) -> None:
-            self.post(job_end(job, self.engine.clock()))
+        def end() -> None:
+            if conn is not None and job.state is JobState.DONE:
+                self.post(answer_on(conn, job, self.engine.clock()))
+            else:
+                if conn is not None:
+                    conn.close()  # failed or cancelled: the front answers that itself
+                self.post(job_end(job, self.engine.clock()))
             if not keep_images:
                 job.drop_images()
+
+        def ended(_future) -> None:
+            if conn is not None and job.state is JobState.DONE:  # PNGs and a write: not on the engine's loop
+                threading.Thread(target=end, name="answer", daemon=True).start()
+            else:
+                end()
 
         job.future.add_done_callback(ended)
         described = job.describe(self.engine.clock())  # what an async request's 202 answers
@@ -223,7 +260,7 @@ def stage(link: EngineLink, what: str) -> None:
     link.post((Event.STATUS, what))
 
 
-def serve(calls: str, events: str) -> int:
+def serve(calls: str, events: str, answers: socket.socket | None = None) -> int:
     link = EngineLink(calls, events, prepare=encode_pixels)
     server = Server(link)
     _, _, (cfg, policy, levels) = link.recv()  # the first message is always the start
@@ -241,7 +278,7 @@ def serve(calls: str, events: str) -> int:
         server.serve()  # until the front, having read why, stops this process
         link.close(STOP_TIMEOUT_S)
         return 1
-    server.methods = Host(engine, link.post).table()
+    server.methods = Host(engine, link.post, answers).table()
     freeze_after_load()
     gc = GcMonitor(observe=lambda generation, pause: link.post((Event.GC, generation, pause))).install()
     engine.start()
@@ -257,12 +294,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="render.engine.host", description=__doc__.splitlines()[0])
     parser.add_argument("--calls", required=True, help="the front's calls socket (render/link.py)")
     parser.add_argument("--events", required=True, help="the front's events socket")
+    parser.add_argument("--answers", type=int, help="descriptor of the channel of sync jobs' connections")
     args = parser.parse_args(argv)
     wait_policy_default()  # before torch loads: OpenMP reads it once
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_IGN)
     _die_with_parent()
-    return serve(args.calls, args.events)
+    answers = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET, fileno=args.answers) if args.answers else None
+    return serve(args.calls, args.events, answers)
 
 
 def _die_with_parent() -> None:

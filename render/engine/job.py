@@ -69,6 +69,7 @@ class Job:
     uncond: Conditioning | None = None  # the negative prompt's, with classifier-free guidance
     cancel_requested: bool = False
     images_dropped: bool = False
+    answered = False  # never here: the front answers an in-process job (RemoteJob.answered)
     # engine seconds this job used: its share of every batched denoiser and decoder call it was in
     engine_s: float = 0.0
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)

@@ -199,9 +199,10 @@ class Engine:
         """Queue a job; raises Draining, TierShed or QueueFull (all Rejected) when it cannot."""
         return self.jobs.submit(request)
 
-    async def enqueue(self, request: JobRequest, keep_images: bool = True) -> Job:
+    async def enqueue(self, request: JobRequest, keep_images: bool = True, answer_on=None) -> Job:
         """`submit`, as the HTTP API awaits it (the engine process's handle queues over a pipe);
-        the pixels stay until the API drops them (`keep_images` matters only across the pipe)."""
+        the pixels stay until the API drops them (`keep_images` and `answer_on`, the client's
+        connection, matter only across the pipe: in one process the API answers)."""
         return self.submit(request)
 
     def get(self, job_id: str) -> Job | None:

@@ -38,13 +38,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from render.accounts import Accounts, Admission, UnknownTier
 from render.accounts.keys import AuthError
 from render.accounts.trust import TrustedProxies
-from render.jobs import JobCancelled, JobFailed, JobRequest, Rejected, RequestDefaults
+from render.jobs import (
+    JobCancelled,
+    JobFailed,
+    JobRequest,
+    Rejected,
+    RequestDefaults,
+    images_answer,
+    images_data,
+    tier_headers,
+)
 from render.png import encode_png
 from turbonode.config import MAX_GUIDANCE, MAX_PIXELS, MIN_PIXELS
 from turbonode.metric_names import CLIENT_CLOSED, UNKNOWN_TIER
 from turbonode.text import parse_decimal, quote
 from turbonode.throttle_params import MAX_STEPS
-from turbonode.tier_headers import BUDGET, DOWNGRADED_HEADER, REQUESTED_TIER_HEADER, TIER_HEADER
+from turbonode.tier_headers import BUDGET
 from turbonode.tiers import DEFAULT_TIER, TIER_NAMES, tos_byte
 
 from .admission import NewJob, predict
@@ -265,6 +274,22 @@ def _mark(request: web.Request, tier: str) -> None:
         mark_socket(request.transport.get_extra_info("socket"), tier)
 
 
+class AnsweredByEngine(web.StreamResponse):
+    """A sync answer the engine process wrote on the connection itself (render/engine/answer.py):
+    nothing is left to send, and the connection closes (the engine said `Connection: close`).
+    Its status and headers are what the engine sent, for the access log and the metrics."""
+
+    def __init__(self, headers: Mapping[str, str]):
+        super().__init__(status=200, headers=headers)
+        self.force_close()
+
+    async def prepare(self, request):  # type: ignore[override]
+        return None
+
+    async def write_eof(self, data: bytes = b"") -> None:
+        return None
+
+
 async def _png(sample) -> str:
     """A sample's base64 PNG: as the engine process encoded it (render/front/remote_engine.py: no
     suspension, so the answer goes out in the same turn of the loop), or encoded here from its
@@ -299,16 +324,6 @@ def peer_address(request: web.Request) -> str | None:
     """The connection's peer, never a forwarded-for header: what worker.trusted_proxies is matched on."""
     peer = request.transport.get_extra_info("peername") if request.transport is not None else None
     return peer[0] if isinstance(peer, tuple) and peer else None
-
-
-def tier_headers(job_request: JobRequest) -> dict[str, str]:
-    """What every answer about a job says of its tier: the tier that serves it and, when that is not
-    the one asked for, which was and why."""
-    headers = {TIER_HEADER: job_request.tier}
-    if job_request.downgraded:
-        headers[DOWNGRADED_HEADER] = job_request.downgraded
-        headers[REQUESTED_TIER_HEADER] = job_request.requested_tier
-    return headers
 
 
 @web.middleware
@@ -495,10 +510,6 @@ class Api:
 
     # ---- generation -------------------------------------------------------------------
 
-    async def _images(self, job) -> list[dict]:
-        encoded = [await _png(s) for s in job.samples]
-        return [{"b64_json": b64, "revised_prompt": job.request.prompt} for b64 in encoded]
-
     async def generate(self, request: web.Request) -> web.StreamResponse:
         """One generation request, measured from arrival to its response written, by tier and outcome."""
         start = self.clock()
@@ -561,8 +572,11 @@ class Api:
             if r.status == "not ready":  # a shed tier keeps its 429 from the job table
                 message = f"this node is not ready for {tier} work: {r.reason}"
                 return Answer("rejected", _error(message, 503, "tier", "not_ready", r))
+        # a sync job's answer is written by the engine process on this connection, where it can
+        # (render/engine/answer.py): the answer then needs no turn of this process's event loop
+        conn = None if run_async else request.transport.get_extra_info("socket") if request.transport else None
         try:
-            job = await self.engine.enqueue(job_request, keep_images=run_async)
+            job = await self.engine.enqueue(job_request, keep_images=run_async, answer_on=conn)
         except Rejected as exc:
             headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))} if exc.retry_after is not None else {}
             response = web.json_response(
@@ -594,11 +608,10 @@ class Api:
         except JobFailed as exc:
             status = 503 if not self.engine.accepting else 500
             return Answer("failed", _error(f"job failed: {exc}", status, None, "job_failed", headers=said), job)
-        payload = {
-            "created": int(job.created),
-            "data": await self._images(job),
-            "turbonode": job.describe(self.engine.clock()),
-        }
+        if job.answered:
+            return Answer("ok", AnsweredByEngine(headers=said), job)
+        pngs = [await _png(s) for s in job.samples]
+        payload = images_answer(job.created, pngs, job.request.prompt, job.describe(self.engine.clock()))
         job.drop_images()  # delivered: a sync job's pixels are not kept
         return Answer("ok", web.json_response(payload, headers=said), job)
 
@@ -666,7 +679,7 @@ class Api:
                 await asyncio.wait_for(job.ended(), wait)
         out = await _off_loop(job.describe, self.engine.clock())
         if job.state.value == "done" and not job.images_dropped:
-            out["data"] = await self._images(job)
+            out["data"] = images_data([await _png(s) for s in job.samples], job.request.prompt)
         return web.json_response(out, headers=tier_headers(job.request))
 
     async def delete_job(self, request: web.Request) -> web.Response:
@@ -680,7 +693,7 @@ class Answer:
     """A generation request's response and its outcome (one of turbonode.metric_names.OUTCOMES)."""
 
     outcome: str
-    response: web.Response
+    response: web.StreamResponse
     job: Any = None
 
 

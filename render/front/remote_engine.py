@@ -19,6 +19,7 @@ import concurrent.futures
 import contextlib
 import logging
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -71,6 +72,7 @@ class RemoteJob:
         self.error: str | None = None
         self.finished: float | None = None
         self.images_dropped = False
+        self.answered = False  # the engine process wrote its answer on the client's connection
         self.samples: list[Picture] = []
         self.future: concurrent.futures.Future = concurrent.futures.Future()
         self._waiters: list[asyncio.Future] = []  # ended(): event-loop futures of the end
@@ -88,8 +90,11 @@ class RemoteJob:
     def tier(self) -> str:
         return self.request.tier
 
-    def _end(self, state: str, error: str | None, finished: float | None, described: dict, images) -> None:
+    def _end(
+        self, state: str, error: str | None, finished: float | None, described: dict, images, answered: bool = False
+    ) -> None:
         self.state, self.error, self.finished = JobState(state), error, finished
+        self.answered = answered
         if self.state.terminal:
             self._final = described
         self.samples = [Picture(str(png, "ascii")) for png in images or ()]
@@ -197,7 +202,13 @@ class RemoteEngine:
         root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout, first
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH")) if p)
         calls, events = self.link.endpoints
-        self.process = subprocess.Popen([sys.executable, "-c", ENTRY, "--calls", calls, "--events", events], env=env)
+        # sync jobs' connections go to the engine process over this pair (render/engine/answer.py);
+        # non-blocking here: a full channel means answering the old way, never a blocked loop
+        self._answers, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        self._answers.setblocking(False)
+        argv = ["--calls", calls, "--events", events, "--answers", str(theirs.fileno())]
+        with theirs:
+            self.process = subprocess.Popen([sys.executable, "-c", ENTRY, *argv], env=env, pass_fds=(theirs.fileno(),))
         self.pid = self.process.pid
         self._pidfd = os.pidfd_open(self.pid)  # readable once the process has exited
         loop.add_reader(self._pidfd, self._exit)
@@ -257,6 +268,7 @@ class RemoteEngine:
         os.close(self._pidfd)
         code = self.process.wait()
         self._lost = f"the engine process exited (status {code})"
+        self._answers.close()
         self.link.close(EngineGone(self._lost))  # what it sent before is read first
         if not self._loaded.done():
             self._loaded.set_exception(EngineLoadError(f"the engine process exited while loading (status {code})"))
@@ -269,11 +281,15 @@ class RemoteEngine:
 
     # ---- jobs -------------------------------------------------------------------------
 
-    async def enqueue(self, request: JobRequest, keep_images: bool = True) -> RemoteJob:
+    async def enqueue(self, request: JobRequest, keep_images: bool = True, answer_on=None) -> RemoteJob:
         """Queue a job; raises Draining, TierShed or QueueFull (all Rejected) when it cannot.
         keep_images=False: the answer waits for it (a sync request), so the engine drops the
-        pixels once it has sent them, and delivering them needs no further message."""
-        made = await self.link.call(Call.SUBMIT, request, keep_images)
+        pixels once it has sent them, and delivering them needs no further message. answer_on:
+        the client's connection, on which the engine process answers a done job itself (then
+        `answered`); sent just before the submit, in the same turn of the loop, so the engine
+        takes the connections in the order of the submits."""
+        answer_here = answer_on is not None and self._hand_over(answer_on)
+        made = await self.link.call(Call.SUBMIT, request, keep_images, answer_here)
         job = RemoteJob(self, request, made["id"], made["submitted"], made["created"], made["describe"], keep_images)
         ended = self._unclaimed.pop(job.id, None)
         if ended is not None:
@@ -283,6 +299,14 @@ class RemoteEngine:
         else:
             self._jobs[job.id] = job
         return job
+
+    def _hand_over(self, conn) -> bool:
+        try:
+            socket.send_fds(self._answers, [b"c"], [conn.fileno()])
+        except OSError as exc:  # full (the engine is not reading) or gone: the front answers
+            log.warning("a sync job's connection was not handed to the engine process: %s", exc)
+            return False
+        return True
 
     def get(self, job_id: str) -> RemoteJob | None:
         """The job as the engine has it now (in a thread): a live one's description is refreshed."""

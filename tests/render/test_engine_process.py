@@ -4,12 +4,14 @@ other dies (render/link.py, render/engine/host.py, render/front/remote_engine.py
 from __future__ import annotations
 
 import asyncio
+import base64
 import contextlib
 import json
 import os
 import pickle
 import re
 import signal
+import socket
 import stat
 import subprocess
 import sys
@@ -23,7 +25,7 @@ import pytest
 from render.jobs import JobFailed, QueueFull, TierShed
 from render.link import EngineGone, EngineLink, FrontLink, RemoteError, Server, pack, unpack
 from tests.helpers import ROOT
-from tests.render.helpers import kill_worker, start_worker
+from tests.render.helpers import kill_worker, metric, scrape, start_worker
 from turbonode.jsonrpc import ControlClient
 from turbonode.metric_names import ENGINE_CPU, ENGINE_RSS
 
@@ -246,6 +248,61 @@ def test_a_job_lost_with_the_engine_fails_and_says_why():
     described = job.describe(4.0)  # answered here: there is no engine to ask
     assert described["state"] == "failed" and described["error"] == "the engine process exited (status -9)"
     assert described["id"] == "job-x" and described["elapsed_s"] == 2.0
+
+
+def _raw_generation(url: str, body: dict) -> socket.socket:
+    """A keep-alive POST of a generation on a plain socket, sent; the socket, to read the answer from."""
+    host, port = url.removeprefix("http://").split(":")
+    data = json.dumps(body).encode()
+    conn = socket.create_connection((host, int(port)), timeout=60)
+    head = f"POST /v1/images/generations HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+    conn.sendall(f"{head}Content-Length: {len(data)}\r\nConnection: keep-alive\r\n\r\n".encode() + data)
+    return conn
+
+
+def _read_to_close(conn: socket.socket) -> bytes:
+    chunks = []
+    while chunk := conn.recv(1 << 16):
+        chunks.append(chunk)
+    conn.close()
+    return b"".join(chunks)
+
+
+@pytest.mark.slow
+def test_a_sync_answer_comes_from_the_engine_process_while_the_front_is_frozen(tmp_path):
+    """The front hands the connection to the engine process with the job: with the front stopped
+    (SIGSTOP: as frozen as a collection holds it) while the job runs, the answer still arrives,
+    whole, and closes the connection; the front, let go, serves the next request."""
+    proc, url, _, _ = start_worker(tmp_path)
+    try:
+        # ~4 s here (200 steps of 256x256): it is in the engine, running, well before the stop
+        conn = _raw_generation(url, {"prompt": "frozen front", "size": "256x256", "tier": "turbo", "steps": 200})
+        deadline = time.monotonic() + 30
+        while not metric(scrape(url), "turbonode_worker_in_flight", tier="turbo"):
+            assert time.monotonic() < deadline, "the job never started"
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGSTOP)
+        stopped = time.monotonic()
+        try:
+            raw = _read_to_close(conn)
+            answered_after = time.monotonic() - stopped
+        finally:
+            proc.send_signal(signal.SIGCONT)
+        head, _, body = raw.partition(b"\r\n\r\n")
+        lines = head.decode().split("\r\n")
+        headers = dict(line.split(": ", 1) for line in lines[1:])
+        assert lines[0] == "HTTP/1.1 200 OK" and headers["Connection"] == "close", head
+        assert headers["X-Turbonode-Tier"] == "turbo" and int(headers["Content-Length"]) == len(body)
+        answer = json.loads(body)
+        assert base64.b64decode(answer["data"][0]["b64_json"]).startswith(b"\x89PNG")
+        assert answer["data"][0]["revised_prompt"] == "frozen front" and answer["turbonode"]["state"] == "done"
+        # most of the job ran after the front stopped: the engine process alone finished and answered it
+        assert answered_after > answer["turbonode"]["elapsed_s"] / 2, (answered_after, answer["turbonode"])
+        out: list = []
+        _generate(url, {"prompt": "next", "size": "64x64", "tier": "turbo", "steps": 2}, out)
+        assert out[0][0] == 200 and len(out[0][1]["data"]) == 1, out
+    finally:
+        kill_worker(proc)
 
 
 @pytest.mark.slow
