@@ -133,11 +133,14 @@ def attainment(results: Latest) -> list[str]:
             before.append(f"{name} ({r['commit'] or 'commit not given'})")
             continue
         cell = [i for i, c in enumerate(cols) if c in ("cell", "worker")]
-        verdicts = [v for v in r["verdicts"] if "SLO attainment" in v["target"]]
+        verdicts = [v for v in r["verdicts"] if _is_slo(v)]
         lines.append(
             f"- {name}, {_when(r)}: "
             + "; ".join(f"{v['target'].split()[0]} {v['value']} ({_met(v['met'])})" for v in verdicts)
         )
+        if len({x for xs in slos.values() for x in xs}) == 1:  # one value everywhere (100 %): said once
+            lines[-1] += f"; {' and '.join(slos)} {_v(next(iter(slos.values()))[0])} in every cell"
+            continue
         for c, xs in slos.items():
             cells = ", ".join(f"{'/'.join(str(row[i]) for i in cell)} {_v(x)}" for row, x in zip(rows, xs))
             lines.append(f"  - {c}: {cells}")
@@ -155,6 +158,10 @@ def glance(results: Latest) -> list[str]:
     return table(["benchmark", "variant", "latest", "met", "n", "seed", "date, commit"], rows)
 
 
+def _is_slo(verdict: dict[str, Any]) -> bool:
+    return "SLO attainment" in verdict["target"]
+
+
 def block(r: dict[str, Any]) -> list[str]:
     """One benchmark variant's latest result."""
     variant = f" ({r['variant']})" if r["variant"] else ""
@@ -163,7 +170,8 @@ def block(r: dict[str, Any]) -> list[str]:
         lines[0] += f" *Transcribed from {r['transcribed']}.*"
     link = f" ([result](../bench/results/{r['_path']}))" if r.get("_path") else ""
     lines.append((f"`{r['command']}`" if r["command"] else "Command not given.") + link)
-    lines += [f"- {v['target']}: {v['value']} ({_met(v['met'])})" for v in r["verdicts"]]
+    # the SLO attainment verdicts are the page's lead (attainment): not repeated here
+    lines += [f"- {v['target']}: {v['value']} ({_met(v['met'])})" for v in r["verdicts"] if not _is_slo(v)]
     if r["target"] and not r["verdicts"]:
         lines.append(f"- target: {r['target']}")
     shown = r["table"] is not None and not r["variant"] and r["benchmark"] in TABLES  # the rest: in its file

@@ -135,3 +135,24 @@ def test_the_page_shows_attainment_per_cell_and_none_for_an_empty_tier(tmp_path,
         "fast SLO, turbonode",
     ]
     assert shown[1] == [["none", 500, 400, "90.0%", "100.0%", "none", "none"]]
+
+
+def test_one_attainment_everywhere_is_said_once_and_the_block_leaves_it_to_the_lead(tmp_path, monkeypatch):
+    table = {
+        "columns": ["cell", "mode", "p99 ms", "turbo SLO", "fast SLO"],
+        "rows": [["none", "turbonode", 400, "100.0%", "100.0%"], ["gc", "turbonode", 500, "100.0%", "100.0%"]],
+    }
+    verdicts = [
+        {"target": "turbonode turbo p99 <= 2x the none p99", "value": "met in 1/1", "met": True},
+        {"target": "turbo SLO attainment >= 99.9%", "value": "met in 2/2", "met": True},
+    ]
+    _result(tmp_path, monkeypatch, table=table, verdicts=verdicts, met=True)
+    (r,) = record.latest(tmp_path).values()
+    lines = page.attainment({("node_slo", ""): r})
+    assert lines == [
+        "- node_slo, 2026-12-05 10:00 UTC, abc1234: turbo met in 2/2 (**met**); "
+        "turbo SLO and fast SLO 100.0% in every cell"
+    ]
+    shown = page.block(r)
+    assert "- turbonode turbo p99 <= 2x the none p99: met in 1/1 (**met**)" in shown
+    assert not any("SLO attainment" in line for line in shown)

@@ -130,6 +130,13 @@ class WorkerConfig:
         in_range(0, MAX_INTRA_OP_THREADS),
         "torch intra-op threads (0: one fewer than the CPUs the worker may use, at least 1)",
     )
+    front_nice: int = opt(
+        0,
+        in_range(0, 19),
+        "nice value of the front process's threads once the engine process runs: the engine, and so "
+        "turbo's steps, get the CPU first where the two share it (render/front/priority.py; 0: same weight; "
+        "5 took a worker's turbo p99 under its own front's GC storm from 2.71x to 1.82x its idle, docs/worker.md)",
+    )
     weight_port: int = opt(
         0,
         in_range(-1, 65535),

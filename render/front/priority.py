@@ -1,0 +1,39 @@
+"""The front yields the CPU to its engine: a nice value for every thread of the front process.
+
+A worker's two processes share the CPUs it may use (one, where `cpus` pins it). A turbo request's
+time is mostly the engine's denoising steps; the front's threads (HTTP, the control socket, and
+anything that runs beside them: a leaky handler's garbage and the collections it causes) must not
+take the engine's share at the same weight. Nice is per thread on Linux: every thread that exists
+now is reniced (raising one's own nice needs no privilege), and threads started later inherit the
+value of the thread that starts them. The engine process, spawned before, keeps its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+log = logging.getLogger(__name__)
+
+
+def yield_to_engine(nice: int, procfs: str = "/proc") -> list[str]:
+    """Raise every thread of this process to at least `nice`; the problems, one line each."""
+    if nice <= 0:
+        return []
+    task = os.path.join(procfs, str(os.getpid()), "task")
+    try:
+        tids = [int(t) for t in os.listdir(task)]
+    except OSError as exc:
+        return [f"cannot list this process's threads in {task}: {exc.strerror or exc}"]
+    problems = []
+    for tid in tids:
+        try:
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+        except ProcessLookupError:
+            continue  # the thread ended meanwhile
+        except OSError as exc:
+            problems.append(f"cannot renice thread {tid} to {nice}: {exc.strerror or exc}")
+    for problem in problems:
+        log.warning("%s", problem)
+    return problems
