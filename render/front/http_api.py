@@ -366,7 +366,7 @@ class Api:
         self.engine = engine
         # without keys: anyone may ask for any tier, and no tier header is obeyed
         self.accounts = accounts or Accounts(None, None, TrustedProxies(()), metrics)
-        self._charges: set[asyncio.Future] = set()  # jobs whose end their key's charge waits for
+        self._at_end: set[asyncio.Future] = set()  # what waits for a job's end: charges, late counts
         self.registry = registry  # what /metrics serves
         self.defaults = defaults
         # what the worker serves: the engine's description once loaded, the configured id before
@@ -527,7 +527,25 @@ class Api:
             raise
         finally:
             if self.metrics is not None:
-                self.metrics.request_answered(tally.tier, tally.outcome, tally.code, self.clock() - start)
+                if tally.outcome == "cancelled" and tally.engine_answers is not None:
+                    self._count_at_end(tally.engine_answers, tally.tier, start)
+                else:
+                    self.metrics.request_answered(tally.tier, tally.outcome, tally.code, self.clock() - start)
+
+    def _count_at_end(self, job, tier: str, start: float) -> None:
+        """A request whose connection the engine holds, its handler cancelled because the client
+        closed: the client may have closed because it has its answer (the engine wrote it before
+        this loop saw the job's end), so it is counted at the end, by what the engine did."""
+        metrics = self.metrics
+        assert metrics is not None
+
+        def count() -> None:
+            if job.answered:
+                metrics.request_answered(tier, "ok", 200, job.finished - start)
+            else:
+                metrics.request_answered(tier, "cancelled", CLIENT_CLOSED, self.clock() - start)
+
+        self._at_job_end(job, count)
 
     async def _generate(self, request: web.Request, tally: Tally) -> Answer:
         peer = peer_address(request)
@@ -577,6 +595,8 @@ class Api:
         conn = None if run_async else request.transport.get_extra_info("socket") if request.transport else None
         try:
             job = await self.engine.enqueue(job_request, keep_images=run_async, answer_on=conn)
+            if conn is not None:
+                tally.engine_answers = job
         except Rejected as exc:
             headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))} if exc.retry_after is not None else {}
             response = web.json_response(
@@ -620,16 +640,26 @@ class Api:
         if admission.account is None or not self.accounts.keyed:
             return
 
-        async def charge() -> None:
-            with contextlib.suppress(JobCancelled, JobFailed):
-                await job.ended()
+        account = admission.account
+
+        def charge() -> None:
             if job.state.terminal:  # else the engine went away first: what it used is unknown
                 used = job.describe(self.engine.clock()).get("engine_s", 0.0)
-                self.accounts.charge(admission.account, job.tier, used)
+                self.accounts.charge(account, job.tier, used)
 
-        task = asyncio.ensure_future(charge())
-        self._charges.add(task)
-        task.add_done_callback(self._charges.discard)
+        self._at_job_end(job, charge)
+
+    def _at_job_end(self, job, then: Callable[[], None]) -> None:
+        """`then()` once the job has ended (done, failed, cancelled, or its engine gone)."""
+
+        async def wait() -> None:
+            with contextlib.suppress(JobCancelled, JobFailed):
+                await job.ended()
+            then()
+
+        task = asyncio.ensure_future(wait())
+        self._at_end.add(task)
+        task.add_done_callback(self._at_end.discard)
 
     async def _start_accounts(self, _app: web.Application) -> None:
         self.accounts.start()  # the ledger's writer, on the loop that serves
@@ -637,8 +667,8 @@ class Api:
     async def _close_accounts(self, _app: web.Application) -> None:
         """At stop (after the drain): the charges of jobs that have ended reach the ledger, which
         then writes what it holds (each for a bounded time)."""
-        if self._charges:
-            await asyncio.wait(set(self._charges), timeout=CHARGES_TIMEOUT_S)
+        if self._at_end:
+            await asyncio.wait(set(self._at_end), timeout=CHARGES_TIMEOUT_S)
         await self.accounts.close()
 
     # ---- jobs -------------------------------------------------------------------------
@@ -704,6 +734,7 @@ class Tally:
     tier: str = UNKNOWN_TIER
     outcome: str = "failed"
     code: int = 500
+    engine_answers: Any = None  # the job whose connection the engine process holds (it answers it)
 
 
 def _tier_of(body) -> str:

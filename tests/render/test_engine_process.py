@@ -27,7 +27,7 @@ from render.link import EngineGone, EngineLink, FrontLink, RemoteError, Server, 
 from tests.helpers import ROOT
 from tests.render.helpers import kill_worker, metric, scrape, start_worker
 from turbonode.jsonrpc import ControlClient
-from turbonode.metric_names import ENGINE_CPU, ENGINE_RSS
+from turbonode.metric_names import CLIENT_CLOSED, ENGINE_CPU, ENGINE_RSS, REQUEST_DURATION, REQUESTS
 
 
 def test_rejections_cross_the_channel_with_their_retry_after():
@@ -298,6 +298,13 @@ def test_a_sync_answer_comes_from_the_engine_process_while_the_front_is_frozen(t
         assert answer["data"][0]["revised_prompt"] == "frozen front" and answer["turbonode"]["state"] == "done"
         # most of the job ran after the front stopped: the engine process alone finished and answered it
         assert answered_after > answer["turbonode"]["elapsed_s"] / 2, (answered_after, answer["turbonode"])
+        # the client had its answer and closed before the front woke: still an ok answer, not a cancel
+        deadline = time.monotonic() + 10
+        while not metric(text := scrape(url), REQUESTS + "_total", tier="turbo", code="200"):
+            assert time.monotonic() < deadline, "the answer was never counted"
+            time.sleep(0.1)
+        assert metric(text, REQUESTS + "_total", tier="turbo", code=str(CLIENT_CLOSED)) == 0
+        assert metric(text, REQUEST_DURATION + "_count", tier="turbo", outcome="ok") == 1
         out: list = []
         _generate(url, {"prompt": "next", "size": "64x64", "tier": "turbo", "steps": 2}, out)
         assert out[0][0] == 200 and len(out[0][1]["data"]) == 1, out
