@@ -300,6 +300,11 @@ async def _png(sample) -> str:
     return await asyncio.get_running_loop().run_in_executor(None, encode_png, sample.image)
 
 
+async def _pngs(job) -> list[str]:
+    """A done job's images as base64 PNGs, in order (_png)."""
+    return [await _png(s) for s in job.samples]
+
+
 async def _off_loop(fn: Callable[..., Any], *args: Any) -> Any:
     """Run `fn` in a thread: it asks the engine process and waits for the answer, which would
     hold every request on the event loop (a turbo answer among them) for that round trip."""
@@ -630,8 +635,7 @@ class Api:
             return Answer("failed", _error(f"job failed: {exc}", status, None, "job_failed", headers=said), job)
         if job.answered:
             return Answer("ok", AnsweredByEngine(headers=said), job)
-        pngs = [await _png(s) for s in job.samples]
-        payload = images_answer(job.created, pngs, job.request.prompt, job.describe(self.engine.clock()))
+        payload = images_answer(job.created, await _pngs(job), job.request.prompt, job.describe(self.engine.clock()))
         job.drop_images()  # delivered: a sync job's pixels are not kept
         return Answer("ok", web.json_response(payload, headers=said), job)
 
@@ -709,7 +713,7 @@ class Api:
                 await asyncio.wait_for(job.ended(), wait)
         out = await _off_loop(job.describe, self.engine.clock())
         if job.state.value == "done" and not job.images_dropped:
-            out["data"] = images_data([await _png(s) for s in job.samples], job.request.prompt)
+            out["data"] = images_data(await _pngs(job), job.request.prompt)
         return web.json_response(out, headers=tier_headers(job.request))
 
     async def delete_job(self, request: web.Request) -> web.Response:
