@@ -327,7 +327,7 @@ def test_a_rule_raises_the_node_only_to_its_max_level_and_holds_it_there():
 def test_max_level_from_config(tmp_path):
     rules = {r.signal: r for r in policy_from_config(PolicyConfig()).rules}
     assert rules["cpu_load"].max_level == 1 and rules["netrx_cpu_share"].max_level == 1
-    assert rules["gc_pause_s"].max_level == 1 and rules["turbo_wait_s"].max_level == 3
+    assert rules["gc_pause_s"].max_level == 2 and rules["turbo_wait_s"].max_level == 3
     f = tmp_path / "t.toml"
     f.write_text('[policy.rules.cpu_load]\nmax_level = "critical"\n')
     rules = {r.signal: r for r in policy_from_config(load_config(str(f), env={}).policy).rules}

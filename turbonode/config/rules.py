@@ -51,7 +51,7 @@ POLICY_RULES: dict[str, RuleDefaults] = {
         ("cpu_share", "worker_threads"),
         "pressured",
     ),
-    "gc_pause_s": RuleDefaults(0.005, 0.001, positive, "longest new worker GC pause (s)", (), "pressured"),
+    "gc_pause_s": RuleDefaults(0.005, 0.001, positive, "longest new worker GC pause (s)", (), "degraded"),
     "netrx_latency_p99_s": RuleDefaults(
         200e-6, 50e-6, positive, "NET_RX softirq raise-to-run p99 (s)", ("cpu_share",), "pressured"
     ),
