@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import sys
 import time
@@ -46,7 +47,7 @@ from .control_server import ControlHandlers, ControlServer
 from .http_api import Api, listening_socket
 from .http_log import MalformedRequestLog
 from .metrics import WorkerMetrics
-from .priority import yield_to_engine
+from .priority import front_nice, yield_to_engine
 from .readiness import ENGINE_STALL_S
 from .remote_engine import RemoteEngine
 from .weight_agent import WeightAgent
@@ -141,7 +142,8 @@ class Worker:
         self.metrics.watch(engine)
         ProcessCollector(namespace=ENGINE_PROCESS, pid=lambda: engine.pid, registry=self.metrics.registry)
         freeze_after_load()  # the front's own heap: its collections then traverse only new objects
-        yield_to_engine(self.cfg.front_nice)  # after the engine process started: it keeps its nice
+        # after the engine process started: it keeps its nice
+        yield_to_engine(front_nice(self.cfg.front_nice, len(os.sched_getaffinity(0))))
         self.gc = GcMonitor(observe=self.metrics.observe_gc)
         engine.gc = self.gc
 

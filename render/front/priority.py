@@ -6,6 +6,7 @@ anything that runs beside them: a leaky handler's garbage and the collections it
 take the engine's share at the same weight. Nice is per thread on Linux: every thread that exists
 now is reniced (raising one's own nice needs no privilege), and threads started later inherit the
 value of the thread that starts them. The engine process, spawned before, keeps its own.
+`worker.front_nice`'s default yields only where the two share a single CPU (front_nice below).
 """
 
 from __future__ import annotations
@@ -13,7 +14,17 @@ from __future__ import annotations
 import logging
 import os
 
+from turbonode.config.worker import FRONT_NICE_AUTO, SHARED_CPU_NICE
+
 log = logging.getLogger(__name__)
+
+
+def front_nice(configured: int, cpus: int) -> int:
+    """The nice the front takes: `configured`, or (FRONT_NICE_AUTO) SHARED_CPU_NICE where the
+    worker may use `cpus` = 1 CPU, which its front and engine then share, else 0."""
+    if configured != FRONT_NICE_AUTO:
+        return configured
+    return SHARED_CPU_NICE if cpus == 1 else 0
 
 
 def yield_to_engine(nice: int, procfs: str = "/proc") -> list[str]:

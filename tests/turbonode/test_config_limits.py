@@ -47,6 +47,7 @@ def refused(tmp_path: Path, text: str | bytes, env: dict[str, str] | None = None
         ("[agent]\nsample_period = 0.0001\n", "agent.sample_period", "0.05 and 60"),
         ("[worker]\ndrain_timeout = nan\n", "worker.drain_timeout", "more than 0 and at most 3600 s, got nan"),
         ("[worker]\ndrain_timeout = 1e12\n", "worker.drain_timeout", "3600"),
+        ("[worker]\nfront_nice = -2\n", "worker.front_nice", "-1"),
         ("[worker]\nmin_share = nan\n", "worker.min_share", "between 0 and 1, got nan"),
         ("[worker]\nguidance = { fast = -inf }\n", "worker.guidance", "fast: must be a number between 0 and 50"),
         ("[policy]\nmin_change_interval = inf\n", "policy.min_change_interval", "at most 3600 s, got inf"),

@@ -37,6 +37,11 @@ BACKEND_NAMES = ("auto", "torch", "tensorrt")
 MAX_GUIDANCE = 50
 MIN_PIXELS = 64
 MAX_PIXELS = 2048
+# worker.front_nice's default: the front yields where it shares one CPU with its engine (a pinned
+# worker of a multi-GPU node): 5 took such a worker's turbo p99 under its own front's GC storm from
+# 2.71x to 1.82x its idle (docs/worker.md); with more CPUs the two run side by side.
+FRONT_NICE_AUTO = -1
+SHARED_CPU_NICE = 5
 PIXEL_STEP = 8  # SD-family VAEs downsample by 8; a model may need more (the worker checks at start)
 MAX_DRAIN_TIMEOUT_S = 3600.0
 # worker.weight_port 0: the HTTP port + this (8460 -> 8560, 8461 -> 8561)
@@ -131,11 +136,12 @@ class WorkerConfig:
         "torch intra-op threads (0: one fewer than the CPUs the worker may use, at least 1)",
     )
     front_nice: int = opt(
-        0,
-        in_range(0, 19),
+        FRONT_NICE_AUTO,
+        in_range(FRONT_NICE_AUTO, 19),
         "nice value of the front process's threads once the engine process runs: the engine, and so "
-        "turbo's steps, get the CPU first where the two share it (render/front/priority.py; 0: same weight; "
-        "5 took a worker's turbo p99 under its own front's GC storm from 2.71x to 1.82x its idle, docs/worker.md)",
+        "turbo's steps, get the CPU first where the two share it (render/front/priority.py). "
+        f"{FRONT_NICE_AUTO}: {SHARED_CPU_NICE} where the worker may use one CPU only (front and engine share "
+        "it), else 0 (same weight); docs/worker.md has the figures",
     )
     weight_port: int = opt(
         0,

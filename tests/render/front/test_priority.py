@@ -8,8 +8,9 @@ import subprocess
 import sys
 import textwrap
 
-from render.front.priority import yield_to_engine
+from render.front.priority import front_nice, yield_to_engine
 from tests.helpers import ROOT
+from turbonode.config.worker import FRONT_NICE_AUTO, SHARED_CPU_NICE
 
 CHILD = textwrap.dedent("""
     import json, os, sys, threading
@@ -62,3 +63,9 @@ def test_zero_changes_nothing():
 def test_a_missing_procfs_is_named(tmp_path):
     (problem,) = yield_to_engine(5, procfs=str(tmp_path))
     assert "cannot list this process's threads" in problem and str(tmp_path) in problem
+
+
+def test_the_default_yields_only_where_front_and_engine_share_one_cpu():
+    assert front_nice(FRONT_NICE_AUTO, 1) == SHARED_CPU_NICE > 0  # a pinned worker of a multi-GPU node
+    assert front_nice(FRONT_NICE_AUTO, 2) == 0 == front_nice(FRONT_NICE_AUTO, 64)  # side by side
+    assert front_nice(0, 1) == 0 and front_nice(10, 8) == 10  # a value set is kept
