@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from render.front.http_api import SEND_BUFFER_BYTES, listening_socket, mark_socket
+from render.front.http_api import SEED_DRAWN, SEND_BUFFER_BYTES, listening_socket, mark_socket, parse_generation
+from render.jobs import RequestDefaults
 from tests.render.helpers import get, post, serve
 from turbonode.tiers import tos_byte
 
@@ -165,6 +166,21 @@ def test_bad_requests_get_4xx_with_a_message(server, body, raw, headers, status,
     assert got == status
     message = json.loads(answer)["error"]["message"]
     assert fragment in message
+
+
+def test_a_request_without_a_seed_draws_one_without_asking_the_kernel(monkeypatch):
+    """os.urandom gives the GIL up: in a GC storm in the front each call is a chance to wait out a
+    collection, so the intake draws seeds from a generator seeded once."""
+
+    def no_urandom(n):
+        raise AssertionError("the intake asked the kernel for randomness")
+
+    monkeypatch.setattr("os.urandom", no_urandom)
+    monkeypatch.setattr("random._urandom", no_urandom)  # what secrets' SystemRandom calls
+    defaults = RequestDefaults(64, 8, {"turbo": 2}, {"turbo": 0.0})
+    seeds = {parse_generation({"prompt": "x", "tier": "turbo"}, None, defaults)[0].seed for _ in range(50)}
+    assert len(seeds) > 40 and all(0 <= seed < SEED_DRAWN for seed in seeds)
+    assert parse_generation({"prompt": "x", "seed": 2**40}, "turbo", defaults)[0].seed == 2**40
 
 
 def test_wrong_method_and_path_are_4xx_and_the_server_keeps_serving(server):
