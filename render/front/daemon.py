@@ -21,6 +21,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 import sys
 import time
 from collections.abc import Callable
@@ -46,6 +47,7 @@ from turbonode.metric_names import ENGINE_PROCESS
 from .control_server import ControlHandlers, ControlServer
 from .http_api import Api, listening_socket
 from .http_log import MalformedRequestLog
+from .listener_close import take_queue
 from .metrics import WorkerMetrics
 from .priority import front_nice, yield_to_engine
 from .readiness import ENGINE_STALL_S
@@ -55,8 +57,9 @@ from .weight_agent import WeightAgent
 log = logging.getLogger(__name__)
 
 # At stop the listener closes first (a later client is refused at connect: nothing was sent, it
-# may retry elsewhere); a connection accepted just before has this long for its request to
-# arrive and be answered (503 draining) instead of being closed unanswered.
+# may retry elsewhere), what its accept queue holds is served (render/front/listener_close.py); a
+# connection accepted just before has this long for its request to arrive and be answered
+# (503 draining) instead of being closed unanswered.
 CLOSE_LINGER_S = 0.5
 
 
@@ -110,6 +113,7 @@ class Worker:
         self.defaults: RequestDefaults | None = None
         self.family = ""
         self.address: tuple[str, int] | None = None
+        self.listener: socket.socket | None = None  # the HTTP listening socket, once bound
         self.weight_agent = WeightAgent(self.weight)
         self.weight_address: tuple[str, int] | None = None  # where HAProxy's agent-check asks, once bound
         self.malformed_log = MalformedRequestLog(self.metrics.http_malformed.inc)
@@ -171,7 +175,8 @@ class Worker:
         self.malformed_log.install()
         host, port = split_host_port(self.cfg.listen)
         try:
-            await web.SockSite(runner, listening_socket(host, port, self.cfg.handshake_tier)).start()
+            self.listener = listening_socket(host, port, self.cfg.handshake_tier)
+            await web.SockSite(runner, self.listener).start()
         except OSError as exc:
             await self._shutdown(runner)
             raise ListenError(f"cannot listen on {self.cfg.listen}: {exc.strerror or exc}") from None
@@ -279,8 +284,15 @@ class Worker:
     async def _shutdown(self, runner) -> None:
         await self.weight_agent.close()
         if runner.addresses:  # listening: close the listener, then answer who got in before it closed
+            assert self.listener is not None
+            # take the queue and close with no await between (render/front/listener_close.py):
+            # site.stop() closes the listener before its first await
+            queued = take_queue(self.listener)
             for site in runner.sites:
                 await site.stop()
+            loop = asyncio.get_running_loop()
+            for conn in queued:
+                await loop.connect_accepted_socket(runner.server, conn)
             await asyncio.sleep(CLOSE_LINGER_S)
         await runner.cleanup()
         self.malformed_log.uninstall()
