@@ -62,6 +62,9 @@ class Limits:
     # max_batch: the throttle holds back lower tiers, never turbo (its backlog under a GC storm
     # or a CPU hog drains only by batching); None: max_batch.
     turbo_max_batch: int | None = None
+    # The engine saw a turbo job lately: a turbo job that arrives waits for the step in progress,
+    # so a batch without turbo then holds only as many samples as batching pays for (lower_batch_cap).
+    turbo_about: bool = False
 
 
 def estimate_cost(rows: int, table: Mapping[int, float]) -> float | None:
@@ -130,6 +133,27 @@ def _cheap_for_turbo(limits: Limits) -> Callable[[Candidate, list[Candidate]], b
     return admit
 
 
+def lower_batch_cap(chosen: Sequence[Candidate], capacity: int, limits: Limits) -> int:
+    """How many of `chosen` (a batch without turbo, in order) to step while turbo is about: the
+    fewest whose cost per sample is within co_batch_slack of a full batch's, at least one.
+
+    Where batching is nearly free (a GPU with headroom) that is close to a full batch; on a
+    saturated CPU, where a step's cost grows with its rows, a few samples: turbo's wait for the
+    step in progress shrinks with it, and the lower tiers give up at most co_batch_slack of their
+    throughput, as turbo gives up at most that much of its step time to let them ride along."""
+    table = {rows: t for (shape, rows), t in limits.step_cost.items() if shape == chosen[0].shape}
+    rows = [c.rows for c in chosen]
+    full = estimate_cost(round(sum(rows) * capacity / len(rows)), table)
+    if full is None:
+        return len(chosen)  # nothing measured yet: batch, and learn the cost
+    allowed = full / capacity * (1 + limits.co_batch_slack)
+    for n in range(1, len(chosen)):
+        cost = estimate_cost(sum(rows[:n]), table)
+        if cost is not None and cost / n <= allowed:
+            return n
+    return len(chosen)
+
+
 def _whole_job(cands: list[Candidate], limits: Limits, order: Callable[[Candidate], tuple[Any, ...]]) -> Composition:
     running = sorted((c for c in cands if c.started), key=order)
     waiting = sorted((c for c in cands if not c.started), key=order)
@@ -168,6 +192,8 @@ def _step_priority(cands: list[Candidate], limits: Limits, credits: dict[str, fl
             turbo = [c for c in ordered if c.tier == PROTECTED_TIER]
             _fill(turbo, chosen, chosen[0].shape, max(capacity, limits.turbo_max_batch or capacity))
         _fill(ordered, chosen, ordered[0].shape, capacity, _cheap_for_turbo(limits))
+    if limits.turbo_about and chosen[0].tier != PROTECTED_TIER:
+        chosen = chosen[: lower_batch_cap(chosen, capacity, limits)]
     granted = {t: sum(c.tier == t for c in chosen) for t in waiting_tiers}
     left_waiting = {t for t in waiting_tiers if granted[t] < sum(c.tier == t for c in ordered)}
     new_credits = {}

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import os
 import threading
 import time
@@ -38,7 +39,7 @@ from render.throttle import ThrottleState
 from render.weight import StepPace
 from turbonode.config import WorkerConfig
 from turbonode.stats import percentile
-from turbonode.tiers import PRIORITY_ORDER
+from turbonode.tiers import PRIORITY_ORDER, PROTECTED_TIER
 
 from .backends.base import DiffusionBackend
 from .decode import decode_images
@@ -56,6 +57,9 @@ _DEFAULTS = WorkerConfig()  # the worker's defaults are the config's: one defini
 # Jobs per tier the snapshot's backlog lists: every queued turbo and fast job at the default
 # queue limits (32, 64); lower tiers beyond that never run before a turbo or fast job would finish.
 BACKLOG_JOBS = 64
+# A turbo job within this long keeps batches without turbo to what batching pays for
+# (render/batching.py lower_batch_cap): turbo arrives again soon, and waits for the step in progress.
+TURBO_ABOUT_S = 10.0
 
 
 @dataclass
@@ -129,6 +133,7 @@ class Engine:
         )
         self._credits: dict[str, float] = {}
         self._decode_deferred = 0
+        self._turbo_seen = -math.inf  # when a boundary last had a turbo job live
         self._stopping = False
         self._thread: threading.Thread | None = None
         self.step_times: collections.deque[float] = collections.deque(maxlen=RECENT)
@@ -166,6 +171,7 @@ class Engine:
             dict(self.step_cost),
             self.settings.co_batch_slack,
             turbo_max_batch=self.settings.max_batch,  # turbo's own batch is never throttled
+            turbo_about=self.clock() - self._turbo_seen < TURBO_ABOUT_S,
         )
 
     def threads_wanted(self) -> int:
@@ -327,6 +333,8 @@ class Engine:
         with self.jobs.lock:
             limits = self.limits()
             live = [j for j in self.jobs.live() if j.tier not in limits.paused]
+        if any(j.tier == PROTECTED_TIER for j in live):
+            self._turbo_seen = self.clock()
         to_encode = [j for j in live if j.cond is None]
         if to_encode:
             self._encode(to_encode)
@@ -469,6 +477,7 @@ class Engine:
             "turbo_max_batch": limits.turbo_max_batch,
             "min_share": limits.min_share,
             "co_batch_slack": limits.co_batch_slack,
+            "turbo_about": limits.turbo_about,
             "paused": sorted(limits.paused),
             "uses_cfg": self.family.uses_cfg,
             "credits": dict(self._credits),  # the min-share state the next boundary starts from

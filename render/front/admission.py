@@ -24,6 +24,7 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 
 from render import batching
+from turbonode.tiers import PROTECTED_TIER
 
 MAX_BOUNDARIES = 10_000  # a replay ends here whatever it predicts (the objective ends it far sooner)
 # Images of each lower tier in the replay, in batches: they fill what a batch leaves over and
@@ -80,6 +81,7 @@ def predict(snapshot: Mapping, job: NewJob, limit_s: float) -> Prediction | None
         {((h, w), n_rows): s for h, w, n_rows, s in pace["step_cost"]},
         pace["co_batch_slack"],
         turbo_max_batch=pace["turbo_max_batch"],
+        turbo_about=pace["turbo_about"] or job.tier == PROTECTED_TIER,
     )
     rank = batching.RANK[job.tier]
     samples: dict[Hashable, _Image] = {}

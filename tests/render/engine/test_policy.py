@@ -78,6 +78,29 @@ def test_lower_tiers_join_turbo_only_while_it_costs_turbo_little():
     assert compose_batch(c[1:], Limits(4, step_cost={(sh, 1): 0.040, (sh, 8): 0.110})).keys == ("r1", "r2")
 
 
+def test_while_turbo_is_about_a_batch_without_it_holds_what_batching_pays_for():
+    """A turbo job that arrives waits for the step in progress: lower tiers step in batches whose
+    cost per image is within co_batch_slack of a full batch's, not in full ones."""
+    sh = (256, 256)
+    relax = [Candidate(f"r{i}", "relax", sh, i, rows=2) for i in range(6)]
+    cpu = {(sh, 1): 0.027, (sh, 2): 0.055, (sh, 6): 0.106, (sh, 8): 0.134}  # the tiny model at 256 px, one thread
+    # a full batch: 33.5 ms an image; two images (4 rows, 80.5 ms interpolated): 40.3 <= 41.9; one: 55
+    assert compose_batch(relax, Limits(4, step_cost=cpu, turbo_about=True)).keys == ("r0", "r1")
+    assert compose_batch(relax, Limits(4, step_cost=cpu)).keys == ("r0", "r1", "r2", "r3")
+    fast_first = [Candidate("f1", "fast", sh, 9, rows=2), *relax]
+    assert compose_batch(fast_first, Limits(4, step_cost=cpu, turbo_about=True)).keys == ("f1", "r0")
+    # a GPU with headroom (8 rows cost about what 1 does): the full batch
+    gpu = {(sh, 1): 0.040, (sh, 8): 0.044}
+    assert compose_batch(relax, Limits(4, step_cost=gpu, turbo_about=True)).keys == ("r0", "r1", "r2", "r3")
+    # nothing measured for the shape: batch, and learn
+    assert compose_batch(relax, Limits(4, turbo_about=True)).keys == ("r0", "r1", "r2", "r3")
+    # turbo's own batch is not capped; a starved tier's batch is
+    turbo = Candidate("t1", "turbo", sh, 10, rows=1)
+    assert compose_batch([turbo, *relax], Limits(4, step_cost=cpu, turbo_about=True)).keys == ("t1",)
+    starved = compose_batch([turbo, *relax], Limits(4, min_share=0.1, step_cost=cpu, turbo_about=True), {"relax": 3.9})
+    assert starved.keys == ("r0", "r1")
+
+
 def test_estimate_cost():
     table = {2: 0.05, 8: 0.11}
     assert estimate_cost(2, table) == 0.05

@@ -26,6 +26,7 @@ def snapshot(backlog=(), *, cost=(0.1, 0.15, 0.2, 0.25), decode=0.05, p50=0.1, m
             "turbo_max_batch": max_batch,
             "min_share": min_share,
             "co_batch_slack": 0.25,
+            "turbo_about": False,
             "paused": [],
             "uses_cfg": True,
             "credits": {},
