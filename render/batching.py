@@ -66,6 +66,10 @@ class Limits:
     # so a batch without turbo then holds only as many samples as batching pays for (lower_batch_cap).
     turbo_about: bool = False
 
+    def costs_of(self, shape: Shape) -> dict[int, float]:
+        """The measured step seconds of `shape`, by UNet rows (estimate_cost's table)."""
+        return {rows: t for (s, rows), t in self.step_cost.items() if s == shape}
+
 
 def estimate_cost(rows: int, table: Mapping[int, float]) -> float | None:
     """Step time for `rows` UNet rows from measured points; None when nothing is known.
@@ -123,7 +127,7 @@ def _cheap_for_turbo(limits: Limits) -> Callable[[Candidate, list[Candidate]], b
         turbo_rows = sum(x.rows for x in chosen if x.tier == PROTECTED_TIER)
         if not turbo_rows:
             return True
-        table = {rows: t for (shape, rows), t in limits.step_cost.items() if shape == c.shape}
+        table = limits.costs_of(c.shape)
         alone = estimate_cost(turbo_rows, table)
         joined = estimate_cost(sum(x.rows for x in chosen) + c.rows, table)
         if alone is None or joined is None:
@@ -141,7 +145,7 @@ def lower_batch_cap(chosen: Sequence[Candidate], capacity: int, limits: Limits) 
     saturated CPU, where a step's cost grows with its rows, a few samples: turbo's wait for the
     step in progress shrinks with it, and the lower tiers give up at most co_batch_slack of their
     throughput, as turbo gives up at most that much of its step time to let them ride along."""
-    table = {rows: t for (shape, rows), t in limits.step_cost.items() if shape == chosen[0].shape}
+    table = limits.costs_of(chosen[0].shape)
     rows = [c.rows for c in chosen]
     full = estimate_cost(round(sum(rows) * capacity / len(rows)), table)
     if full is None:
