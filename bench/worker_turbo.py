@@ -148,8 +148,12 @@ def summary(blocks: list[Block]) -> dict:
 
 
 def run(trees: list[Path], requests: int, rounds: int) -> dict:
-    scratch = Path(tempfile.mkdtemp(prefix="turbonode-bench-"))
-    workers = [Worker(tree, scratch) for tree in trees]
+    # the workers' sockets and logs; a worker that does not start has its log's tail printed
+    with tempfile.TemporaryDirectory(prefix="turbonode-bench-") as scratch:
+        return _run([Worker(tree, Path(scratch)) for tree in trees], requests, rounds)
+
+
+def _run(workers: list[Worker], requests: int, rounds: int) -> dict:
     try:
         for worker in workers:
             worker.wait_serving()
