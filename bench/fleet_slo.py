@@ -55,7 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench import slo  # noqa: E402
+from bench import interval, slo  # noqa: E402
 from bench.node import bench_start  # noqa: E402
 from bench.node_slo import GC_REARM_S, WORKER_PY  # noqa: E402
 from bench.record import judged, ms_int, record, variant_of  # noqa: E402
@@ -328,9 +328,10 @@ def report(result: dict) -> str:
     if ref and rolled:
         ratio = rolled / ref
         errors = tn["rolling"]["errors"]
+        ends = rolling_interval(result)
         lines.append(
-            f"target: turbonode rolling p99 <= {TARGET_RATIO:g} x none p99 ({_ms(ref)} ms): {ratio:.2f}x "
-            f"({'met' if ratio <= TARGET_RATIO else 'missed'}); turbo errors {errors} "
+            f"target: turbonode rolling p99 <= {TARGET_RATIO:g} x none p99 ({_ms(ref)} ms): {ratio:.2f}x"
+            f"{interval.aside(ends)} ({'met' if ratio <= TARGET_RATIO else 'missed'}); turbo errors {errors} "
             f"({'met' if errors == 0 else 'missed'})"
         )
     attained = {
@@ -340,6 +341,12 @@ def report(result: dict) -> str:
         lines.append(slo.verdict_line(slo.verdict(attained)) + " (turbonode)")
     lines.append(f"load average before: {result['loadavg_before']}, after: {result.get('loadavg_after')}")
     return "\n".join(lines)
+
+
+def rolling_interval(result: dict) -> str | None:
+    """The interval of turbonode's rolling p99 over its none p99 (bench/interval.py)."""
+    tn = {cell: by_mode.get("turbonode") for cell, by_mode in result["cells"].items()}
+    return interval.turbo_ratio_interval(tn.get("rolling"), tn.get("none"))
 
 
 def result_record(result: dict) -> dict:
@@ -358,12 +365,13 @@ def result_record(result: dict) -> dict:
     tn = {cell: by_mode["turbonode"]["turbo"] for cell, by_mode in result["cells"].items() if "turbonode" in by_mode}
     ref, rolled = (tn.get("none") or {}).get("p99_s"), (tn.get("rolling") or {}).get("p99_s")
     ratio = round(rolled / ref, 2) if ref and rolled else None
+    ends = rolling_interval(result) if ratio is not None else None
     errors = (tn.get("rolling") or {}).get("errors")
     per_tier = slo.verdict(attained)
     verdicts = [
         {
             "target": f"turbonode rolling turbo p99 <= {TARGET_RATIO:g}x none",
-            "value": "-" if ratio is None else f"{ratio:.2f}x",
+            "value": "-" if ratio is None else f"{ratio:.2f}x{interval.aside(ends)}",
             "met": None if ratio is None else ratio <= TARGET_RATIO,
         },
         {
@@ -386,10 +394,13 @@ def result_record(result: dict) -> dict:
         "seed": result.get("seed"),
         "headline": "turbonode "
         + ", ".join(f"{k} {v}" for k, v in shown.items())
-        + (f"; rolling p99 {ratio:.2f}x none, {errors} turbo errors" if ratio is not None else ""),
+        + (
+            f"; rolling p99 {ratio:.2f}x none{interval.aside(ends)}, {errors} turbo errors" if ratio is not None else ""
+        ),
         "figures": {
             **shown,
             "rolling p99 / none p99 (turbonode)": ratio,
+            f"rolling p99 / none p99 {interval.LABEL}": ends,
             "turbo errors in rolling (turbonode)": errors,
         },
         "table": {

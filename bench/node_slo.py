@@ -75,7 +75,7 @@ if str(ROOT) not in sys.path:
 from agent.watchers.memory import process_major_faults  # noqa: E402
 from agent.watchers.procfile import process_stat_fields  # noqa: E402
 from agent.worker_unit import WORKER_SIGNALS  # noqa: E402
-from bench import slo  # noqa: E402
+from bench import interval, slo  # noqa: E402
 from bench.record import judged, ms_int, record, variant_of  # noqa: E402
 from sandbox import faults  # noqa: E402
 from sandbox.cgroup_v2 import CgroupV2Unavailable, cpu_on_v2  # noqa: E402
@@ -338,7 +338,8 @@ def report(result: dict) -> str:
     if result.get("workers", 1) > 1:
         return report_workers(result)
     cells, modes = result["cells"], result["modes"]
-    ref = cells.get(REFERENCE_CELL, {}).get("turbonode", {}).get("tiers", {}).get(PROTECTED_TIER, {}).get("p99_s")
+    ref_cell = cells.get(REFERENCE_CELL, {}).get("turbonode")
+    ref = turbo_p99(ref_cell)
     head = (
         f"{'n':>4} {'err':>3} {'p50':>6} {'p99':>6} {'max':>6} {'turboSLO':>8} {'fastSLO':>7} "
         f"{'conn99':>6} {'fast/s':>6} {'relax/s':>7}"
@@ -347,7 +348,7 @@ def report(result: dict) -> str:
         "turbo latency in ms (send to last byte, from the client namespace); lower tiers in images/s; "
         f"turboSLO, fastSLO: the share of the tier's requests answered within {_objectives()} "
         "(refused and failed ones count as misses)",
-        f"{'cell':<12}" + "".join(f"  {m:^{len(head)}}" for m in modes) + "  p99/ref  agent",
+        f"{'cell':<12}" + "".join(f"  {m:^{len(head)}}" for m in modes) + f"  p99/ref  {interval.LABEL:<9}  agent",
         f"{'':<12}" + "".join(f"  {head}" for _ in modes),
     ]
     verdicts = []
@@ -374,6 +375,7 @@ def report(result: dict) -> str:
         p99 = tn and tn["tiers"].get(PROTECTED_TIER, {}).get("p99_s")
         ratio = p99 / ref if p99 and ref else None
         row += f"  {ratio:>7.2f}" if ratio is not None else f"  {'-':>7}"
+        row += f"  {_interval(tn, ref_cell):<9}"
         row += f"  {describe_agent(tn['agent'])}" if tn and tn.get("agent") else ""
         lines.append(row)
         events = {m: r["node"] for m in modes if (r := by_mode.get(m)) and r.get("node")}
@@ -425,7 +427,8 @@ def report_workers(result: dict) -> str:
     agent did to it; then the targets."""
     cells, modes = result["cells"], result["modes"]
     names = list(next(iter(cells.values()))[modes[0]]["workers"])
-    ref = {n: turbo_p99(cells.get(REFERENCE_CELL, {}).get("turbonode", {}).get("workers", {}).get(n)) for n in names}
+    ref_cells = {n: cells.get(REFERENCE_CELL, {}).get("turbonode", {}).get("workers", {}).get(n) for n in names}
+    ref = {n: turbo_p99(r) for n, r in ref_cells.items()}
     head = f"{'n':>4} {'p50':>6} {'p99':>6} {'max':>6} {'turboSLO':>8} {'relax/s':>7}"
     lines = [
         f"turbo latency in ms per worker ({len(names)} workers, the load at each; send to last byte, from the "
@@ -433,7 +436,7 @@ def report_workers(result: dict) -> str:
         f"turboSLO: the share of turbo requests answered within {slo.OBJECTIVE_S[PROTECTED_TIER]:g} s",
         f"{'cell':<12} {'worker':<7}"
         + "".join(f"  {m:^{len(head)}}" for m in modes)
-        + "  p99/ref  agent on this worker",
+        + f"  p99/ref  {interval.LABEL:<9}  agent on this worker",
         f"{'':<12} {'':<7}" + "".join(f"  {head}" for _ in modes),
     ]
     spill, own_storm, own_only, nodewide, with_own = [], [], [], [], []
@@ -456,10 +459,12 @@ def report_workers(result: dict) -> str:
                     f"  {t.get('ok', 0):>4} {figures[0]:>6} {figures[1]:>6} {figures[2]:>6} "
                     f"{slo.pct(att.get(PROTECTED_TIER)):>8} {relax:>7.2f}"
                 )
-            p99 = turbo_p99(by_mode.get("turbonode", {}).get("workers", {}).get(name))
+            mine = by_mode.get("turbonode", {}).get("workers", {}).get(name)
+            p99 = turbo_p99(mine)
             own_ref = ref[name]
             ratio = p99 / own_ref if p99 and own_ref else None
             row += f"  {ratio:>7.2f}" if ratio is not None else f"  {'-':>7}"
+            row += f"  {_interval(mine, ref_cells[name]):<9}"
             seen = ((by_mode.get("turbonode") or {}).get("agent") or {}).get("workers", {}).get(name)
             if seen:
                 why = f" ({', '.join(seen['reasons'])})" if seen["reasons"] else ""
@@ -528,7 +533,8 @@ def result_record(result: dict) -> dict:
     for cell, by_mode in result["cells"].items():
         names = list(next(iter(by_mode.values())).get("workers", {"": None})) if multi else [""]
         for name in names:
-            ref = turbo_p99(_figures(result["cells"].get(REFERENCE_CELL, {}).get("turbonode"), name))
+            ref_cell = _figures(result["cells"].get(REFERENCE_CELL, {}).get("turbonode"), name)
+            ref = turbo_p99(ref_cell)
             for mode, cell_result in by_mode.items():
                 r = _figures(cell_result, name)
                 if r is None:
@@ -537,11 +543,12 @@ def result_record(result: dict) -> dict:
                 att = cell_slo(r) or {}
                 p99 = turbo_p99(r)
                 ratio = round(p99 / ref, 2) if mode == "turbonode" and p99 and ref else None
+                ends = interval.turbo_ratio_interval(r, ref_cell) if ratio is not None else None
                 if mode == "turbonode":
                     attained[f"{cell}/{name}" if name else cell] = att
                     limit = ratio_target(cell, name, names[0]) if multi else None
                     if ratio is not None and (limit or (not multi and cell != REFERENCE_CELL)):
-                        ratios.append((f"{cell}/{name}" if name else cell, ratio, limit or TARGET_RATIO))
+                        ratios.append((f"{cell}/{name}" if name else cell, ratio, limit or TARGET_RATIO, ends))
                 rows.append(
                     [
                         cell,
@@ -551,10 +558,10 @@ def result_record(result: dict) -> dict:
                         t.get("rejected", 0) + t.get("failed", 0),
                     ]
                     + [ms_int(t.get(k)) for k in ("p50_s", "p99_s", "max_s")]
-                    + [slo.pct(att.get(PROTECTED_TIER)), slo.pct(att.get("fast")), ratio]
+                    + [slo.pct(att.get(PROTECTED_TIER)), slo.pct(att.get("fast")), ratio, ends]
                 )
     per_tier = slo.verdict(attained)
-    missed = [f"{c} {r:.2f}x" for c, r, limit in ratios if r > limit]
+    missed = [f"{c} {r:.2f}x" for c, r, limit, _ in ratios if r > limit]
     verdicts = [
         {
             "target": f"turbonode turbo p99 <= {TARGET_RATIO:g}x the {REFERENCE_CELL} p99"
@@ -590,12 +597,13 @@ def result_record(result: dict) -> dict:
         "headline": (
             "turbonode turbo SLO lowest "
             + ", ".join(f"{tier} {'-' if v is None else f'{v:.1%}'}" for tier, v in lowest.items())
-            + (f"; worst p99/ref {worst[1]:.2f}x ({worst[0]})" if worst else "")
+            + (f"; worst p99/ref {_with_interval(worst)}" if worst else "")
         ),
         "figures": {
             **{f"lowest {tier} SLO attainment (turbonode)": v for tier, v in lowest.items()},
             "worst p99/ref (turbonode)": worst[1] if worst else None,
             "worst cell": worst[0] if worst else None,
+            f"worst p99/ref {interval.LABEL}": worst[3] if worst else None,
             f"{REFERENCE_CELL} turbo p99 ms (turbonode)": ms_int(
                 turbo_p99(result["cells"].get(REFERENCE_CELL, {}).get("turbonode"))
             )
@@ -604,11 +612,22 @@ def result_record(result: dict) -> dict:
         },
         "table": {
             "columns": ["cell", *(["worker"] if multi else []), "mode", "turbo n", "err", "p50 ms", "p99 ms", "max ms"]
-            + ["turbo SLO", "fast SLO", "p99/ref"],
+            + ["turbo SLO", "fast SLO", "p99/ref", f"p99/ref {interval.LABEL}"],
             "rows": rows,
         },
         **judged(verdicts),
     }
+
+
+def _with_interval(ratio: tuple) -> str:
+    """(cell, ratio, limit, interval) as the headline says it: '1.09x (relax-flood, 95% CI 0.82-1.31)'."""
+    cell, value, _, ends = ratio
+    return f"{value:.2f}x ({cell}" + (f", {interval.LABEL} {ends}" if ends else "") + ")"
+
+
+def _interval(cell: dict | None, reference: dict | None) -> str:
+    """The p99/ref column's interval, '-' where either cell kept no outcomes."""
+    return interval.turbo_ratio_interval(cell, reference) or "-"
 
 
 def _figures(cell_result: dict | None, name: str) -> dict | None:

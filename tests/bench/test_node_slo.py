@@ -172,6 +172,7 @@ def _fleet_cell(outcomes: list[dict]) -> dict:
         "windows": [],
         "retried": [],
         "restarts": [],
+        "outcomes": outcomes,
     }
 
 
@@ -195,3 +196,41 @@ def test_fleet_slo_counts_errors_as_misses_and_says_none_for_an_empty_tier():
     r = fleet_record(result)
     assert r["figures"]["turbo SLO rolling"] == "99.7%" and r["figures"]["fast SLO none"] == "none"
     assert [v["met"] for v in r["verdicts"]] == [True, False, False, None] and r["met"] is False
+
+
+# ---- the p99 ratios' bootstrap interval (bench/interval.py) ------------------------------------
+
+from bench import interval  # noqa: E402
+from bench.record import make, validate  # noqa: E402
+
+
+def test_node_slo_prints_and_keeps_the_interval_beside_each_ratio():
+    result = _node_result()
+    text = report(result)
+    assert interval.LABEL in text.splitlines()[1]
+    none = next(line for line in text.splitlines() if line.startswith("none "))
+    assert "1.00-1.00" in none
+    r = result_record(result)
+    rows = {(row[0], row[1]): dict(zip(r["table"]["columns"], row)) for row in r["table"]["rows"]}
+    assert rows[("cpu", "turbonode")][f"p99/ref {interval.LABEL}"] == "1.00-1.00"
+    assert rows[("cpu", "plain")][f"p99/ref {interval.LABEL}"] is None  # plain has no ratio
+    assert f"(cpu, {interval.LABEL} 1.00-1.00)" in r["headline"]
+    assert validate(make("node_slo", **r)) == []
+
+
+def test_fleet_slo_gives_rolling_over_none_its_interval():
+    result = {
+        "cells": {
+            "none": {"turbonode": _fleet_cell([_outcome("turbo", 200, 0.5)] * 300)},
+            "rolling": {"turbonode": _fleet_cell([_outcome("turbo", 200, 0.6)] * 300)},
+        },
+        "nodes": 3,
+        "cpus": 0.5,
+        "rate": 1.5,
+        "requests": 300,
+        "loadavg_before": [0, 0, 0],
+    }
+    assert f"1.20x ({interval.LABEL} 1.20-1.20)" in fleet_report(result)
+    r = fleet_record(result)
+    assert r["figures"][f"rolling p99 / none p99 {interval.LABEL}"] == "1.20-1.20"
+    assert validate(make("fleet_slo", **r)) == []
