@@ -372,7 +372,7 @@ def report(result: dict) -> str:
                 f"{_ms(t.get('connect_p99_s')):>6} {rates}"
             )
         tn = by_mode.get("turbonode")
-        p99 = tn and tn["tiers"].get(PROTECTED_TIER, {}).get("p99_s")
+        p99 = turbo_p99(tn)
         ratio = p99 / ref if p99 and ref else None
         row += f"  {ratio:>7.2f}" if ratio is not None else f"  {'-':>7}"
         row += f"  {_interval(tn, ref_cell):<9}"

@@ -234,3 +234,12 @@ def test_fleet_slo_gives_rolling_over_none_its_interval():
     r = fleet_record(result)
     assert r["figures"][f"rolling p99 / none p99 {interval.LABEL}"] == "1.20-1.20"
     assert validate(make("fleet_slo", **r)) == []
+
+
+def test_a_run_bootstraps_each_pair_once_for_its_report_and_its_record():
+    interval._bootstrap.cache_clear()
+    result = _node_result()
+    report(result)
+    result_record(result)
+    # none/none, cpu/none: bootstrapped by the report; the record finds both
+    assert interval._bootstrap.cache_info().misses == 2
