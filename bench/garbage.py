@@ -27,6 +27,10 @@ class Garbage:
     def install(self) -> Garbage:
         signal.signal(signal.SIGUSR1, self._start)
         signal.signal(signal.SIGUSR2, self._stop)
+        return self.start()
+
+    def start(self) -> Garbage:
+        """The thread, idle until `burst` (without the signals: a test's)."""
         threading.Thread(target=self._run, name="bench-garbage", daemon=True).start()
         return self
 

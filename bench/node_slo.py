@@ -131,6 +131,7 @@ class Knobs:
     # measured and left out for memory pressure (docs/agent.md): -1 leaves it
     swappiness: int = -1  # memory.swappiness of the node's memory cgroups (v1's own; ours, removed after)
     front_nice: int = -1  # worker.front_nice (-1: the worker's default)
+    gc_out_of_band: bool = True  # worker.gc_out_of_band (False: CPython's own schedule, as before)
 
 
 @dataclass
@@ -721,6 +722,9 @@ def main() -> int:
     ap.add_argument("--omp-wait-policy", default="", choices=("", "ACTIVE", "PASSIVE"))
     ap.add_argument("--front-nice", type=int, default=-1, help="worker.front_nice (-1: its default)")
     ap.add_argument(
+        "--automatic-gc", action="store_true", help="worker.gc_out_of_band = false: CPython's own full collections"
+    )
+    ap.add_argument(
         "--first-packet",
         default="listener",
         choices=FIRST_PACKET,
@@ -776,6 +780,7 @@ def main() -> int:
         args.rps_cpus,
         args.swappiness,
         args.front_nice,
+        not args.automatic_gc,
     )
     worker: dict = {"handshake_tier": PROTECTED_TIER if knobs.first_packet == "listener" else ""}
     if knobs.worker_threads:
@@ -784,6 +789,8 @@ def main() -> int:
         worker["front_nice"] = knobs.front_nice
     if not knobs.torch_graphs:
         worker["torch_graphs"] = False
+    if not knobs.gc_out_of_band:
+        worker["gc_out_of_band"] = False
     if args.node_memory <= 0 and set(cells) & set(faults.MEMORY_FAULTS):
         ap.error("the memory cells need --node-memory: it bounds what they allocate")
     settings = DemoSettings(

@@ -45,6 +45,7 @@ from turbonode.jsonrpc import SERVER_ERROR, WORKER_LOADING, RpcError
 from turbonode.metric_names import ENGINE_PROCESS
 
 from .control_server import ControlHandlers, ControlServer
+from .full_collections import FullCollections
 from .http_api import Api, listening_socket
 from .http_log import MalformedRequestLog
 from .listener_close import take_queue
@@ -109,6 +110,7 @@ class Worker:
         )
         self.engine: RemoteEngine | None = None  # the engine process, from the start of the load
         self.gc: GcMonitor | None = None
+        self.full_collections: FullCollections | None = None  # once serving, where worker.gc_out_of_band
         self.control: ControlServer | None = None
         self.defaults: RequestDefaults | None = None
         self.family = ""
@@ -218,6 +220,10 @@ class Worker:
         engine, gc = self.engine, self.gc
         assert engine is not None and gc is not None and self.control is not None and self.defaults is not None
         gc.install()
+        if self.cfg.gc_out_of_band:
+            self.full_collections = FullCollections(on_run=self.metrics.full_collection_ran)
+            if self.full_collections.start():
+                self.api.full_collections = self.full_collections
         handlers = ControlHandlers(
             engine, gc, started=started, backend_info=self.backend_info, readiness=self.api.readiness, name=self.name
         )
@@ -300,6 +306,8 @@ class Worker:
             self.control.close()
         if self.engine is not None:
             await self.engine.stop()
+        if self.full_collections is not None:
+            self.full_collections.stop()
         if self.gc is not None:
             self.gc.uninstall()
 

@@ -54,9 +54,10 @@ from turbonode.metric_names import CLIENT_CLOSED, UNKNOWN_TIER
 from turbonode.text import parse_decimal, quote
 from turbonode.throttle_params import MAX_STEPS
 from turbonode.tier_headers import BUDGET
-from turbonode.tiers import DEFAULT_TIER, TIER_NAMES, tos_byte
+from turbonode.tiers import DEFAULT_TIER, PROTECTED_TIER, TIER_NAMES, tos_byte
 
 from .admission import NewJob, predict
+from .full_collections import FullCollections
 from .readiness import ENGINE_STALL_S, Phase, Readiness, TierView, readiness
 
 # How far past its objective a prediction replays the work ahead (render/front/admission.py): enough
@@ -389,6 +390,7 @@ class Api:
         self.slo = dict(slo or {})
         self.refuse_unready = refuse_unready
         self.clock = clock
+        self.full_collections: FullCollections | None = None  # the front's, once serving (the daemon's)
         if metrics is not None:
             metrics.watch_readiness(lambda tier: self.readiness(tier).ready, self.slo)
 
@@ -539,6 +541,9 @@ class Api:
             tally.outcome, tally.code = "cancelled", CLIENT_CLOSED  # the client went away first
             raise
         finally:
+            if tally.holds_collections:
+                assert self.full_collections is not None
+                self.full_collections.release()
             if self.metrics is not None:
                 if tally.outcome == "cancelled" and tally.engine_answers is not None:
                     self._count_at_end(tally.engine_answers, tally.tier, start)
@@ -590,6 +595,9 @@ class Api:
             _mark(request, DEFAULT_TIER)
             return Answer("rejected" if g.reason == BUDGET else "invalid", _refused(admission))
         tier = tally.tier = g.tier
+        if tier == PROTECTED_TIER and self.full_collections is not None:
+            self.full_collections.hold()  # until this handler ends: no full collection meanwhile
+            tally.holds_collections = True
         job_request, run_async = parse_generation(body, tier, self.defaults)  # with the tier's own defaults
         job_request = dataclasses.replace(
             job_request,
@@ -747,6 +755,7 @@ class Tally:
     outcome: str = "failed"
     code: int = 500
     engine_answers: Any = None  # the job whose connection the engine process holds (it answers it)
+    holds_collections: bool = False  # a turbo request: the front's full collections wait for its end
 
 
 def _tier_of(body) -> str:

@@ -20,6 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from render.accounts.keys import AUTH_FAILURES
+from render.front.full_collections import RAN_WHEN
 from turbonode.metric_names import (
     CAPACITY,
     DENOISE_STEPS,
@@ -81,6 +82,13 @@ class WorkerMetrics:
         self.gc_pause = Histogram(
             GC_PAUSE, "Pause of one garbage collection", ["generation"], buckets=GC_BUCKETS, registry=r
         )
+        self.full_collections = Counter(
+            P + "full_collections",
+            "Full garbage collections of the front, run out of band (render/front/full_collections.py), by "
+            "when: quiet (no turbo request in the front) or overdue (after waiting the longest they may)",
+            ["when"],
+            registry=r,
+        )
         self.jobs = Counter(P + "jobs", "Jobs that ended, by tier and outcome", ["tier", "outcome"], registry=r)
         # accounts (render/accounts/)
         self.downgrades = Counter(
@@ -123,6 +131,8 @@ class WorkerMetrics:
                 self.downgrades.labels(tier, reason)
         for reason in AUTH_FAILURES:
             self.auth_failures.labels(reason)
+        for when in RAN_WHEN:
+            self.full_collections.labels(when)
         for header in (TIER_HEADER, ACCOUNT_HEADER):
             self.untrusted_headers.labels(header)
         # Also because the GC callback (render/gc_telemetry.py) observes into gc_pause from inside
@@ -156,6 +166,9 @@ class WorkerMetrics:
 
     def observe_gc(self, generation: int, seconds: float) -> None:
         self.gc_pause.labels(str(generation)).observe(seconds)
+
+    def full_collection_ran(self, when: str) -> None:
+        self.full_collections.labels(when).inc()
 
     def job_finished(self, tier: str, outcome: str) -> None:
         self.jobs.labels(tier, outcome).inc()

@@ -143,6 +143,12 @@ class WorkerConfig:
         f"{FRONT_NICE_AUTO}: {SHARED_CPU_NICE} where the worker may use one CPU only (front and engine share "
         "it), else 0 (same weight); docs/worker.md has the figures",
     )
+    gc_out_of_band: bool = opt(
+        True,
+        help="the front's full garbage collections run in a thread of their own when no turbo request is in "
+        "the front (at most a second late), not wherever an allocation crosses CPython's threshold "
+        "(render/front/full_collections.py); false: CPython's own schedule",
+    )
     weight_port: int = opt(
         0,
         in_range(-1, 65535),

@@ -1,0 +1,110 @@
+"""The front's full (generation 2) garbage collections, out of band: not while turbo is in the front.
+
+CPython starts a collection in whichever thread allocates past a threshold, and a full one holds
+the GIL until it has traversed every tracked object. In a front whose heap churns (a leaky
+handler; bench/garbage.py's storm) full passes of tens of milliseconds come one after another,
+and at the front's nice, beside its busy engine, each lasts about four times as long in wall
+time: a turbo request arriving meanwhile waits at every turn of the GIL (two workers, worker a
+in its own storm: the front's share of turbo's p99 487 ms against 74 idle, docs/worker.md).
+
+Young collections stay automatic: they traverse only new objects. Full ones are taken from
+CPython (threshold 2 out of reach) and run here, in a thread of their own, once they are due
+(as many young generation-1 collections as CPython's own threshold 2 counts), at the first moment
+no turbo request is in the front (between its arrival and its end: `hold`, `release`), and at
+the latest `most_deferred_s` after they fell due, which bounds what a storm piles up meanwhile.
+CPython also skips a due full pass while its old generation has grown by less than a quarter;
+Python cannot read that count, and over the heap frozen after the load (render/gc_telemetry.py)
+such a pass is short. An interpreter whose collector has no threshold 2 (an incremental one
+reports 0) keeps its own schedule: `start` then leaves it alone and says so.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+
+OUT_OF_REACH = 2**31 - 1  # threshold 2: CPython never starts a full collection itself
+MOST_DEFERRED_S = 1.0  # a due full pass waits for turbo at most this long
+POLL_S = 0.05  # how often the thread looks whether a full pass is due
+QUIET, OVERDUE = "quiet", "overdue"  # why a full pass ran: no turbo in the front, or it waited its most
+RAN_WHEN = (QUIET, OVERDUE)
+
+
+class FullCollections:
+    """Out-of-band full collections of this process; `hold`/`release` run on the event loop."""
+
+    def __init__(
+        self,
+        most_deferred_s: float = MOST_DEFERRED_S,
+        poll_s: float = POLL_S,
+        collect: Callable[[int], object] = gc.collect,
+        counts: Callable[[], tuple[int, int, int]] = gc.get_count,
+        on_run: Callable[[str], None] | None = None,
+    ):
+        self.most_deferred_s, self.poll_s = most_deferred_s, poll_s
+        self._collect, self._counts, self._on_run = collect, counts, on_run
+        self._held = 0  # turbo requests in the front; changed on the event loop only
+        self._quiet = threading.Event()
+        self._quiet.set()
+        self._stopped = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._thresholds: tuple[int, int, int] | None = None
+        self.due_after = 0
+
+    @property
+    def running(self) -> bool:
+        return self._thread is not None
+
+    def start(self) -> bool:
+        """Take full collections from CPython; False (logged) where its collector has no threshold 2."""
+        t0, t1, t2 = gc.get_threshold()
+        if t2 <= 0 or t0 <= 0:
+            log.info("full collections keep CPython's schedule: its thresholds are %s", (t0, t1, t2))
+            return False
+        self._thresholds, self.due_after = (t0, t1, t2), t2
+        gc.set_threshold(t0, t1, OUT_OF_REACH)
+        self._thread = threading.Thread(target=self._run, name="full-gc", daemon=True)
+        self._thread.start()
+        return True
+
+    def stop(self) -> None:
+        """CPython's schedule back; a pass already due runs now."""
+        if self._thread is None:
+            return
+        self._stopped.set()
+        self._quiet.set()
+        self._thread.join()
+        self._thread = None
+        assert self._thresholds is not None
+        gc.set_threshold(*self._thresholds)
+
+    def hold(self) -> None:
+        """A turbo request entered the front: due passes wait (at most `most_deferred_s`)."""
+        self._held += 1
+        self._quiet.clear()
+
+    def release(self) -> None:
+        self._held -= 1
+        if self._held == 0:
+            self._quiet.set()
+
+    def due(self) -> bool:
+        """CPython would start a full pass now (its `count > threshold`), were it not out of reach."""
+        return self._counts()[2] > self.due_after
+
+    def _run(self) -> None:
+        while not self._stopped.wait(self.poll_s):
+            if self.due():
+                self.run_due()
+
+    def run_due(self) -> str:
+        """Wait for no turbo in the front (at most `most_deferred_s`), then collect everything."""
+        why = QUIET if self._quiet.wait(self.most_deferred_s) else OVERDUE
+        self._collect(2)
+        if self._on_run is not None:
+            self._on_run(why)
+        return why
