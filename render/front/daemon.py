@@ -148,8 +148,13 @@ class Worker:
         self.metrics.watch(engine)
         ProcessCollector(namespace=ENGINE_PROCESS, pid=lambda: engine.pid, registry=self.metrics.registry)
         freeze_after_load()  # the front's own heap: its collections then traverse only new objects
-        # after the engine process started: it keeps its nice
-        yield_to_engine(front_nice(self.cfg.front_nice, len(os.sched_getaffinity(0))))
+        if self.cfg.gc_out_of_band:
+            full = FullCollections(on_run=self.metrics.full_collection_ran)
+            if full.start():
+                self.full_collections = full
+        # after the engine process started: it keeps its nice, and so does the full collections' thread
+        keep = self.full_collections.thread_ids() if self.full_collections is not None else ()
+        yield_to_engine(front_nice(self.cfg.front_nice, len(os.sched_getaffinity(0))), keep=keep)
         self.gc = GcMonitor(observe=self.metrics.observe_gc)
         engine.gc = self.gc
 
@@ -220,10 +225,7 @@ class Worker:
         engine, gc = self.engine, self.gc
         assert engine is not None and gc is not None and self.control is not None and self.defaults is not None
         gc.install()
-        if self.cfg.gc_out_of_band:
-            self.full_collections = FullCollections(on_run=self.metrics.full_collection_ran)
-            if self.full_collections.start():
-                self.api.full_collections = self.full_collections
+        self.api.full_collections = self.full_collections
         handlers = ControlHandlers(
             engine, gc, started=started, backend_info=self.backend_info, readiness=self.api.readiness, name=self.name
         )

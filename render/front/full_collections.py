@@ -9,9 +9,13 @@ in its own storm: the front's share of turbo's p99 487 ms against 74 idle, docs/
 
 Young collections stay automatic: they traverse only new objects. Full ones are taken from
 CPython (threshold 2 out of reach) and run here, in a thread of their own, once they are due
-(as many young generation-1 collections as CPython's own threshold 2 counts), at the first moment
-no turbo request is in the front (between its arrival and its end: `hold`, `release`), and at
-the latest `most_deferred_s` after they fell due, which bounds what a storm piles up meanwhile.
+(as many young generation-1 collections as CPython's own threshold 2 counts: the young
+collection that makes one due wakes the thread), at the first moment no turbo request is in the
+front (from its admission to its end: `hold`, `release`), and at the latest `most_deferred_s`
+after they fell due, which bounds what a storm piles up meanwhile. The thread keeps the nice it
+was started with when the front yields to its engine (render/front/priority.py): a pass holds
+every thread of the front, and it runs while no turbo job is in the worker, so it finishes at
+the engine's weight, at lower tiers' expense, not turbo's.
 CPython also skips a due full pass while its old generation has grown by less than a quarter;
 Python cannot read that count, and over the heap frozen after the load (render/gc_telemetry.py)
 such a pass is short. An interpreter whose collector has no threshold 2 (an incremental one
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import queue
 import threading
 from collections.abc import Callable
 
@@ -29,7 +34,6 @@ log = logging.getLogger(__name__)
 
 OUT_OF_REACH = 2**31 - 1  # threshold 2: CPython never starts a full collection itself
 MOST_DEFERRED_S = 1.0  # a due full pass waits for turbo at most this long
-POLL_S = 0.05  # how often the thread looks whether a full pass is due
 QUIET, OVERDUE = "quiet", "overdue"  # why a full pass ran: no turbo in the front, or it waited its most
 RAN_WHEN = (QUIET, OVERDUE)
 
@@ -40,17 +44,18 @@ class FullCollections:
     def __init__(
         self,
         most_deferred_s: float = MOST_DEFERRED_S,
-        poll_s: float = POLL_S,
         collect: Callable[[int], object] = gc.collect,
         counts: Callable[[], tuple[int, int, int]] = gc.get_count,
         on_run: Callable[[str], None] | None = None,
     ):
-        self.most_deferred_s, self.poll_s = most_deferred_s, poll_s
+        self.most_deferred_s = most_deferred_s
         self._collect, self._counts, self._on_run = collect, counts, on_run
         self._held = 0  # turbo requests in the front; changed on the event loop only
         self._quiet = threading.Event()
         self._quiet.set()
         self._stopped = threading.Event()
+        self._wake: queue.SimpleQueue = queue.SimpleQueue()  # put() is reentrant: safe in a gc callback
+        self._woken = False  # a wake-up is queued: the callback queues one at a time
         self._thread: threading.Thread | None = None
         self._thresholds: tuple[int, int, int] | None = None
         self.due_after = 0
@@ -58,6 +63,11 @@ class FullCollections:
     @property
     def running(self) -> bool:
         return self._thread is not None
+
+    def thread_ids(self) -> tuple[int, ...]:
+        """Its thread's id, once started (the front's renice leaves it alone)."""
+        tid = self._thread.native_id if self._thread is not None else None
+        return (tid,) if tid is not None else ()
 
     def start(self) -> bool:
         """Take full collections from CPython; False (logged) where its collector has no threshold 2."""
@@ -67,6 +77,7 @@ class FullCollections:
             return False
         self._thresholds, self.due_after = (t0, t1, t2), t2
         gc.set_threshold(t0, t1, OUT_OF_REACH)
+        gc.callbacks.append(self._collected)
         self._thread = threading.Thread(target=self._run, name="full-gc", daemon=True)
         self._thread.start()
         return True
@@ -75,8 +86,10 @@ class FullCollections:
         """CPython's schedule back; a pass already due runs now."""
         if self._thread is None:
             return
+        gc.callbacks.remove(self._collected)
         self._stopped.set()
         self._quiet.set()
+        self._wake.put(None)
         self._thread.join()
         self._thread = None
         assert self._thresholds is not None
@@ -96,9 +109,20 @@ class FullCollections:
         """CPython would start a full pass now (its `count > threshold`), were it not out of reach."""
         return self._counts()[2] > self.due_after
 
+    def _collected(self, phase: str, info: dict) -> None:
+        """gc's callback, in whatever thread collected: a young collection that made a full one due
+        wakes the thread (it allocates nothing and takes no lock)."""
+        if phase == "stop" and info["generation"] < 2 and not self._woken and self.due():
+            self._woken = True
+            self._wake.put(None)
+
     def _run(self) -> None:
-        while not self._stopped.wait(self.poll_s):
-            if self.due():
+        while True:
+            self._wake.get()
+            self._woken = False
+            if self._stopped.is_set():
+                return
+            if self.due():  # else a wake-up that a pass meanwhile answered
                 self.run_due()
 
     def run_due(self) -> str:

@@ -5,7 +5,8 @@ time is mostly the engine's denoising steps; the front's threads (HTTP, the cont
 anything that runs beside them: a leaky handler's garbage and the collections it causes) must not
 take the engine's share at the same weight. Nice is per thread on Linux: every thread that exists
 now is reniced (raising one's own nice needs no privilege), and threads started later inherit the
-value of the thread that starts them. The engine process, spawned before, keeps its own.
+value of the thread that starts them. The engine process, spawned before, keeps its own, and so
+does the thread of the front's full collections (render/front/full_collections.py).
 `worker.front_nice`'s default yields only where the two share a single CPU (front_nice below).
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Collection
 
 from turbonode.config.worker import FRONT_NICE_AUTO, SHARED_CPU_NICE
 
@@ -27,8 +29,9 @@ def front_nice(configured: int, cpus: int) -> int:
     return SHARED_CPU_NICE if cpus == 1 else 0
 
 
-def yield_to_engine(nice: int, procfs: str = "/proc") -> list[str]:
-    """Raise every thread of this process to at least `nice`; the problems, one line each."""
+def yield_to_engine(nice: int, procfs: str = "/proc", keep: Collection[int] = ()) -> list[str]:
+    """Raise every thread of this process but those in `keep` (thread ids) to at least `nice`; the
+    problems, one line each."""
     if nice <= 0:
         return []
     task = os.path.join(procfs, str(os.getpid()), "task")
@@ -38,6 +41,8 @@ def yield_to_engine(nice: int, procfs: str = "/proc") -> list[str]:
         return [f"cannot list this process's threads in {task}: {exc.strerror or exc}"]
     problems = []
     for tid in tids:
+        if tid in keep:
+            continue
         try:
             if os.getpriority(os.PRIO_PROCESS, tid) < nice:
                 os.setpriority(os.PRIO_PROCESS, tid, nice)

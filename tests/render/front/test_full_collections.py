@@ -25,7 +25,7 @@ def thresholds():
 
 
 def test_start_takes_threshold_2_and_stop_gives_it_back(thresholds):
-    full = FullCollections(poll_s=0.01)
+    full = FullCollections()
     assert full.start() and full.running
     assert gc.get_threshold() == (*thresholds[:2], OUT_OF_REACH)
     assert full.due_after == thresholds[2]
@@ -79,7 +79,7 @@ def test_a_storm_collects_in_the_collector_thread_and_not_while_turbo_is_in(thre
         if phase == "start" and info["generation"] == 2:
             collectors.append((threading.current_thread().name, time.monotonic_ns()))
 
-    full = FullCollections(poll_s=0.01, most_deferred_s=0.5)
+    full = FullCollections(most_deferred_s=0.5)
     garbage = Garbage().start()
     gc.callbacks.append(seen)
     try:

@@ -18,16 +18,18 @@ CHILD = textwrap.dedent("""
     done = threading.Event()
     before = threading.Thread(target=done.wait)
     before.start()  # a thread that exists when the front yields
+    kept = threading.Thread(target=done.wait)
+    kept.start()  # one it leaves alone (the full collections' thread)
     engine = os.fork()  # stands for the engine process, spawned before the front yields
     if engine == 0:
         done.wait(30)
         os._exit(0)
-    problems = yield_to_engine(int(sys.argv[1]))
+    problems = yield_to_engine(int(sys.argv[1]), keep=(kept.native_id,))
     after = threading.Thread(target=done.wait)
     after.start()  # started later: inherits the value
     nices = {t: os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir(f"/proc/{os.getpid()}/task")}
     print(json.dumps({"problems": problems, "threads": nices, "engine": os.getpriority(os.PRIO_PROCESS, engine),
-                      "after": after.native_id}))
+                      "after": after.native_id, "kept": kept.native_id}))
     done.set()
     os.kill(engine, 9)
     os.waitpid(engine, 0)
@@ -49,6 +51,7 @@ def test_every_thread_of_the_front_yields_and_the_engine_keeps_its_nice():
     base = os.getpriority(os.PRIO_PROCESS, 0)
     got = run_child(base + 7)
     assert got["problems"] == []
+    assert got["threads"].pop(str(got["kept"])) == base  # the thread kept out keeps its nice
     assert len(got["threads"]) == 3 and set(got["threads"].values()) == {base + 7}
     assert str(got["after"]) in got["threads"]
     assert got["engine"] == base
