@@ -38,10 +38,11 @@ MAX_GUIDANCE = 50
 MIN_PIXELS = 64
 MAX_PIXELS = 2048
 # worker.front_nice's default: the front yields where it shares one CPU with its engine (a pinned
-# worker of a multi-GPU node): 5 took such a worker's turbo p99 under its own front's GC storm from
-# 2.71x to 1.82x its idle (docs/worker.md); with more CPUs the two run side by side.
+# worker of a multi-GPU node). With full collections out of band (worker.gc_out_of_band), 10 took
+# such a worker's turbo p99 under its own front's GC storm to 1.14x its idle, against 1.65x at 5
+# (docs/worker.md); with more CPUs the two run side by side.
 FRONT_NICE_AUTO = -1
-SHARED_CPU_NICE = 5
+SHARED_CPU_NICE = 10
 PIXEL_STEP = 8  # SD-family VAEs downsample by 8; a model may need more (the worker checks at start)
 MAX_DRAIN_TIMEOUT_S = 3600.0
 # worker.weight_port 0: the HTTP port + this (8460 -> 8560, 8461 -> 8561)
