@@ -148,13 +148,14 @@ class Worker:
         self.metrics.watch(engine)
         ProcessCollector(namespace=ENGINE_PROCESS, pid=lambda: engine.pid, registry=self.metrics.registry)
         freeze_after_load()  # the front's own heap: its collections then traverse only new objects
-        if self.cfg.gc_out_of_band:
+        nice = front_nice(self.cfg.front_nice, len(os.sched_getaffinity(0)))
+        if self.cfg.gc_out_of_band and nice > 0:  # where the front yields (docs/worker.md)
             full = FullCollections(on_run=self.metrics.full_collection_ran)
             if full.start():
                 self.full_collections = full
         # after the engine process started: it keeps its nice, and so does the full collections' thread
         keep = self.full_collections.thread_ids() if self.full_collections is not None else ()
-        yield_to_engine(front_nice(self.cfg.front_nice, len(os.sched_getaffinity(0))), keep=keep)
+        yield_to_engine(nice, keep=keep)
         self.gc = GcMonitor(observe=self.metrics.observe_gc)
         engine.gc = self.gc
 

@@ -146,9 +146,10 @@ class WorkerConfig:
     )
     gc_out_of_band: bool = opt(
         True,
-        help="the front's full garbage collections run in a thread of their own when no turbo request is in "
-        "the front (at most a second late), not wherever an allocation crosses CPython's threshold "
-        "(render/front/full_collections.py); false: CPython's own schedule",
+        help="where the front yields to its engine (front_nice > 0: by default a worker that may use one CPU), "
+        "its full garbage collections run in a thread of their own when no turbo request is in the front "
+        "(bounded in time and garbage), not wherever an allocation crosses CPython's threshold "
+        "(render/front/full_collections.py); false, or a front that does not yield: CPython's own schedule",
     )
     weight_port: int = opt(
         0,
