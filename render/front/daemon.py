@@ -110,7 +110,7 @@ class Worker:
         )
         self.engine: RemoteEngine | None = None  # the engine process, from the start of the load
         self.gc: GcMonitor | None = None
-        self.full_collections: FullCollections | None = None  # once serving, where worker.gc_out_of_band
+        self.full_collections: FullCollections | None = None  # from the load, where the front yields
         self.control: ControlServer | None = None
         self.defaults: RequestDefaults | None = None
         self.family = ""

@@ -16,10 +16,9 @@ after they fell due or once `most_deferred_due` times the young collections that
 have happened, which bounds what a storm piles up meanwhile: a storm with a CPU of its own makes
 in a second of turbo several times the garbage of a pass (one worker on two CPUs, seed 33: `gc`
 1.47x its idle p99 with the time bound alone, against 1.07x on CPython's schedule). The thread
-keeps the nice it
-was started with when the front yields to its engine (render/front/priority.py): a pass holds
-every thread of the front, and it runs while no turbo job is in the worker, so it finishes at
-the engine's weight, at lower tiers' expense, not turbo's.
+keeps the nice it was started with when the front yields to its engine (render/front/priority.py):
+a pass holds every thread of the front, and it runs while no turbo job is in the worker, so it
+finishes at the engine's weight, at lower tiers' expense, not turbo's.
 CPython also skips a due full pass while its old generation has grown by less than a quarter;
 Python cannot read that count, and over the heap frozen after the load (render/gc_telemetry.py)
 such a pass is short. An interpreter whose collector has no threshold 2 (an incremental one
