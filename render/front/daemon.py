@@ -149,9 +149,8 @@ class Worker:
         ProcessCollector(namespace=ENGINE_PROCESS, pid=lambda: engine.pid, registry=self.metrics.registry)
         freeze_after_load()  # the front's own heap: its collections then traverse only new objects
         nice = front_nice(self.cfg.front_nice, len(os.sched_getaffinity(0)))
-        if self.cfg.gc_out_of_band:
-            # where the front yields, its engine has no CPU of its own (docs/worker.md)
-            full = FullCollections(on_run=self.metrics.full_collection_ran, through_engine=nice > 0)
+        if self.cfg.gc_out_of_band and nice > 0:  # where the front yields (docs/worker.md)
+            full = FullCollections(on_run=self.metrics.full_collection_ran)
             if full.start():
                 self.full_collections = full
         # after the engine process started: it keeps its nice, and so does the full collections' thread

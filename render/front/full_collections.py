@@ -54,11 +54,7 @@ class FullCollections:
         collect: Callable[[int], object] = gc.collect,
         counts: Callable[[], tuple[int, int, int]] = gc.get_count,
         on_run: Callable[[str], None] | None = None,
-        through_engine: bool = True,
     ):
-        # hold a turbo request's passes through its engine phase too (where a pass would take the
-        # engine's CPU), else only until the engine has its job and answers it (http_api.py)
-        self.through_engine = through_engine
         self.most_deferred_s, self.most_deferred_due = most_deferred_s, most_deferred_due
         self._collect, self._counts, self._on_run = collect, counts, on_run
         self._held = 0  # turbo requests in the front; changed on the event loop only

@@ -618,10 +618,6 @@ class Api:
             job = await self.engine.enqueue(job_request, keep_images=run_async, answer_on=conn)
             if conn is not None:
                 tally.engine_answers = job
-                full = self.full_collections
-                if tally.holds_collections and full is not None and not full.through_engine:
-                    full.release()  # the engine answers: the front is off this request's path
-                    tally.holds_collections = False
         except Rejected as exc:
             headers = {"Retry-After": str(max(1, math.ceil(exc.retry_after)))} if exc.retry_after is not None else {}
             response = web.json_response(

@@ -123,8 +123,6 @@ def test_a_turbo_request_holds_full_collections_until_it_ends():
     events: list[str] = []
 
     class Recorder:
-        through_engine = True
-
         def hold(self) -> None:
             events.append("hold")
 
