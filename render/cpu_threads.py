@@ -32,11 +32,12 @@ def wait_policy_default(env: MutableMapping[str, str] | None = None) -> str:
 
 
 def available_cpus(procfs: str = "/proc", cgroup_root: str = "/sys/fs/cgroup", pid: int | str = "self") -> float:
-    """CPUs this process may run on, capped by its cgroup's CPU quota where there is one."""
+    """CPUs this process may run on, capped by the CPU quota of its cgroup or a parent's where
+    there is one."""
     cpus = float(len(os.sched_getaffinity(0)))
     try:
         hierarchy = CpuHierarchy.find(cgroup_root)
-        quota = hierarchy.quota_cpus(hierarchy.of_pid(pid, procfs))
+        quota = hierarchy.quota_cpus_within(hierarchy.of_pid(pid, procfs))
     except CgroupError:
         return cpus  # no cpu controller, or not readable: the affinity is all we know
     return min(cpus, quota) if quota is not None else cpus

@@ -200,6 +200,21 @@ class CpuHierarchy(Hierarchy):
             return None
         return int(quota) / int(period)
 
+    def quota_cpus_within(self, cgroup: str) -> float | None:
+        """The CPUs per period `cgroup` may use under its own cap and its parents' (the smallest
+        of them: a node's or a slice's quota holds for all below it); None: no cap on the path.
+        A level that cannot be read is skipped (e.g. the root, which has no quota file)."""
+        parts = slice_path(cgroup).strip("/").split("/")
+        caps = []
+        for depth in range(len(parts), 0, -1):
+            try:
+                quota = self.quota_cpus("/" + "/".join(parts[:depth]))
+            except CgroupError:
+                continue
+            if quota is not None:
+                caps.append(quota)
+        return min(caps, default=None)
+
 
 def _words(path: str) -> list[str]:
     try:

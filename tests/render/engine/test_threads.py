@@ -39,6 +39,16 @@ def test_available_cpus_follow_the_cgroup_quota(tmp_path):
     assert available_cpus(procfs, str(tmp_path / "nowhere"), 42) == affinity
 
 
+def test_a_parents_quota_caps_the_cpus_too(tmp_path):
+    procfs, cgroot = fake_host(tmp_path, "-1")
+    parent = Path(cgroot, "cpu", "system.slice")
+    (parent / "cpu.cfs_quota_us").write_text("50000\n")  # a slice's CPUQuota=50%: all below it share it
+    (parent / "cpu.cfs_period_us").write_text("100000\n")
+    assert available_cpus(procfs, cgroot, 42) == 0.5
+    Path(cgroot, "cpu", "system.slice", "w.service", "cpu.cfs_quota_us").write_text("20000\n")
+    assert available_cpus(procfs, cgroot, 42) == 0.2  # the smallest cap on the path holds
+
+
 def test_available_cpus_on_this_host():
     assert 0 < available_cpus() <= len(os.sched_getaffinity(0))
 
