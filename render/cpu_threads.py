@@ -19,7 +19,7 @@ import math
 import os
 from collections.abc import MutableMapping
 
-from turbonode.cgroups import CgroupError, CpuHierarchy
+from turbonode.cgroups import CGROUP_ROOT, CgroupError, CpuHierarchy
 
 WAIT_POLICY_ENV = "OMP_WAIT_POLICY"
 DEFAULT_WAIT_POLICY = "PASSIVE"
@@ -31,7 +31,7 @@ def wait_policy_default(env: MutableMapping[str, str] | None = None) -> str:
     return target.setdefault(WAIT_POLICY_ENV, DEFAULT_WAIT_POLICY)
 
 
-def available_cpus(procfs: str = "/proc", cgroup_root: str = "/sys/fs/cgroup", pid: int | str = "self") -> float:
+def available_cpus(procfs: str = "/proc", cgroup_root: str = CGROUP_ROOT, pid: int | str = "self") -> float:
     """CPUs this process may run on, capped by the CPU quota of its cgroup or a parent's where
     there is one."""
     cpus = float(len(os.sched_getaffinity(0)))

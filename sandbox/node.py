@@ -35,7 +35,7 @@ from turbonode.levels import LEVELS
 from turbonode.rates import parse_rate
 from turbonode.stats import percentile
 
-from . import faults
+from . import cgroup_mount, faults
 from .interrupt import Closing
 from .loadgen import Outcome, summarize
 from .netns import Sandbox
@@ -167,7 +167,8 @@ class DemoNode(Closing):
             evict_libraries()  # the workers' reads charge their libraries to the node (sandbox/node_memory.py)
         for w in self.workers:  # they load at once
             instance = ("--instance", w.name) if self.s.workers > 1 else ()
-            argv = sb.cmd(sb.server, *self._turboctl("worker", "run", "--config", str(self.config), *instance))
+            run = self._turboctl("worker", "run", "--config", str(self.config), *instance)
+            argv = sb.cmd(sb.server, *cgroup_mount.seeing(self.cgroups, run))
             w.argv = self.in_cgroup(w.cgroup, argv)
             w.proc = self.spawn(self.log_name(w), w.argv)
             w.rpc = ControlClient(w.socket, timeout=2.0)
@@ -244,7 +245,7 @@ class DemoNode(Closing):
     def in_cgroup(self, cgroup: str, argv: list[str]) -> list[str]:
         """argv that first moves itself into `cgroup` (its children follow) in each hierarchy the
         node has it in (cpu; memory and io: sandbox/node_memory.py), then execs; as it is without
-        any. Outermost: `ip netns exec` remounts /sys without the cgroups."""
+        any (`ip netns exec` inside it: sandbox/cgroup_mount.py)."""
         files = [self.cgroups.procs_file(cgroup)] if self.cgroups is not None and cgroup in self._made else []
         files += self.memory.procs_files(self._roles.get(cgroup, ""))
         if not files:

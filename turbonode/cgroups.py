@@ -24,6 +24,7 @@ from .errors import TurbonodeError
 V2_WEIGHT_MIN, V2_WEIGHT_MAX, V2_WEIGHT_DEFAULT = 1, 10000, 100
 V1_SHARES_MIN, V1_SHARES_MAX = 2, 262144
 PERIOD_US = 100_000
+CGROUP_ROOT = "/sys/fs/cgroup"
 UNIFIED = "unified"  # a hybrid host's v2 mount, under the root
 H = TypeVar("H", bound="Hierarchy")
 
@@ -74,7 +75,7 @@ class Hierarchy:
     v1_probe: ClassVar[str]  # a file the root of a v1 mount of it has
 
     @classmethod
-    def find(cls: type[H], root: str = "/sys/fs/cgroup") -> H:
+    def find(cls: type[H], root: str = CGROUP_ROOT) -> H:
         if cls.controller in _words(os.path.join(root, "cgroup.controllers")):
             return cls(root, 2)
         for name in cls.v1_mounts:
