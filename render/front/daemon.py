@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
 import socket
 import sys
@@ -30,7 +31,7 @@ from aiohttp import web
 from prometheus_client import ProcessCollector
 
 from render.accounts import Accounts
-from render.cpu_threads import available_cpus, wait_policy_default
+from render.cpu_threads import wait_policy_default
 from render.gc_telemetry import GcMonitor, freeze_after_load
 from render.jobs import RequestDefaults
 from render.memory_lock import MemoryLock
@@ -147,7 +148,7 @@ class Worker:
         self.metrics.watch(engine)
         ProcessCollector(namespace=ENGINE_PROCESS, pid=lambda: engine.pid, registry=self.metrics.registry)
         freeze_after_load()  # the front's own heap: its collections then traverse only new objects
-        nice = front_nice(self.cfg.front_nice, available_cpus())
+        nice = front_nice(self.cfg.front_nice, len(os.sched_getaffinity(0)))
         if self.cfg.gc_out_of_band and nice > 0:  # where the front yields (docs/worker.md)
             full = FullCollections(on_run=self.metrics.full_collection_ran)
             if full.start():

@@ -7,8 +7,7 @@ take the engine's share at the same weight. Nice is per thread on Linux: every t
 now is reniced (raising one's own nice needs no privilege), and threads started later inherit the
 value of the thread that starts them. The engine process, spawned before, keeps its own, and so
 does the thread of the front's full collections (render/front/full_collections.py).
-`worker.front_nice`'s default yields only where the two share a single CPU or less: pinned to one,
-or under a CPU quota of at most one (front_nice below).
+`worker.front_nice`'s default yields only where the two share a single CPU (front_nice below).
 """
 
 from __future__ import annotations
@@ -22,13 +21,12 @@ from turbonode.config.worker import FRONT_NICE_AUTO, SHARED_CPU_NICE
 log = logging.getLogger(__name__)
 
 
-def front_nice(configured: int, cpus: float) -> int:
+def front_nice(configured: int, cpus: int) -> int:
     """The nice the front takes: `configured`, or (FRONT_NICE_AUTO) SHARED_CPU_NICE where the
-    worker may use `cpus` <= 1 CPU (render/cpu_threads.py: its affinity, capped by its cgroups'
-    quota), which its front and engine then share, else 0."""
+    worker may use `cpus` = 1 CPU, which its front and engine then share, else 0."""
     if configured != FRONT_NICE_AUTO:
         return configured
-    return SHARED_CPU_NICE if cpus <= 1 else 0
+    return SHARED_CPU_NICE if cpus == 1 else 0
 
 
 def yield_to_engine(nice: int, procfs: str = "/proc", keep: Collection[int] = ()) -> list[str]:

@@ -37,10 +37,10 @@ BACKEND_NAMES = ("auto", "torch", "tensorrt")
 MAX_GUIDANCE = 50
 MIN_PIXELS = 64
 MAX_PIXELS = 2048
-# worker.front_nice's default: the front yields where it shares one CPU or less with its engine (a
-# pinned worker of a multi-GPU node, a node under a CPU quota). With full collections out of band
-# (worker.gc_out_of_band), 10 took such a worker's turbo p99 under its own front's GC storm to
-# 1.14x its idle, against 1.65x at 5 (docs/worker.md); with more CPUs the two run side by side.
+# worker.front_nice's default: the front yields where it shares one CPU with its engine (a pinned
+# worker of a multi-GPU node). With full collections out of band (worker.gc_out_of_band), 10 took
+# such a worker's turbo p99 under its own front's GC storm to 1.14x its idle, against 1.65x at 5
+# (docs/worker.md); with more CPUs the two run side by side.
 FRONT_NICE_AUTO = -1
 SHARED_CPU_NICE = 10
 PIXEL_STEP = 8  # SD-family VAEs downsample by 8; a model may need more (the worker checks at start)
@@ -141,13 +141,12 @@ class WorkerConfig:
         in_range(FRONT_NICE_AUTO, 19),
         "nice value of the front process's threads once the engine process runs: the engine, and so "
         "turbo's steps, get the CPU first where the two share it (render/front/priority.py). "
-        f"{FRONT_NICE_AUTO}: {SHARED_CPU_NICE} where the worker may use one CPU or less (its affinity, capped by "
-        "its cgroups' CPU quota: front and engine share it), else 0 (same weight); docs/worker.md has the figures",
+        f"{FRONT_NICE_AUTO}: {SHARED_CPU_NICE} where the worker may use one CPU only (front and engine share "
+        "it), else 0 (same weight); docs/worker.md has the figures",
     )
     gc_out_of_band: bool = opt(
         True,
-        help="where the front yields to its engine (front_nice > 0: by default a worker that may use one CPU "
-        "or less), "
+        help="where the front yields to its engine (front_nice > 0: by default a worker that may use one CPU), "
         "its full garbage collections run in a thread of their own when no turbo request is in the front "
         "(bounded in time and garbage), not wherever an allocation crosses CPython's threshold "
         "(render/front/full_collections.py); false, or a front that does not yield: CPython's own schedule",

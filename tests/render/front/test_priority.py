@@ -70,6 +70,5 @@ def test_a_missing_procfs_is_named(tmp_path):
 
 def test_the_default_yields_only_where_front_and_engine_share_one_cpu():
     assert front_nice(FRONT_NICE_AUTO, 1) == SHARED_CPU_NICE > 0  # a pinned worker of a multi-GPU node
-    assert front_nice(FRONT_NICE_AUTO, 0.5) == SHARED_CPU_NICE  # a fleet node's worker under a 0.5 CPU quota
-    assert front_nice(FRONT_NICE_AUTO, 1.5) == 0 == front_nice(FRONT_NICE_AUTO, 64)  # side by side
+    assert front_nice(FRONT_NICE_AUTO, 2) == 0 == front_nice(FRONT_NICE_AUTO, 64)  # side by side
     assert front_nice(0, 1) == 0 and front_nice(10, 8) == 10  # a value set is kept
