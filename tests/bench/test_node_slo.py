@@ -151,6 +151,22 @@ def test_node_slo_record_keeps_attainment_per_cell_and_the_verdicts():
     assert r["seed"] == 22 and r["n"] == 100
 
 
+def test_one_worker_is_judged_at_1_2x_for_the_tail_beside_the_2x_node_target():
+    result = _node_result()
+    result["cells"]["cpu"]["turbonode"] = _node_cell(
+        [_outcome("turbo", 200, 0.3)] * 99 + [_outcome("turbo", 200, 0.39)], []
+    )
+    text = report(result)
+    assert "p99 <= 2 x none p99 (300 ms) = 600 ms: met in 2/2 cells" in text
+    assert (
+        "target tail: turbonode turbo p99 <= 1.2 x none p99 = 360 ms: met in 0/1 fault cells; missed: cpu (1.30x)"
+        in text
+    )
+    r = result_record(result)
+    tail = next(v for v in r["verdicts"] if v["target"].endswith("(tail)"))
+    assert tail["met"] is False and tail["value"] == "met in 0/1; missed cpu 1.30x" and r["met"] is False
+
+
 def _fleet_cell(outcomes: list[dict]) -> dict:
     turbo = [o for o in outcomes if o["tier"] == "turbo"]
     ok = [o["latency"] for o in turbo if o["status"] == 200]
