@@ -19,6 +19,7 @@ in a storm, the time the front's event loop cannot run).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import signal
@@ -27,6 +28,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -147,30 +149,31 @@ def summary(blocks: list[Block]) -> dict:
     }
 
 
-def run(trees: list[Path], requests: int, rounds: int) -> dict:
+def run(trees: list[Path], requests: int, rounds: int, start: Callable[[Path, Path], Worker] = Worker) -> dict:
+    """Each checkout's worker (`start`) is stopped at the end, also when a later one fails to start."""
     # the workers' sockets and logs; a worker that does not start has its log's tail printed
-    with tempfile.TemporaryDirectory(prefix="turbonode-bench-") as scratch:
-        return _run([Worker(tree, Path(scratch)) for tree in trees], requests, rounds)
+    with tempfile.TemporaryDirectory(prefix="turbonode-bench-") as scratch, contextlib.ExitStack() as started:
+        workers = []
+        for tree in trees:
+            workers.append(start(tree, Path(scratch)))
+            started.callback(workers[-1].stop)
+        return _run(workers, requests, rounds)
 
 
 def _run(workers: list[Worker], requests: int, rounds: int) -> dict:
-    try:
-        for worker in workers:
-            worker.wait_serving()
-        for worker in workers:  # warm: the first requests trace nothing, but fill caches
-            block(worker, 5, gc=False)
-        per_round = max(1, requests // rounds)
-        results: dict = {}
-        for cell in CELLS:
-            blocks: dict[str, list[Block]] = {w.label: [] for w in workers}
-            for _ in range(rounds):
-                for worker in workers:
-                    blocks[worker.label].append(block(worker, per_round, gc=cell == "gc"))
-            results[cell] = {label: summary(got) for label, got in blocks.items()}
-        return {"size": SIZE, "requests": requests, "rounds": rounds, "cells": results}
-    finally:
-        for worker in workers:
-            worker.stop()
+    for worker in workers:
+        worker.wait_serving()
+    for worker in workers:  # warm: the first requests trace nothing, but fill caches
+        block(worker, 5, gc=False)
+    per_round = max(1, requests // rounds)
+    results: dict = {}
+    for cell in CELLS:
+        blocks: dict[str, list[Block]] = {w.label: [] for w in workers}
+        for _ in range(rounds):
+            for worker in workers:
+                blocks[worker.label].append(block(worker, per_round, gc=cell == "gc"))
+        results[cell] = {label: summary(got) for label, got in blocks.items()}
+    return {"size": SIZE, "requests": requests, "rounds": rounds, "cells": results}
 
 
 def table(result: dict) -> str:
