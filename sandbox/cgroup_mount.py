@@ -2,10 +2,10 @@
 
 `ip netns exec` gives the program a mount namespace of its own and mounts a fresh /sys there
 (for the namespace's network devices), which hides /sys/fs/cgroup. On a host the worker sees
-its cgroups: it sizes its torch threads and its front's nice to their CPU quota
-(render/cpu_threads.py, render/front/priority.py). So a sandbox node's worker mounts the cpu
-hierarchy again first, the same one at the same place (cgroup2, or a v1 mount with the same
-controllers, which the kernel attaches to the existing hierarchy), in its own namespace only.
+its cgroups: it sizes its torch threads to their CPU quota (render/cpu_threads.py). So a sandbox
+node's worker mounts the cpu hierarchy again first, the same one at the same place (cgroup2, or a
+v1 mount with the same controllers, which the kernel attaches to the existing hierarchy), in its
+own namespace only.
 """
 
 from __future__ import annotations
