@@ -659,13 +659,19 @@ def _figures(cell_result: dict | None, name: str) -> dict | None:
 
 
 # Where a turbo request's time went, from its outcome (client timings and the worker's own):
-# the TCP handshake, the job in the worker's engine (submit -> finished), the worker's front
-# around it (the request read, the job's submission and end, the answer built: first byte -
-# handshake - engine), and the body on the wire (last byte - first byte).
+# the TCP handshake, the job in the worker's engine (submit -> finished), its answer made there
+# (finished -> PNGs encoded, where the engine writes it; 0 where the front does), the rest before the
+# first byte (the request read by the front and submitted, the head's way back: first byte -
+# handshake - engine - answer) and the body on the wire (last byte - first byte).
+def _answer_s(o: dict) -> float:
+    return o.get("answer_s") or 0.0
+
+
 STAGES = {
     "connect": lambda o: o["connect_s"],
     "engine": lambda o: o["elapsed_s"],
-    "front": lambda o: o["first_byte_s"] - o["connect_s"] - o["elapsed_s"],
+    "answer": _answer_s,
+    "front": lambda o: o["first_byte_s"] - o["connect_s"] - o["elapsed_s"] - _answer_s(o),
     "body": lambda o: o["latency"] - o["first_byte_s"],
 }
 

@@ -50,6 +50,7 @@ class Outcome:
     first_byte_s: float | None = None
     queue_wait_s: float | None = None  # the worker's: submit -> first step
     elapsed_s: float | None = None  # the worker's: submit -> finished
+    answer_s: float | None = None  # the worker's: finished -> its answer made (where its engine wrote it)
     retry_after_s: float | None = None  # a refusal's Retry-After
     account: str = ""  # the name of the API key it was sent with ('' without one)
     served_tier: str | None = None  # what the answer says served it (X-Turbonode-Tier) ...
@@ -124,6 +125,7 @@ def request_image(
         if resp.status == 200:
             info = json.loads(payload).get("turbonode") or {}
             out.queue_wait_s, out.elapsed_s = info.get("queue_wait_s"), info.get("elapsed_s")
+            out.answer_s = info.get("answer_s")
         else:
             out.error = payload[:200].decode(errors="replace")
             retry = resp.getheader("Retry-After") or ""

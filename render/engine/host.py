@@ -27,6 +27,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Callable
 
 from render.cpu_threads import WAIT_POLICY_ENV, available_cpus, default_threads, wait_policy_default
 from render.engine.answer import http_answer, receive_connection, write_answer
@@ -65,11 +66,14 @@ def job_end(job, now: float) -> tuple:
     return (Event.DONE, job.id, job.state.value, job.error, job.finished, job.describe(now), pixels(job), False)
 
 
-def answer_on(conn: socket.socket, job, now: float) -> tuple:
+def answer_on(conn: socket.socket, job, clock: Callable[[], float]) -> tuple:
     """Write a done sync job's answer on the client's connection (render/engine/answer.py); its end,
-    without pixels, for the front."""
-    described = job.describe(now)
+    without pixels, for the front. The answer says how long it took to make (`answer_s`: the job's
+    end to its PNGs encoded), the part of a client's first byte that neither the engine's steps nor
+    the front account for."""
     pngs = [str(base64_png(s.image), "ascii") for s in job.samples]
+    described = job.describe(clock())
+    described["answer_s"] = round(clock() - job.finished, 4)
     write_answer(
         conn, http_answer(images_answer(job.created, pngs, job.request.prompt, described), tier_headers(job.request))
     )
@@ -146,7 +150,7 @@ class Host:
 
         def end() -> None:
             if conn is not None and job.state is JobState.DONE:
-                self.post(answer_on(conn, job, self.engine.clock()))
+                self.post(answer_on(conn, job, self.engine.clock))
             else:
                 if conn is not None:
                     conn.close()  # failed or cancelled: the front answers that itself

@@ -259,3 +259,19 @@ def test_a_run_bootstraps_each_pair_once_for_its_report_and_its_record():
     result_record(result)
     # none/none, cpu/none: bootstrapped by the report; the record finds both
     assert interval._bootstrap.cache_info().misses == 2
+
+
+# ---- where turbo's time went: the stages of an answered request -----------------------------------
+
+from bench.node_slo import STAGES  # noqa: E402
+
+
+def test_the_engines_answer_time_is_split_from_the_fronts_part():
+    # 2 s in all: 0.1 handshake, 1.0 engine, 0.3 answer made in the engine, 0.6 body; the front 0.0
+    written = {"connect_s": 0.1, "elapsed_s": 1.0, "answer_s": 0.3, "first_byte_s": 1.4, "latency": 2.0}
+    split = {name: round(stage(written), 6) for name, stage in STAGES.items()}
+    assert split == {"connect": 0.1, "engine": 1.0, "answer": 0.3, "front": 0.0, "body": 0.6}
+    # an answer the front wrote itself has no answer_s: its making stays in the front's part
+    by_front = {**written, "answer_s": None}
+    assert STAGES["answer"](by_front) == 0.0 and round(STAGES["front"](by_front), 6) == 0.3
+    assert round(sum(stage(written) for stage in STAGES.values()), 6) == written["latency"]

@@ -298,6 +298,8 @@ def test_a_sync_answer_comes_from_the_engine_process_while_the_front_is_frozen(t
         assert answer["data"][0]["revised_prompt"] == "frozen front" and answer["turbonode"]["state"] == "done"
         # most of the job ran after the front stopped: the engine process alone finished and answered it
         assert answered_after > answer["turbonode"]["elapsed_s"] / 2, (answered_after, answer["turbonode"])
+        # how long the engine took to make the answer after the job's end (its PNG encoded) is in it
+        assert 0 <= answer["turbonode"]["answer_s"] < answered_after, answer["turbonode"]
         # the client had its answer and closed before the front woke: still an ok answer, not a cancel
         deadline = time.monotonic() + 10
         while not metric(text := scrape(url), REQUESTS + "_total", tier="turbo", code="200"):
