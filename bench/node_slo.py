@@ -11,6 +11,11 @@ turbo requests arrive open-loop (Poisson, `--rate` per second, `--requests` per 
 arrival times in every cell and mode, from `--seed`, so two cells differ by their fault only) while
 closed-loop fast and relax clients keep the worker busy (sandbox/loadgen.py). The demo is
 the short form of this benchmark: one cell (cpu + bulk), the same load and the same summary.
+With `--blocks B` the cells run in turn B times, each time a share of `--requests` (block b's
+arrivals from seed + 1000 b, the same in each cell of the block), and each cell is judged on its
+blocks together: a machine that slows down during the run (a shared VM: the engine's p50 rose by a
+fifth halfway through one 25-minute run here) then slows the `none` reference as much as the fault
+cells, instead of only the cells that came later.
 
 Each cell adds one fault (or all of them), bounded in time and inside the namespaces:
   none        no fault
@@ -66,6 +71,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -107,6 +113,7 @@ GC_REARM_S = 5.0  # bench/garbage.py stops a burst after MAX_BURST_S (10 s)
 WARMUP_S = 3.0  # the fault runs this long before the first request...
 MEMORY_WARMUP_S = 30.0  # ...the memory fault this long: it grows to where the node stalls first
 SETTLE_TIMEOUT_S = 60.0
+BLOCK_SEED_STEP = 1000  # --blocks: block b's arrivals come from seed + b * this (other seeds' blocks apart)
 NODE_MEMORY_MB = 3072  # the node's RAM: what the worker, the agent and batch work share
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")  # /proc/stat's unit
 # The worker as `turboctl worker run`, with bench/garbage.py's thread installed in its process
@@ -198,7 +205,7 @@ class SloNode(DemoNode):
             fault.on_stop.append(lambda: victim.send_signal(signal.SIGUSR2))
         return fault
 
-    def run_cell(self, cell: str, mode: str, requests: int, rate: float, seed: int | None = None) -> dict:
+    def run_cell(self, cell: str, mode: str, requests: int, rate: float, seed: int | None = None) -> CellRun:
         self.wait_idle()
         agent = watch = None
         before = self.counters()
@@ -223,19 +230,7 @@ class SloNode(DemoNode):
                 self.release(agent)
             else:
                 self.remove_fifo()
-        summary = watch.summary() if watch else None
-        events = node_events(before, self.counters())
-        if len(loads) == 1:
-            ((outcomes, wall),) = loads.values()
-            result = summarize_cell(outcomes, wall, summary)
-            result["node"] = events
-            return result
-        return {
-            "workers": {name: summarize_cell(outcomes, wall, None) for name, (outcomes, wall) in loads.items()},
-            "wall_s": max(wall for _, wall in loads.values()),
-            "agent": summary,
-            "node": events,
-        }
+        return CellRun(loads, watch, (before, self.counters()))
 
     def counters(self) -> dict:
         """What the node has counted so far: stall seconds (PSI some totals), the workers' major
@@ -282,25 +277,69 @@ class SloNode(DemoNode):
         self.log("warning: the workers did not drain before the next cell")
 
 
+@dataclass
+class CellRun:
+    """A cell and mode as run once (with --blocks, one block of it): what each worker's load got
+    (outcomes, wall seconds), what the agent said, and the node's counters before and after."""
+
+    loads: dict[str, tuple[list[Outcome], float]]
+    watch: AgentWatch | None
+    counters: tuple[dict, dict]
+
+
 # ---- figures -----------------------------------------------------------------------------
 
 
-def node_events(before: dict, after: dict) -> dict:
-    """What happened on the node between two `counters()`: stall fractions, the worker's major
-    faults per second (pids that lived through both, and the whole count of new ones), its exits,
-    OOM kills per cgroup."""
-    dt = max(1e-9, after["at"] - before["at"])
-    old, new = before["major_faults"], after["major_faults"]
-    faults = sum(n - old.get(pid, 0) for pid, n in new.items())
+def summarize_runs(runs: list[CellRun]) -> dict:
+    """A cell and mode's figures from its blocks together: every outcome, the walls added up, the
+    agent's polls and the node's counters of every block."""
+    loads: dict[str, tuple[list[Outcome], float]] = {}
+    for run in runs:
+        for name, (outcomes, wall) in run.loads.items():
+            had, walled = loads.get(name, ([], 0.0))
+            loads[name] = (had + outcomes, walled + wall)
+    watches = [run.watch for run in runs if run.watch is not None]
+    for later in watches[1:]:
+        watches[0].absorb(later)
+    summary = watches[0].summary() if watches else None
+    events = node_events([run.counters for run in runs])
+    if len(loads) == 1:
+        ((outcomes, wall),) = loads.values()
+        result = summarize_cell(outcomes, wall, summary)
+        result["node"] = events
+        return result
     return {
-        "psi_some": {res: round((after["stall_s"][res] - v) / dt, 4) for res, v in before["stall_s"].items()},
-        "cpu_busy_cores": round((after["cpu_busy_s"] - before["cpu_busy_s"]) / dt, 2),
-        "batch_write_mb_per_s": None
-        if after["batch_written"] is None
-        else round((after["batch_written"] - before["batch_written"]) / dt / 1e6, 1),
+        "workers": {name: summarize_cell(outcomes, wall, None) for name, (outcomes, wall) in loads.items()},
+        "wall_s": max(wall for _, wall in loads.values()),
+        "agent": summary,
+        "node": events,
+    }
+
+
+def node_events(spans: list[tuple[dict, dict]]) -> dict:
+    """What happened on the node between pairs of `counters()` (a cell's blocks), all together:
+    stall fractions, the worker's major faults per second (pids that lived through a pair, and the
+    whole count of new ones), its exits, OOM kills per cgroup."""
+    dt = max(1e-9, sum(after["at"] - before["at"] for before, after in spans))
+
+    def added(field: Callable[[dict], float]) -> float:
+        return sum(field(after) - field(before) for before, after in spans)
+
+    faults = sum(
+        n - before["major_faults"].get(pid, 0) for before, after in spans for pid, n in after["major_faults"].items()
+    )
+    oom: dict[str, int] = {}
+    for before, after in spans:
+        for k, n in after["oom_kills"].items():
+            oom[k] = oom.get(k, 0) + n - before["oom_kills"].get(k, 0)
+    written = None if any(a["batch_written"] is None for _, a in spans) else added(lambda c: c["batch_written"])
+    return {
+        "psi_some": {res: round(added(lambda c, r=res: c["stall_s"][r]) / dt, 4) for res in spans[0][0]["stall_s"]},
+        "cpu_busy_cores": round(added(lambda c: c["cpu_busy_s"]) / dt, 2),
+        "batch_write_mb_per_s": None if written is None else round(written / dt / 1e6, 1),
         "worker_major_faults_per_s": round(faults / dt, 1),
-        "worker_exits": after["worker_exits"] - before["worker_exits"],
-        "oom_kills": {k: n - before["oom_kills"].get(k, 0) for k, n in after["oom_kills"].items()},
+        "worker_exits": int(added(lambda c: c["worker_exits"])),
+        "oom_kills": oom,
     }
 
 
@@ -737,6 +776,13 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=100, help="turbo requests per cell and mode")
     ap.add_argument("--rate", type=float, default=1.0, help="turbo arrivals per second (Poisson)")
     ap.add_argument("--seed", type=int, default=22, help="the turbo arrivals' seed (the same in every cell and mode)")
+    ap.add_argument(
+        "--blocks",
+        type=int,
+        default=1,
+        help="run the cells in turn this many times, --requests shared out among the blocks: a machine "
+        "whose speed drifts during the run then slows every cell alike, the `none` reference included",
+    )
     ap.add_argument("--link", default="20mbit", help="the node's link rate, shaped in both modes")
     ap.add_argument(
         "--workers",
@@ -790,8 +836,8 @@ def main() -> int:
     bad = [c for c in cells if c not in CELLS] + [m for m in modes if m not in MODES]
     if bad:
         ap.error(f"unknown cell or mode: {', '.join(bad)}")
-    if args.requests < 1 or args.rate <= 0 or args.workers < 1:
-        ap.error("--requests and --workers must be >= 1 and --rate positive")
+    if args.requests < 1 or args.rate <= 0 or args.workers < 1 or not 1 <= args.blocks <= args.requests:
+        ap.error("--requests and --workers must be >= 1, --rate positive and --blocks from 1 to --requests")
     preflight()
     for sig in (signal.SIGTERM, signal.SIGINT):  # unwind through the `with`: everything is removed
         signal.signal(sig, lambda signum, _frame: sys.exit(128 + signum))
@@ -833,6 +879,7 @@ def main() -> int:
         "requests": args.requests,
         "rate": args.rate,
         "seed": args.seed,
+        "blocks": args.blocks,
         "link": args.link,
         "node_memory_mb": args.node_memory,
         "workers": args.workers,
@@ -857,18 +904,30 @@ def main() -> int:
     return 0
 
 
+def block_plan(requests: int, blocks: int, seed: int | None) -> list[tuple[int, int | None]]:
+    """(turbo requests, arrivals' seed) of each block: the requests shared out, the seed of block b
+    `seed + b * BLOCK_SEED_STEP` (every cell and mode of a block has the same arrivals; one block:
+    `seed` itself, as before blocks)."""
+    share, extra = divmod(requests, blocks)
+    return [(share + (b < extra), None if seed is None else seed + b * BLOCK_SEED_STEP) for b in range(blocks)]
+
+
 def run_cells(node: SloNode, cells: list[str], modes: list[str], args: argparse.Namespace, result: dict, log) -> None:
+    runs: dict[tuple[str, str], list[CellRun]] = {}
     with node, netdev_budget(node.knobs.netdev_budget):
         try:
-            for cell in cells:
-                for mode in modes:
-                    log(f"cell {cell}, {mode}: {args.requests} turbo requests at {args.rate:g}/s")
-                    r = node.run_cell(cell, mode, args.requests, args.rate, args.seed)
-                    result["cells"].setdefault(cell, {})[mode] = r
-                    for name, w in r.get("workers", {"": r}).items():
-                        t = w["tiers"].get(PROTECTED_TIER, {})
-                        at = f" at {name}" if name else ""
-                        log(f"  turbo{at} n={t.get('ok')} p50={_ms(t.get('p50_s'))} p99={_ms(t.get('p99_s'))} ms")
+            for b, (requests, seed) in enumerate(block_plan(args.requests, args.blocks, args.seed)):
+                for cell in cells:
+                    for mode in modes:
+                        block = f" (block {b + 1}/{args.blocks})" if args.blocks > 1 else ""
+                        log(f"cell {cell}, {mode}{block}: {requests} turbo requests at {args.rate:g}/s")
+                        run = node.run_cell(cell, mode, requests, args.rate, seed)
+                        runs.setdefault((cell, mode), []).append(run)
+                        r = result["cells"].setdefault(cell, {})[mode] = summarize_runs(runs[(cell, mode)])
+                        for name, w in r.get("workers", {"": r}).items():
+                            t = w["tiers"].get(PROTECTED_TIER, {})
+                            at = f" at {name}" if name else ""
+                            log(f"  turbo{at} n={t.get('ok')} p50={_ms(t.get('p50_s'))} p99={_ms(t.get('p99_s'))} ms")
         finally:
             result["loadavg_after"] = os.getloadavg()
             if args.json:  # also what a failed or interrupted run measured so far

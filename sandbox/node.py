@@ -488,6 +488,15 @@ class AgentWatch:
         self._stop.set()
         self._thread.join(5)
 
+    def absorb(self, other: AgentWatch) -> None:
+        """Another phase's polls (stopped) counted as this one's: a cell run in blocks."""
+        self.node.absorb(other.node)
+        for name, seen in other.workers.items():
+            self.workers.setdefault(name, _Seen()).absorb(seen)
+        _add_counts(self.levers, other.levers)
+        for name, values in other.signals.items():
+            self.signals.setdefault(name, []).extend(values)
+
     def summary(self) -> dict:
         """The node's (the highest level anywhere, every active rule, the levers of the node and,
         with one worker, its throttle) and each worker's."""
@@ -520,6 +529,12 @@ class _Seen:
         self.reasons: set[str] = set()
         self.throttles: list[dict] = []
         self.levers: dict[str, int] = {}
+
+    def absorb(self, other: _Seen) -> None:
+        self.levels += other.levels
+        self.reasons |= other.reasons
+        self.throttles += other.throttles
+        _add_counts(self.levers, other.levers)
 
     def saw(self, level: int, active: list[str], throttle: dict | None, levers: dict) -> None:
         self.levels.append(level)
@@ -560,3 +575,8 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "\n".join(path.read_text().splitlines()[-lines:])
     except OSError:
         return ""
+
+
+def _add_counts(into: dict[str, int], more: dict[str, int]) -> None:
+    for name, n in more.items():
+        into[name] = into.get(name, 0) + n

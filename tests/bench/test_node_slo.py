@@ -275,3 +275,73 @@ def test_the_engines_answer_time_is_split_from_the_fronts_part():
     by_front = {**written, "answer_s": None}
     assert STAGES["answer"](by_front) == 0.0 and round(STAGES["front"](by_front), 6) == 0.3
     assert round(sum(stage(written) for stage in STAGES.values()), 6) == written["latency"]
+
+
+# ---- --blocks: the cells in turn, several times, and each cell's blocks summarized together --------
+
+import threading  # noqa: E402
+
+from bench.node_slo import CellRun, block_plan, summarize_runs  # noqa: E402
+from sandbox.loadgen import Outcome  # noqa: E402
+from sandbox.node import AgentWatch  # noqa: E402
+
+
+def test_blocks_share_out_the_requests_each_with_its_own_arrivals():
+    assert block_plan(300, 1, 11) == [(300, 11)]  # one block: the run as before blocks
+    assert block_plan(300, 3, 11) == [(100, 11), (100, 1011), (100, 2011)]
+    assert block_plan(10, 3, None) == [(4, None), (3, None), (3, None)]
+
+
+class _Agent:
+    """An agent's control socket answering `status` with the next of its answers (then the last)."""
+
+    def __init__(self, *answers: dict):
+        self.answers = list(answers)
+        self.polled = threading.Event()
+
+    def call(self, method: str) -> dict:
+        assert method == "status"
+        answer = self.answers.pop(0) if len(self.answers) > 1 else self.answers[0]
+        self.polled.set()
+        return answer
+
+
+def _watched(status: dict) -> AgentWatch:
+    agent = _Agent(status)
+    watch = AgentWatch(agent)  # type: ignore[arg-type]
+    assert agent.polled.wait(5)
+    watch.stop()
+    return watch
+
+
+def _counters(at: float, busy: float, exits: int, kills: int) -> dict:
+    return {
+        "at": at,
+        "cpu_busy_s": busy,
+        "batch_written": None,
+        "stall_s": {"memory": at / 10, "io": 0.0},
+        "major_faults": {},
+        "worker_exits": exits,
+        "oom_kills": {"batch": kills},
+    }
+
+
+def test_a_cells_blocks_are_summarized_together():
+    quiet = {"level_index": 0, "active": [], "signals": {"cpu_load": 0.1}}
+    loud = {"level_index": 2, "active": [{"signal": "gc_pause_s"}], "signals": {"cpu_load": 0.9}}
+    fast = [Outcome("turbo", 200, 0.3, connect_s=0.0, elapsed_s=0.2) for _ in range(99)]
+    slow = [Outcome("turbo", 200, 0.9, connect_s=0.0, elapsed_s=0.5)]
+    runs = [
+        CellRun({"": (fast, 100.0)}, _watched(quiet), (_counters(0, 0, 0, 0), _counters(100, 150, 0, 1))),
+        CellRun({"": (slow, 50.0)}, _watched(loud), (_counters(500, 900, 1, 1), _counters(550, 1000, 1, 3))),
+    ]
+    r = summarize_runs(runs)
+    turbo = r["tiers"]["turbo"]
+    assert turbo["requests"] == 100 and turbo["max_s"] == 0.9 and r["wall_s"] == 150.0
+    assert len(r["outcomes"]) == 100
+    # the agent: both blocks' polls (the highest level and every reason of either)
+    assert r["agent"]["max_level"] != "normal" and r["agent"]["reasons"] == ["gc_pause_s"]
+    # the node: over the blocks' 150 s, not the 550 s between the first's start and the last's end
+    assert r["node"]["cpu_busy_cores"] == round((150 + 100) / 150, 2)
+    assert r["node"]["psi_some"]["memory"] == round((10 + 5) / 150, 4)
+    assert r["node"]["oom_kills"] == {"batch": 3} and r["node"]["worker_exits"] == 0
