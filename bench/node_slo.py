@@ -71,7 +71,7 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -426,15 +426,14 @@ def report(result: dict) -> str:
         if ratio is not None:
             verdicts.append((cell, ratio))
     if ref:
-        met = [c for c, r in verdicts if r <= TARGET_RATIO]
-        missed = [f"{c} ({r:.2f}x)" for c, r in verdicts if r > TARGET_RATIO]
+        missed = over_limit(verdicts, TARGET_RATIO)
         lines.append(
             f"target: turbonode turbo p99 <= {TARGET_RATIO:g} x {REFERENCE_CELL} p99 ({_ms(ref)} ms) = "
-            f"{_ms(ref * TARGET_RATIO)} ms: met in {len(met)}/{len(verdicts)} cells"
+            f"{_ms(ref * TARGET_RATIO)} ms: met in {len(verdicts) - len(missed)}/{len(verdicts)} cells"
             + (f"; missed: {', '.join(missed)}" if missed else "")
         )
         faults = [(c, r) for c, r in verdicts if c != REFERENCE_CELL]
-        over = [f"{c} ({r:.2f}x)" for c, r in faults if r > TAIL_RATIO]
+        over = over_limit(faults, TAIL_RATIO)
         lines.append(
             f"target tail: turbonode turbo p99 <= {TAIL_RATIO:g} x {REFERENCE_CELL} p99 = "
             f"{_ms(ref * TAIL_RATIO)} ms: met in {len(faults) - len(over)}/{len(faults)} fault cells"
@@ -448,6 +447,11 @@ def report(result: dict) -> str:
         f"knobs: {result['knobs']}; load average before: {result['loadavg_before']}"
     )
     return "\n".join(lines)
+
+
+def over_limit(ratios: Iterable[tuple[str, float]], limit: float) -> list[str]:
+    """The cells (or cell/worker) whose p99/ref is over `limit`, as the verdicts name them: 'all 1.24x'."""
+    return [f"{cell} {ratio:.2f}x" for cell, ratio in ratios if ratio > limit]
 
 
 def _objectives() -> str:
@@ -558,7 +562,7 @@ def report_workers(result: dict) -> str:
             )
         )
     if nodewide:
-        missed = [f"{c}/{n} {r:.2f}x" for c, n, r in nodewide if r > TARGET_RATIO]
+        missed = over_limit(((f"{c}/{n}", r) for c, n, r in nodewide), TARGET_RATIO)
         lines.append(
             f"target node-wide faults: every worker's p99 <= {TARGET_RATIO:g} x its none: met in "
             f"{len(nodewide) - len(missed)}/{len(nodewide)}" + (f"; missed: {', '.join(missed)}" if missed else "")
@@ -625,7 +629,7 @@ def result_record(result: dict) -> dict:
         }
     ]
     if not multi:
-        over = [f"{c} {r:.2f}x" for c, r, _, _ in ratios if r > TAIL_RATIO]
+        over = over_limit(((c, r) for c, r, _, _ in ratios), TAIL_RATIO)
         verdicts.append(
             {
                 "target": f"turbonode turbo p99 <= {TAIL_RATIO:g}x the {REFERENCE_CELL} p99, every fault cell (tail)",
