@@ -67,10 +67,6 @@ class FullCollections:
         self._thresholds: tuple[int, int, int] | None = None
         self.due_after = 0
 
-    @property
-    def running(self) -> bool:
-        return self._thread is not None
-
     def thread_ids(self) -> tuple[int, ...]:
         """Its thread's id, once started (the front's renice leaves it alone)."""
         tid = self._thread.native_id if self._thread is not None else None

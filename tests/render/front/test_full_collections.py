@@ -32,18 +32,18 @@ def thresholds():
 
 def test_start_takes_threshold_2_and_stop_gives_it_back(thresholds):
     full = FullCollections()
-    assert full.start() and full.running
+    assert full.start() and full.thread_ids()
     assert gc.get_threshold() == (*thresholds[:2], OUT_OF_REACH)
     assert full.due_after == thresholds[2]
     full.stop()
-    assert gc.get_threshold() == thresholds and not full.running
+    assert gc.get_threshold() == thresholds and not full.thread_ids()
     full.stop()  # a second stop is harmless
 
 
 def test_a_collector_without_threshold_2_keeps_its_own_schedule(thresholds):
     gc.set_threshold(thresholds[0], thresholds[1], 0)  # what an incremental collector reports
     full = FullCollections()
-    assert not full.start() and not full.running
+    assert not full.start() and not full.thread_ids()
     assert gc.get_threshold() == (thresholds[0], thresholds[1], 0)
 
 
