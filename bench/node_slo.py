@@ -299,9 +299,12 @@ def summarize_runs(runs: list[CellRun]) -> dict:
             had, walled = loads.get(name, ([], 0.0))
             loads[name] = (had + outcomes, walled + wall)
     watches = [run.watch for run in runs if run.watch is not None]
-    for later in watches[1:]:
-        watches[0].absorb(later)
-    summary = watches[0].summary() if watches else None
+    summary = None
+    if watches:
+        polls = AgentWatch(None)  # a fresh sum: a block's own watch stays as it saw its block
+        for watch in watches:
+            polls.absorb(watch)
+        summary = polls.summary()
     events = node_events([run.counters for run in runs])
     if len(loads) == 1:
         ((outcomes, wall),) = loads.values()

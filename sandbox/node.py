@@ -452,20 +452,23 @@ class AgentWatch:
     """Polls the agent's status during a phase: the highest level and the throttles it applied,
     on the node and on each worker (what each worker's own rules did shows there)."""
 
-    def __init__(self, rpc: ControlClient):
-        self.rpc = rpc
+    def __init__(self, rpc: ControlClient | None):
+        """Polls `rpc` every 0.5 s until stopped; None: polls nothing, and holds what other watches
+        saw (`absorb`)."""
         self.node = _Seen()
         self.workers: dict[str, _Seen] = {}
         self.levers: dict[str, int] = {}  # the node's lever -> polls it was engaged at
         self.signals: dict[str, list[float]] = {}  # what the policy saw, per poll (WATCHED_SIGNALS)
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
+        self._thread: threading.Thread | None = None
+        if rpc is not None:
+            self._thread = threading.Thread(target=self._run, args=(rpc,), daemon=True)
+            self._thread.start()
 
-    def _run(self) -> None:
+    def _run(self, rpc: ControlClient) -> None:
         while not self._stop.wait(0.5):
             try:
-                st = self.rpc.call("status")
+                st = rpc.call("status")
             except ControlError:
                 continue
             self.node.saw(st.get("level_index", 0), [r["signal"] for r in st.get("active", [])], None, {})
@@ -486,7 +489,8 @@ class AgentWatch:
 
     def stop(self) -> None:
         self._stop.set()
-        self._thread.join(5)
+        if self._thread is not None:
+            self._thread.join(5)
 
     def absorb(self, other: AgentWatch) -> None:
         """Another phase's polls (stopped) counted as this one's: a cell run in blocks."""

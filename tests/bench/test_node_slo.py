@@ -334,7 +334,10 @@ def test_a_cells_blocks_are_summarized_together():
         CellRun({"": (fast, 100.0)}, _watched(quiet), (_counters(0, 0, 0, 0), _counters(100, 150, 0, 1))),
         CellRun({"": (slow, 50.0)}, _watched(loud), (_counters(500, 900, 1, 1), _counters(550, 1000, 1, 3))),
     ]
+    summarize_runs(runs[:1])  # after the first block, as the run logs it: changes none of the blocks
     r = summarize_runs(runs)
+    assert r["agent"] == summarize_runs(runs)["agent"]  # each block's polls counted once, every time
+    assert r["agent"]["signals_p50_p90"]["cpu_load"] == [0.1, 0.9]  # one poll of each block
     turbo = r["tiers"]["turbo"]
     assert turbo["requests"] == 100 and turbo["max_s"] == 0.9 and r["wall_s"] == 150.0
     assert len(r["outcomes"]) == 100
