@@ -331,10 +331,8 @@ def node_events(spans: list[tuple[dict, dict]]) -> dict:
     faults = sum(
         n - before["major_faults"].get(pid, 0) for before, after in spans for pid, n in after["major_faults"].items()
     )
-    oom: dict[str, int] = {}
-    for before, after in spans:
-        for k, n in after["oom_kills"].items():
-            oom[k] = oom.get(k, 0) + n - before["oom_kills"].get(k, 0)
+    cgroups = {k for _, after in spans for k in after["oom_kills"]}
+    oom = {k: int(added(lambda c, k=k: c["oom_kills"].get(k, 0))) for k in sorted(cgroups)}
     written = None if any(a["batch_written"] is None for _, a in spans) else added(lambda c: c["batch_written"])
     return {
         "psi_some": {res: round(added(lambda c, r=res: c["stall_s"][r]) / dt, 4) for res in spans[0][0]["stall_s"]},
@@ -704,15 +702,15 @@ def _figures(cell_result: dict | None, name: str) -> dict | None:
     return cell_result.get("workers", {}).get(name)
 
 
+def _answer_s(o: dict) -> float:
+    return o.get("answer_s") or 0.0
+
+
 # Where a turbo request's time went, from its outcome (client timings and the worker's own):
 # the TCP handshake, the job in the worker's engine (submit -> finished), its answer made there
 # (finished -> PNGs encoded, where the engine writes it; 0 where the front does), the rest before the
 # first byte (the request read by the front and submitted, the head's way back: first byte -
 # handshake - engine - answer) and the body on the wire (last byte - first byte).
-def _answer_s(o: dict) -> float:
-    return o.get("answer_s") or 0.0
-
-
 STAGES = {
     "connect": lambda o: o["connect_s"],
     "engine": lambda o: o["elapsed_s"],
