@@ -457,7 +457,6 @@ class AgentWatch:
         saw (`absorb`)."""
         self.node = _Seen()
         self.workers: dict[str, _Seen] = {}
-        self.levers: dict[str, int] = {}  # the node's lever -> polls it was engaged at
         self.signals: dict[str, list[float]] = {}  # what the policy saw, per poll (WATCHED_SIGNALS)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -471,7 +470,12 @@ class AgentWatch:
                 st = rpc.call("status")
             except ControlError:
                 continue
-            self.node.saw(st.get("level_index", 0), [r["signal"] for r in st.get("active", [])], None, {})
+            self.node.saw(
+                st.get("level_index", 0),
+                [r["signal"] for r in st.get("active", [])],
+                None,
+                (st.get("actions") or {}).get("levers") or {},
+            )
             for name, w in (st.get("workers") or {}).items():
                 self.workers.setdefault(name, _Seen()).saw(
                     w.get("level_index", 0),
@@ -479,9 +483,6 @@ class AgentWatch:
                     w.get("sent") or w.get("applied"),
                     w.get("levers") or {},
                 )
-            for name, lever in ((st.get("actions") or {}).get("levers") or {}).items():
-                if isinstance(lever, dict) and "engaged" in lever:
-                    self.levers[name] = self.levers.get(name, 0) + bool(lever["engaged"])
             for name in WATCHED_SIGNALS:
                 value = (st.get("signals") or {}).get(name)
                 if isinstance(value, (int, float)):
@@ -497,7 +498,6 @@ class AgentWatch:
         self.node.absorb(other.node)
         for name, seen in other.workers.items():
             self.workers.setdefault(name, _Seen()).absorb(seen)
-        _add_counts(self.levers, other.levers)
         for name, values in other.signals.items():
             self.signals.setdefault(name, []).extend(values)
 
@@ -505,14 +505,12 @@ class AgentWatch:
         """The node's (the highest level anywhere, every active rule, the levers of the node and,
         with one worker, its throttle) and each worker's."""
         workers = {name: seen.summary() for name, seen in self.workers.items()}
-        polls = len(self.node.levels)
         out = {
             **self.node.summary(),
             "max_level": LEVELS[
                 max([max(self.node.levels, default=0), *(max(s.levels, default=0) for s in self.workers.values())])
             ],
             "reasons": sorted(set(self.node.reasons).union(*(s.reasons for s in self.workers.values()))),
-            "levers": {name: n / polls for name, n in self.levers.items()} if polls else {},
             "signals_p50_p90": {
                 name: [round(percentile(v, q) or 0.0, 3) for q in (50, 90)] for name, v in self.signals.items()
             },

@@ -327,7 +327,12 @@ def _counters(at: float, busy: float, exits: int, kills: int) -> dict:
 
 def test_a_cells_blocks_are_summarized_together():
     quiet = {"level_index": 0, "active": [], "signals": {"cpu_load": 0.1}}
-    loud = {"level_index": 2, "active": [{"signal": "gc_pause_s"}], "signals": {"cpu_load": 0.9}}
+    loud = {
+        "level_index": 2,
+        "active": [{"signal": "gc_pause_s"}],
+        "signals": {"cpu_load": 0.9},
+        "actions": {"levers": {"cpu_share": {"engaged": True}}},
+    }
     fast = [Outcome("turbo", 200, 0.3, connect_s=0.0, elapsed_s=0.2) for _ in range(99)]
     slow = [Outcome("turbo", 200, 0.9, connect_s=0.0, elapsed_s=0.5)]
     runs = [
@@ -338,6 +343,7 @@ def test_a_cells_blocks_are_summarized_together():
     r = summarize_runs(runs)
     assert r["agent"] == summarize_runs(runs)["agent"]  # each block's polls counted once, every time
     assert r["agent"]["signals_p50_p90"]["cpu_load"] == [0.1, 0.9]  # one poll of each block
+    assert r["agent"]["levers"] == {"cpu_share": 0.5}  # the node's lever, engaged at one poll of two
     turbo = r["tiers"]["turbo"]
     assert turbo["requests"] == 100 and turbo["max_s"] == 0.9 and r["wall_s"] == 150.0
     assert len(r["outcomes"]) == 100
